@@ -1,0 +1,39 @@
+"""The outbox schema: table definitions, DDL, and idempotent apply."""
+
+from outboxkit.schema.apply import ApplyReport, apply_schema, read_shard_count, schema_sql
+from outboxkit.schema.codec import decode_headers, encode_headers, kafka_headers, shard_for
+from outboxkit.schema.table import (
+    DEFAULT_INBOX_TABLE,
+    DEFAULT_SHARDS,
+    DEFAULT_TABLE,
+    MAX_KEY_BYTES,
+    STATUSES,
+    Status,
+    db_now,
+    inbox_table,
+    meta_table,
+    outbox_table,
+    validate_identifier,
+)
+
+__all__ = [
+    "DEFAULT_INBOX_TABLE",
+    "DEFAULT_SHARDS",
+    "DEFAULT_TABLE",
+    "MAX_KEY_BYTES",
+    "STATUSES",
+    "ApplyReport",
+    "Status",
+    "apply_schema",
+    "db_now",
+    "decode_headers",
+    "encode_headers",
+    "inbox_table",
+    "kafka_headers",
+    "meta_table",
+    "outbox_table",
+    "read_shard_count",
+    "schema_sql",
+    "shard_for",
+    "validate_identifier",
+]

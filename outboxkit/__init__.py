@@ -1,0 +1,49 @@
+"""outboxkit: the transactional outbox for MySQL/MariaDB and Kafka.
+
+Services call :func:`enqueue` inside their own transaction; ``outboxkit relay``
+publishes the rows to Kafka at least once, in per-key order; consumers subclass
+``outboxkit.consumer.Consumer``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from outboxkit.errors import (
+    ConfigError,
+    EnqueueError,
+    InvalidEventIdError,
+    InvalidHeadersError,
+    InvalidKeyError,
+    InvalidTopicError,
+    OutboxError,
+    PayloadTooLargeError,
+    PermanentError,
+    SchemaNotAppliedError,
+    TransientError,
+    UnserializablePayloadError,
+)
+from outboxkit.writer import Event, enqueue, enqueue_many, uuid7
+
+try:
+    __version__ = version("outboxkit")
+except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ConfigError",
+    "EnqueueError",
+    "Event",
+    "InvalidEventIdError",
+    "InvalidHeadersError",
+    "InvalidKeyError",
+    "InvalidTopicError",
+    "OutboxError",
+    "PayloadTooLargeError",
+    "PermanentError",
+    "SchemaNotAppliedError",
+    "TransientError",
+    "UnserializablePayloadError",
+    "__version__",
+    "enqueue",
+    "enqueue_many",
+    "uuid7",
+]

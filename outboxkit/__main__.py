@@ -1,0 +1,5 @@
+import sys
+
+from outboxkit.cli import main
+
+sys.exit(main())

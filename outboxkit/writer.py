@@ -1,0 +1,301 @@
+"""The writer API: put events into the outbox inside the caller's transaction.
+
+``enqueue`` and ``enqueue_many`` never commit, roll back or flush anything of the
+caller's: the INSERT joins whatever transaction the given ``Connection`` or
+``Session`` is in, so the event exists exactly when the business change does.
+Every event is validated *before* anything is written; a bad one raises an
+``EnqueueError`` (a ``ValueError``) and writes nothing, not even the good events
+of the same ``enqueue_many`` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from outboxkit.errors import (
+    EnqueueError,
+    InvalidEventIdError,
+    InvalidHeadersError,
+    InvalidKeyError,
+    InvalidTopicError,
+    PayloadTooLargeError,
+    UnserializablePayloadError,
+)
+from outboxkit.schema.apply import read_shard_count
+from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
+from outboxkit.schema.table import (
+    DEFAULT_TABLE,
+    MAX_EVENT_ID_LENGTH,
+    MAX_KEY_BYTES,
+    MAX_TOPIC_LENGTH,
+    Status,
+    db_now,
+    outbox_table,
+    validate_identifier,
+)
+
+__all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "Event", "enqueue", "enqueue_many", "uuid7"]
+
+#: Kafka's default ``message.max.bytes`` is about 1 MiB; larger rows would only fail later.
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+#: Serialised headers live in a TEXT column.
+MAX_HEADERS_BYTES = 60_000
+RESERVED_HEADERS = frozenset({"event_id"})
+
+_TOPIC = re.compile(r"^[a-zA-Z0-9._-]+$")
+_EVENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+#: Rows per INSERT statement, and a byte budget so one statement stays well under
+#: the server's max_allowed_packet.
+_CHUNK_ROWS = 1000
+_CHUNK_BYTES = 4 * 1024 * 1024
+
+Payload = bytes | bytearray | memoryview | str | object
+Target = Connection | Session
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """One event for ``enqueue_many``."""
+
+    topic: str
+    payload: Payload
+    key: str | bytes | None = None
+    headers: Mapping[str, HeaderValue] | None = None
+    event_id: str | uuid.UUID | None = None
+
+
+def enqueue(
+    target: Target,
+    *,
+    topic: str,
+    payload: Payload,
+    key: str | bytes | None = None,
+    headers: Mapping[str, HeaderValue] | None = None,
+    event_id: str | uuid.UUID | None = None,
+    table: str = DEFAULT_TABLE,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> str:
+    """Write one event into the outbox in the caller's transaction; return its event id.
+
+    ``payload`` is bytes (sent as is), str (UTF-8) or any JSON-serialisable object
+    (compact JSON, UTF-8).  ``key`` decides the Kafka partition and the ordering
+    domain; events of one key are delivered in id order.
+    """
+    ev = Event(topic=topic, payload=payload, key=key, headers=headers, event_id=event_id)
+    return enqueue_many(target, [ev], table=table, max_payload_bytes=max_payload_bytes)[0]
+
+
+def enqueue_many(
+    target: Target,
+    events: Iterable[Event | Mapping[str, Any]],
+    *,
+    table: str = DEFAULT_TABLE,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> list[str]:
+    """Write many events in the caller's transaction, in the given order (= id order)."""
+    validate_identifier(table)
+    rows = [_row(_as_event(e), max_payload_bytes) for e in events]
+    if not rows:
+        return []
+    conn = target.connection() if isinstance(target, Session) else target
+    shard_count = _shard_count(conn, table)
+    for row in rows:
+        row["shard"] = shard_for(row["message_key"], row["event_id"], shard_count)
+    stmt = (
+        outbox_table(table)
+        .insert()
+        .values(
+            status=Status.PENDING.value,
+            attempts=0,
+            next_attempt_at=db_now(),
+            created_at=db_now(),
+            updated_at=db_now(),
+        )
+    )
+    for chunk in _chunks(rows):
+        conn.execute(stmt, chunk)
+    return [row["event_id"] for row in rows]
+
+
+def _as_event(e: Event | Mapping[str, Any]) -> Event:
+    if isinstance(e, Event):
+        return e
+    if isinstance(e, Mapping):
+        try:
+            return Event(**e)
+        except TypeError as exc:
+            raise EnqueueError(f"not an event: {exc}") from None
+    raise TypeError(f"events must be Event or mappings, not {type(e).__name__}")
+
+
+def _row(ev: Event, max_payload_bytes: int) -> dict[str, Any]:
+    return {
+        "topic": validate_topic(ev.topic),
+        "payload": serialise_payload(ev.payload, max_payload_bytes),
+        "message_key": _key_bytes(ev.key),
+        "headers": _headers_text(ev.headers),
+        "event_id": _event_id(ev.event_id),
+    }
+
+
+def validate_topic(topic: object) -> str:
+    """Kafka's rules: 1-249 chars of ``[a-zA-Z0-9._-]``, not ``.`` or ``..``."""
+    if not isinstance(topic, str) or not topic:
+        raise InvalidTopicError(f"topic must be a non-empty str, got {topic!r}")
+    if len(topic) > MAX_TOPIC_LENGTH:
+        raise InvalidTopicError(
+            f"topic is {len(topic)} chars long; Kafka allows {MAX_TOPIC_LENGTH}"
+        )
+    if topic in (".", "..") or not _TOPIC.match(topic):
+        raise InvalidTopicError(
+            f"illegal topic name {topic!r}: use [a-zA-Z0-9._-], and not '.' or '..'"
+        )
+    return topic
+
+
+def serialise_payload(payload: Payload, max_bytes: int) -> bytes:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        data = bytes(payload)
+    elif isinstance(payload, str):
+        try:
+            data = payload.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UnserializablePayloadError(f"payload str is not valid UTF-8: {exc}") from None
+    elif payload is None:
+        raise UnserializablePayloadError("payload is required: pass bytes, str or a JSON value")
+    else:
+        try:
+            text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            data = text.encode("utf-8")
+        except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
+            raise UnserializablePayloadError(
+                f"payload of type {type(payload).__name__} is not JSON-serialisable: {exc}"
+            ) from None
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"payload is {len(data)} bytes; the limit is {max_bytes}")
+    return data
+
+
+def _key_bytes(key: str | bytes | None) -> bytes | None:
+    if key is None:
+        return None
+    if isinstance(key, str):
+        try:
+            data = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKeyError("key str is not valid UTF-8") from None
+    elif isinstance(key, bytes | bytearray | memoryview):
+        data = bytes(key)
+    else:
+        raise InvalidKeyError(f"key must be str, bytes or None, not {type(key).__name__}")
+    if len(data) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"key is {len(data)} bytes; the limit is {MAX_KEY_BYTES}")
+    return data
+
+
+def _headers_text(headers: Mapping[str, HeaderValue] | None) -> str | None:
+    if headers is None:
+        return None
+    if not isinstance(headers, Mapping):
+        raise InvalidHeadersError(f"headers must be a mapping, not {type(headers).__name__}")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidHeadersError(f"header names must be non-empty str, got {name!r}")
+        if name in RESERVED_HEADERS:
+            raise InvalidHeadersError(f"header {name!r} is set by outboxkit itself")
+        if not isinstance(value, str | bytes | bytearray | memoryview):
+            raise InvalidHeadersError(
+                f"header {name!r} must be str or bytes, not {type(value).__name__}"
+            )
+        try:
+            name.encode("utf-8")
+            if isinstance(value, str):
+                value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidHeadersError(f"header {name!r} is not valid UTF-8") from None
+    text = encode_headers({k: v if isinstance(v, str) else bytes(v) for k, v in headers.items()})
+    if text is not None and len(text.encode("utf-8")) > MAX_HEADERS_BYTES:
+        raise InvalidHeadersError(f"headers exceed {MAX_HEADERS_BYTES} bytes once serialised")
+    return text
+
+
+def _event_id(event_id: str | uuid.UUID | None) -> str:
+    if event_id is None:
+        return str(uuid7())
+    if isinstance(event_id, uuid.UUID):
+        return str(event_id)
+    if (
+        not isinstance(event_id, str)
+        or len(event_id) > MAX_EVENT_ID_LENGTH
+        or not _EVENT_ID.match(event_id)
+    ):
+        raise InvalidEventIdError(
+            f"malformed event id {event_id!r}: 1-{MAX_EVENT_ID_LENGTH} chars of "
+            "[A-Za-z0-9._:-] starting with a letter or digit, or a uuid.UUID"
+        )
+    return event_id
+
+
+_uuid_lock = threading.Lock()
+_uuid_last_ms = 0
+_uuid_seq = 0
+
+
+def uuid7() -> uuid.UUID:
+    """A UUIDv7 (RFC 9562): 48-bit Unix ms, then a counter and randomness.
+
+    Ids made in one process are strictly increasing (a 12-bit counter within one
+    millisecond), so they sort like the events were created.
+    """
+    global _uuid_last_ms, _uuid_seq
+    with _uuid_lock:
+        ms = time.time_ns() // 1_000_000
+        if ms > _uuid_last_ms:
+            _uuid_last_ms, _uuid_seq = ms, int.from_bytes(os.urandom(2), "big") & 0x3FF
+        else:
+            _uuid_seq += 1
+            if _uuid_seq > 0xFFF:  # counter spent: borrow the next millisecond
+                _uuid_last_ms, _uuid_seq = _uuid_last_ms + 1, 0
+            ms = _uuid_last_ms
+        seq = _uuid_seq
+    rand_b = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | seq << 64 | 0b10 << 62 | rand_b
+    return uuid.UUID(int=value)
+
+
+_shard_cache: dict[tuple[str, str], int] = {}
+
+
+def _shard_count(conn: Connection, table: str) -> int:
+    # The shard count is fixed when the table is created, so one read per process.
+    cache_key = (conn.engine.url.render_as_string(hide_password=True), table)
+    count = _shard_cache.get(cache_key)
+    if count is None:
+        count = read_shard_count(conn, table)
+        _shard_cache[cache_key] = count
+    return count
+
+
+def _chunks(rows: list[dict[str, Any]]) -> Iterable[list[dict[str, Any]]]:
+    chunk: list[dict[str, Any]] = []
+    size = 0
+    for row in rows:
+        row_size = len(row["payload"]) + len(row["headers"] or "") + 200
+        if chunk and (len(chunk) >= _CHUNK_ROWS or size + row_size > _CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(row)
+        size += row_size
+    if chunk:
+        yield chunk

@@ -1,0 +1,225 @@
+"""Create or upgrade the outbox schema, idempotently and safely from many pods.
+
+``apply_schema`` takes a database-wide named lock (MySQL/MariaDB ``GET_LOCK``,
+PostgreSQL advisory lock) so that several pods running ``outboxkit schema apply``
+at once serialise: the first creates, the others find everything in place.  An
+upgrade only ever *adds* (missing columns, missing indexes); it never drops or
+rewrites data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
+
+from outboxkit.errors import SchemaError, SchemaNotAppliedError
+from outboxkit.schema.table import (
+    DEFAULT_INBOX_TABLE,
+    DEFAULT_SHARDS,
+    DEFAULT_TABLE,
+    MAX_SHARDS,
+    SCHEMA_VERSION,
+    db_now,
+    inbox_table,
+    meta_table,
+    outbox_table,
+    validate_identifier,
+)
+
+log = logging.getLogger("outboxkit.schema")
+
+_LOCK_NAME = "outboxkit_schema_apply"
+_LOCK_TIMEOUT_S = 60
+
+
+@dataclass
+class ApplyReport:
+    """What ``apply_schema`` did; empty ``actions`` means everything was in place."""
+
+    table: str
+    shard_count: int
+    actions: list[str] = field(default_factory=list)
+
+
+def validate_shards(shards: int) -> int:
+    if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= MAX_SHARDS:
+        raise SchemaError(f"invalid shard count {shards!r}: must be an integer in 1..{MAX_SHARDS}")
+    return shards
+
+
+def apply_schema(
+    engine: Engine,
+    *,
+    table: str = DEFAULT_TABLE,
+    shards: int = DEFAULT_SHARDS,
+    inbox: str | None = DEFAULT_INBOX_TABLE,
+) -> ApplyReport:
+    """Create or upgrade the meta, outbox and inbox tables.
+
+    The shard count is fixed when the table is first created; a later call with
+    another count keeps the stored one and logs a warning (changing it would move
+    keys between shards and break per-key order).
+    """
+    validate_identifier(table)
+    validate_shards(shards)
+    tables = [meta_table, outbox_table(table)]
+    if inbox is not None:
+        tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
+    report = ApplyReport(table=table, shard_count=shards)
+    with engine.connect() as conn, _schema_lock(conn):
+        for t in tables:
+            _create_or_upgrade(conn, t, report)
+        report.shard_count = _ensure_meta_row(conn, table, shards, report)
+    return report
+
+
+def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
+    inspector = sa.inspect(conn)
+    created = not inspector.has_table(table.name)
+    if created:
+        # Indexes are created below, without IF NOT EXISTS (MySQL 8 lacks it); the
+        # schema lock makes the check-then-create safe.
+        conn.execute(CreateTable(table, if_not_exists=True))
+        conn.commit()
+        report.actions.append(f"created table {table.name}")
+        inspector = sa.inspect(conn)
+    present = {c["name"] for c in inspector.get_columns(table.name)}
+    for column in table.columns:
+        if column.name not in present:
+            spec = CreateColumn(column).compile(dialect=conn.dialect)
+            conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {spec}"))
+            report.actions.append(f"added column {table.name}.{column.name}")
+    indexes = {i["name"] for i in inspector.get_indexes(table.name)}
+    for index in table.indexes:
+        if index.name not in indexes:
+            conn.execute(CreateIndex(index))
+            if not created:
+                report.actions.append(f"added index {index.name}")
+    conn.commit()
+
+
+def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyReport) -> int:
+    row = conn.execute(
+        sa.select(meta_table.c.shard_count, meta_table.c.schema_version).where(
+            meta_table.c.table_name == table
+        )
+    ).first()
+    if row is None:
+        conn.execute(
+            meta_table.insert().values(
+                table_name=table,
+                shard_count=shards,
+                schema_version=SCHEMA_VERSION,
+                created_at=db_now(),
+            )
+        )
+        conn.commit()
+        report.actions.append(f"recorded {table}: {shards} shards")
+        return shards
+    stored = int(row.shard_count)
+    if stored != shards:
+        log.warning(
+            "shard count of %s is fixed at creation: keeping %d, ignoring requested %d",
+            table,
+            stored,
+            shards,
+        )
+    if int(row.schema_version) < SCHEMA_VERSION:
+        conn.execute(
+            meta_table.update()
+            .where(meta_table.c.table_name == table)
+            .values(schema_version=SCHEMA_VERSION)
+        )
+        conn.commit()
+        report.actions.append(f"schema version of {table} -> {SCHEMA_VERSION}")
+    return stored
+
+
+@contextmanager
+def _schema_lock(conn: Connection) -> Iterator[None]:
+    dialect = conn.dialect.name
+    if dialect in ("mysql", "mariadb"):
+        got = conn.execute(
+            sa.text("SELECT GET_LOCK(:n, :t)"), {"n": _LOCK_NAME, "t": _LOCK_TIMEOUT_S}
+        ).scalar()
+        if got != 1:
+            raise SchemaError(f"could not take the schema lock within {_LOCK_TIMEOUT_S} s")
+        try:
+            yield
+        finally:
+            conn.rollback()
+            conn.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": _LOCK_NAME})
+            conn.commit()
+    elif dialect == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_lock(hashtext(:n))"), {"n": _LOCK_NAME})
+        try:
+            yield
+        finally:
+            conn.rollback()
+            conn.execute(sa.text("SELECT pg_advisory_unlock(hashtext(:n))"), {"n": _LOCK_NAME})
+            conn.commit()
+    else:
+        yield
+
+
+def schema_sql(
+    dialect_name: str = "mysql",
+    *,
+    table: str = DEFAULT_TABLE,
+    inbox: str | None = DEFAULT_INBOX_TABLE,
+) -> str:
+    """The DDL ``apply_schema`` would run on an empty database, as text."""
+    dialect = _dialect(dialect_name)
+    tables = [meta_table, outbox_table(validate_identifier(table))]
+    if inbox is not None:
+        tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
+    parts: list[str] = []
+    for t in tables:
+        parts.append(str(CreateTable(t, if_not_exists=True).compile(dialect=dialect)).strip())
+        # MySQL 8 has no CREATE INDEX IF NOT EXISTS; MariaDB, PostgreSQL and SQLite do.
+        guard = dialect_name != "mysql"
+        parts.extend(
+            str(CreateIndex(i, if_not_exists=guard).compile(dialect=dialect)).strip()
+            for i in sorted(t.indexes, key=lambda i: str(i.name))
+        )
+    return ";\n\n".join(parts) + ";\n"
+
+
+def _dialect(name: str) -> sa.engine.Dialect:
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    dialects: dict[str, sa.engine.Dialect] = {
+        "mysql": mysql.dialect(),
+        "mariadb": mysql.dialect(is_mariadb=True),
+        "postgresql": postgresql.dialect(),  # type: ignore[no-untyped-call]
+        "sqlite": sqlite.dialect(),
+    }
+    try:
+        return dialects[name]
+    except KeyError:
+        raise SchemaError(
+            f"unknown dialect {name!r}: choose one of {', '.join(sorted(dialects))}"
+        ) from None
+
+
+def read_shard_count(conn: Connection, table: str) -> int:
+    """The table's shard count from the meta table, or SchemaNotAppliedError."""
+    try:
+        value = conn.execute(
+            sa.select(meta_table.c.shard_count).where(meta_table.c.table_name == table)
+        ).scalar()
+    except sa.exc.ProgrammingError as exc:  # meta table missing
+        raise SchemaNotAppliedError(
+            f"no outbox schema for table {table!r}: run `outboxkit schema apply` first"
+        ) from exc
+    if value is None:
+        raise SchemaNotAppliedError(
+            f"no outbox schema for table {table!r}: run `outboxkit schema apply` first"
+        )
+    return int(value)

@@ -1,0 +1,187 @@
+"""The outbox, metadata and inbox tables, defined once in SQLAlchemy Core.
+
+Every timestamp is written from the database clock in UTC (``db_now()``), never
+from the pod clock and never from the session time zone, so relays in different
+zones compare the same instants.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import re
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+from outboxkit.errors import InvalidIdentifierError
+
+DEFAULT_TABLE = "outbox_events"
+DEFAULT_INBOX_TABLE = "outbox_inbox"
+META_TABLE = "outboxkit_meta"
+DEFAULT_SHARDS = 64
+MAX_SHARDS = 4096
+SCHEMA_VERSION = 1
+
+#: Kafka's own limit on topic names.
+MAX_TOPIC_LENGTH = 249
+#: Message keys are indexed (per-key ordering), so they are bounded.
+MAX_KEY_BYTES = 512
+MAX_EVENT_ID_LENGTH = 64
+MAX_LAST_ERROR = 1000
+MAX_OWNER_LENGTH = 255
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class Status(enum.StrEnum):
+    """Row states; stored by name (a MySQL ENUM) so SQL reads naturally."""
+
+    PENDING = "pending"
+    DELIVERING = "delivering"
+    DELIVERED = "delivered"
+    RETRYABLE = "retryable"
+    FAILED = "failed"
+
+
+STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
+
+
+def validate_identifier(name: str, *, what: str = "table name") -> str:
+    """Return ``name`` if it is a plain SQL identifier, else raise InvalidIdentifierError."""
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise InvalidIdentifierError(
+            f"invalid {what} {name!r}: "
+            "use 1-64 characters of [A-Za-z0-9_], not starting with a digit"
+        )
+    return name
+
+
+class db_now(FunctionElement[Any]):
+    """The database's current UTC time with microseconds."""
+
+    type = sa.DateTime()
+    inherit_cache = True
+    name = "db_now"
+
+
+@compiles(db_now)
+def _db_now_default(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP"
+
+
+@compiles(db_now, "mysql")
+@compiles(db_now, "mariadb")
+def _db_now_mysql(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "UTC_TIMESTAMP(6)"
+
+
+@compiles(db_now, "postgresql")
+def _db_now_pg(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "(CURRENT_TIMESTAMP AT TIME ZONE 'UTC')"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+
+def _micros() -> sa.types.TypeEngine[Any]:
+    return sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+
+
+def _blob() -> sa.types.TypeEngine[Any]:
+    return sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+
+
+def _status() -> sa.types.TypeEngine[Any]:
+    return sa.Enum(*STATUSES, name="outbox_status", native_enum=True, create_constraint=False)
+
+
+_METADATA = sa.MetaData()
+
+meta_table = sa.Table(
+    META_TABLE,
+    _METADATA,
+    sa.Column("table_name", sa.String(64), primary_key=True),
+    sa.Column("shard_count", sa.Integer, nullable=False),
+    sa.Column("schema_version", sa.Integer, nullable=False),
+    sa.Column("created_at", _micros(), nullable=False),
+)
+
+
+@functools.cache
+def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
+    """The outbox table called ``name`` (one shared definition, cached per name).
+
+    Indexes:
+
+    * ``(status, id)``: the claim scans each eligible status in id order and stops
+      after ``batch_size`` rows, so its cost does not grow with delivered history;
+    * ``(message_key, status, id)``: "is there an earlier undelivered row for this
+      key?", the per-key ordering check;
+    * unique ``event_id``: the idempotency key.
+    """
+    validate_identifier(name)
+    md = sa.MetaData()
+    return sa.Table(
+        name,
+        md,
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        sa.Column("event_id", sa.String(MAX_EVENT_ID_LENGTH), nullable=False),
+        sa.Column("topic", sa.String(MAX_TOPIC_LENGTH), nullable=False),
+        sa.Column(
+            "message_key",
+            sa.LargeBinary(MAX_KEY_BYTES).with_variant(
+                mysql.VARBINARY(MAX_KEY_BYTES), "mysql", "mariadb"
+            ),
+            nullable=True,
+        ),
+        sa.Column("payload", _blob(), nullable=False),
+        sa.Column("headers", sa.Text(), nullable=True),
+        sa.Column("shard", sa.SmallInteger(), nullable=False),
+        sa.Column("status", _status(), nullable=False),
+        sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("next_attempt_at", _micros(), nullable=False),
+        sa.Column("lease_owner", sa.String(MAX_OWNER_LENGTH), nullable=True),
+        sa.Column("lease_token", sa.String(32), nullable=True),
+        sa.Column("lease_expires_at", _micros(), nullable=True),
+        sa.Column("last_error", sa.String(MAX_LAST_ERROR), nullable=True),
+        sa.Column("created_at", _micros(), nullable=False),
+        sa.Column("updated_at", _micros(), nullable=False),
+        sa.Column("delivered_at", _micros(), nullable=True),
+        sa.Column("kafka_partition", sa.Integer(), nullable=True),
+        sa.Column("kafka_offset", sa.BigInteger(), nullable=True),
+        sa.UniqueConstraint("event_id", name=f"uq_{name}_event_id"),
+        sa.Index(f"ix_{name}_status_id", "status", "id"),
+        sa.Index(f"ix_{name}_key_status", "message_key", "status", "id"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+@functools.cache
+def inbox_table(name: str = DEFAULT_INBOX_TABLE) -> sa.Table:
+    """Consumer-side dedup: one row per ``(group_id, event_id)`` processed."""
+    validate_identifier(name)
+    md = sa.MetaData()
+    return sa.Table(
+        name,
+        md,
+        sa.Column("group_id", sa.String(255), primary_key=True),
+        sa.Column("event_id", sa.String(255), primary_key=True),
+        sa.Column("topic", sa.String(MAX_TOPIC_LENGTH), nullable=True),
+        sa.Column("kafka_partition", sa.Integer(), nullable=True),
+        sa.Column("kafka_offset", sa.BigInteger(), nullable=True),
+        sa.Column("processed_at", _micros(), nullable=False),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )

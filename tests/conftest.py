@@ -1,0 +1,184 @@
+"""Fixtures for real services.
+
+Service addresses come from ``OUTBOXKIT_TEST_DB_URL``, ``OUTBOXKIT_TEST_KAFKA_BOOTSTRAP``
+and ``OUTBOXKIT_TEST_REDIS_URL`` (``eval "$(deploy/local/up.sh)"`` prints them).
+Without them, a Docker engine is tried through testcontainers.  When neither
+answers, the test is skipped locally with the reason, and **fails** under CI
+(``CI=true``): a missing service must never look like a pass.
+
+Every test gets its own database, its own Kafka topics and its own Redis key
+prefix, so tests cannot see each other's data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outboxkit.schema import apply_schema
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing_service(reason: str) -> None:
+    """Fail under CI, skip elsewhere."""
+    if IN_CI:
+        pytest.fail(f"service unavailable under CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env(timeout=3).ping()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def _containers() -> Iterator[dict[str, Any]]:
+    """testcontainers, started lazily and only where a Docker engine answers."""
+    started: dict[str, Any] = {}
+    yield started
+    for container in started.values():
+        container.stop()
+
+
+def _service_url(env: str, kind: str, containers: dict[str, Any]) -> str:
+    url = os.environ.get(env)
+    if url:
+        return url
+    if not _docker_answers():
+        missing_service(f"{env} is not set and no Docker engine answers (run deploy/local/up.sh)")
+    if kind not in containers:
+        if kind == "db":
+            from testcontainers.mysql import MySqlContainer
+
+            c: Any = MySqlContainer(
+                "mysql:8.4", username="outboxkit", password="outboxkit", dbname="outboxkit_test"
+            )
+            containers[kind] = c.start()
+        elif kind == "kafka":
+            from testcontainers.kafka import KafkaContainer
+
+            containers[kind] = KafkaContainer().with_kraft().start()
+        else:
+            from testcontainers.redis import RedisContainer
+
+            containers[kind] = RedisContainer().start()
+    c = containers[kind]
+    if kind == "db":
+        return str(c.get_connection_url()).replace("mysql://", "mysql+pymysql://", 1)
+    if kind == "kafka":
+        return str(c.get_bootstrap_server())
+    return f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"
+
+
+@pytest.fixture(scope="session")
+def db_server_url(_containers: dict[str, Any]) -> str:
+    return _service_url("OUTBOXKIT_TEST_DB_URL", "db", _containers)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(_containers: dict[str, Any]) -> str:
+    return _service_url("OUTBOXKIT_TEST_KAFKA_BOOTSTRAP", "kafka", _containers)
+
+
+@pytest.fixture(scope="session")
+def redis_url(_containers: dict[str, Any]) -> str:
+    return _service_url("OUTBOXKIT_TEST_REDIS_URL", "redis", _containers)
+
+
+def unique_name(prefix: str = "t") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def db_url(db_server_url: str) -> Iterator[str]:
+    """A fresh, empty database for this test (dropped afterwards)."""
+    server = sa.make_url(db_server_url)
+    name = unique_name("okt")
+    admin = sa.create_engine(server)
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        missing_service(f"database server unreachable: {type(exc.orig).__name__}")
+    url = server.set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
+        admin.dispose()
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    eng = sa.create_engine(db_url, pool_size=10, max_overflow=10)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def outbox(engine: sa.Engine) -> str:
+    """An applied outbox schema (8 shards) in this test's database; returns the table name."""
+    apply_schema(engine, shards=8)
+    return "outbox_events"
+
+
+@pytest.fixture
+def kafka_topics(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+    """Factory: ``kafka_topics(partitions=3)`` creates a uniquely named topic."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    created: list[str] = []
+
+    def make(
+        partitions: int = 3, *, name: str | None = None, config: dict[str, str] | None = None
+    ) -> str:
+        topic = name or unique_name("okt")
+        futures = admin.create_topics(
+            [NewTopic(topic, num_partitions=partitions, replication_factor=1, config=config or {})],
+            operation_timeout=15,
+            request_timeout=15,
+        )
+        try:
+            futures[topic].result(timeout=20)
+        except Exception as exc:
+            missing_service(f"Kafka at {kafka_bootstrap} did not create a topic: {exc}")
+        created.append(topic)
+        return topic
+
+    yield make
+    if created:
+        for fut in admin.delete_topics(created, operation_timeout=15).values():
+            with contextlib.suppress(Exception):  # best-effort cleanup
+                fut.result(timeout=20)
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix for this test; its keys are deleted afterwards."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    prefix = unique_name("okt") + ":"
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        missing_service(f"Redis at {redis_url} unreachable: {exc}")
+    yield prefix
+    for key in client.scan_iter(match=prefix + "*", count=500):
+        client.delete(key)
+    client.close()

@@ -1,0 +1,137 @@
+"""``outboxkit schema apply|sql`` on a real database."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+
+from outboxkit.schema import apply_schema, outbox_table, read_shard_count, schema_sql
+
+pytestmark = pytest.mark.integration
+
+
+def cli(*args: str, env_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outboxkit", "schema", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def table_shape(engine: sa.Engine) -> tuple[list[str], list[str]]:
+    insp = sa.inspect(engine)
+    cols = [c["name"] for c in insp.get_columns("outbox_events")]
+    idx = sorted(str(i["name"]) for i in insp.get_indexes("outbox_events"))
+    return cols, idx
+
+
+def test_apply_twice_is_idempotent(engine: sa.Engine, db_url: str) -> None:
+    first = cli("apply", "--db-url", db_url, "--shards", "16")
+    assert first.returncode == 0, first.stderr
+    assert "created table outbox_events" in first.stdout
+    second = cli("apply", "--db-url", db_url, "--shards", "16")
+    assert second.returncode == 0, second.stderr
+    assert "schema up to date" in second.stdout
+    cols, idx = table_shape(engine)
+    assert cols == [c.name for c in outbox_table().columns]
+    assert {"ix_outbox_events_status_id", "ix_outbox_events_key_status"} <= set(idx)
+    with engine.connect() as conn:
+        assert read_shard_count(conn, "outbox_events") == 16
+        assert sa.inspect(conn).has_table("outbox_inbox")
+
+
+def test_concurrent_apply_from_two_processes(engine: sa.Engine, db_url: str) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "outboxkit", "schema", "apply", "--db-url", db_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert [r[0] for r in results] == [0, 0], results
+    created = [r for r in results if "created table outbox_events" in r[1]]
+    assert len(created) == 1, results  # one created, the other found it in place
+    with engine.connect() as conn:
+        assert read_shard_count(conn, "outbox_events") == 64
+        n = conn.execute(sa.text("SELECT COUNT(*) FROM outboxkit_meta")).scalar()
+    assert n == 1
+
+
+def test_shard_count_is_fixed_at_creation(engine: sa.Engine) -> None:
+    assert apply_schema(engine, shards=4).shard_count == 4
+    assert apply_schema(engine, shards=32).shard_count == 4
+
+
+def test_upgrade_adds_a_missing_column_and_index(engine: sa.Engine) -> None:
+    apply_schema(engine, shards=4)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP INDEX ix_outbox_events_key_status ON outbox_events"))
+        conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
+    report = apply_schema(engine, shards=4)
+    assert "added column outbox_events.kafka_offset" in report.actions
+    assert "added index ix_outbox_events_key_status" in report.actions
+    cols, idx = table_shape(engine)
+    assert "kafka_offset" in cols and "ix_outbox_events_key_status" in idx
+
+
+def test_custom_table_name_and_bad_names(engine: sa.Engine, db_url: str) -> None:
+    ok = cli("apply", "--db-url", db_url, "--table", "orders_outbox", "--shards", "2")
+    assert ok.returncode == 0, ok.stderr
+    assert sa.inspect(engine).has_table("orders_outbox")
+    bad = cli("apply", "--db-url", db_url, "--table", "x; DROP TABLE y")
+    assert bad.returncode == 2
+    assert "invalid table name" in bad.stderr
+    bad_shards = cli("apply", "--db-url", db_url, "--shards", "0")
+    assert bad_shards.returncode == 2
+    assert "shard count" in bad_shards.stderr
+
+
+def test_unreachable_database_exits_3_without_password(db_server_url: str) -> None:
+    url = sa.make_url(db_server_url).set(port=1, password="hunter2-secret")
+    res = cli("apply", "--db-url", url.render_as_string(hide_password=False))
+    assert res.returncode == 3
+    assert "hunter2-secret" not in res.stderr + res.stdout
+    assert "cannot reach" in res.stderr
+
+
+def test_missing_db_url_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OUTBOXKIT_DB_URL", raising=False)
+    res = cli("apply")
+    assert res.returncode == 2
+    assert "OUTBOXKIT_DB_URL" in res.stderr
+
+
+@pytest.mark.unit
+def test_schema_sql_prints_ddl_for_each_dialect() -> None:
+    mysql = schema_sql("mysql")
+    assert "CREATE TABLE IF NOT EXISTS outbox_events" in mysql
+    assert "ENUM('pending','delivering','delivered','retryable','failed')" in mysql
+    assert "DATETIME(6)" in mysql
+    assert "CREATE INDEX ix_outbox_events_status_id ON outbox_events (status, id)" in mysql
+    pg = schema_sql("postgresql")
+    assert "BYTEA" in pg and "CREATE INDEX IF NOT EXISTS" in pg
+    res = cli("sql", "--dialect", "mariadb")
+    assert res.returncode == 0 and "outbox_inbox" in res.stdout
+
+
+@pytest.mark.unit
+def test_sqlite_round_trip(tmp_path: object) -> None:
+    """The same definition works on SQLite (embedded, single relay)."""
+    import outboxkit
+
+    eng = sa.create_engine(f"sqlite:///{tmp_path}/o.db")
+    apply_schema(eng, shards=4)
+    with eng.begin() as conn:
+        outboxkit.enqueue(conn, topic="t", payload={"a": 1}, key="k")
+    with eng.connect() as conn:
+        row = conn.execute(sa.select(outbox_table())).one()
+    assert row.status == "pending" and row.payload == b'{"a":1}'
+    eng.dispose()
