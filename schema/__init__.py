@@ -2,6 +2,7 @@
 
 from outboxkit.schema.apply import ApplyReport, apply_schema, read_shard_count, schema_sql
 from outboxkit.schema.codec import decode_headers, encode_headers, kafka_headers, shard_for
+from outboxkit.schema.recovery import record_recovery, trim_recovery
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
     DEFAULT_SHARDS,
@@ -13,6 +14,7 @@ from outboxkit.schema.table import (
     inbox_table,
     meta_table,
     outbox_table,
+    recovery_table,
     validate_identifier,
 )
 
@@ -33,7 +35,10 @@ __all__ = [
     "meta_table",
     "outbox_table",
     "read_shard_count",
+    "record_recovery",
+    "recovery_table",
     "schema_sql",
     "shard_for",
+    "trim_recovery",
     "validate_identifier",
 ]

@@ -29,6 +29,7 @@ from outboxkit.schema.table import (
     inbox_table,
     meta_table,
     outbox_table,
+    recovery_table,
     validate_identifier,
 )
 
@@ -68,7 +69,7 @@ def apply_schema(
     """
     validate_identifier(table)
     validate_shards(shards)
-    tables = [meta_table, outbox_table(table)]
+    tables = [meta_table, recovery_table(), outbox_table(table)]
     if inbox is not None:
         tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
     report = ApplyReport(table=table, shard_count=shards)
@@ -176,7 +177,7 @@ def schema_sql(
 ) -> str:
     """The DDL ``apply_schema`` would run on an empty database, as text."""
     dialect = _dialect(dialect_name)
-    tables = [meta_table, outbox_table(validate_identifier(table))]
+    tables = [meta_table, recovery_table(), outbox_table(validate_identifier(table))]
     if inbox is not None:
         tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
     parts: list[str] = []

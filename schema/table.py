@@ -22,6 +22,7 @@ from outboxkit.errors import InvalidIdentifierError
 DEFAULT_TABLE = "outbox_events"
 DEFAULT_INBOX_TABLE = "outbox_inbox"
 META_TABLE = "outboxkit_meta"
+RECOVERY_TABLE = "outboxkit_recovery_events"
 DEFAULT_SHARDS = 64
 MAX_SHARDS = 4096
 SCHEMA_VERSION = 1
@@ -182,6 +183,29 @@ def inbox_table(name: str = DEFAULT_INBOX_TABLE) -> sa.Table:
         sa.Column("kafka_partition", sa.Integer(), nullable=True),
         sa.Column("kafka_offset", sa.BigInteger(), nullable=True),
         sa.Column("processed_at", _micros(), nullable=False),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+@functools.cache
+def recovery_table() -> sa.Table:
+    """Recovery events (lease reclaims, requeues, purges); see ``schema.recovery``."""
+    md = sa.MetaData()
+    return sa.Table(
+        RECOVERY_TABLE,
+        md,
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        sa.Column("at", _micros(), nullable=False),
+        sa.Column("kind", sa.String(64), nullable=False),
+        sa.Column("node_id", sa.String(MAX_OWNER_LENGTH), nullable=False),
+        sa.Column("table_name", sa.String(64), nullable=False),
+        sa.Column("detail", sa.Text(), nullable=False),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
     )

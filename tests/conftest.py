@@ -13,7 +13,10 @@ prefix, so tests cannot see each other's data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import socket
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,14 +36,25 @@ def missing_service(reason: str) -> None:
     pytest.skip(reason)
 
 
+@functools.cache
 def _docker_answers() -> bool:
+    """Does a Docker engine answer ``/_ping``?  (A client binary alone is not enough.)"""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     try:
-        import docker  # type: ignore[import-untyped]
-
-        docker.from_env(timeout=3).ping()
-    except Exception:
+        if host.startswith("unix://"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: Any = host.removeprefix("unix://")
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            parsed = urllib.parse.urlsplit(host)
+            address = (parsed.hostname or "127.0.0.1", parsed.port or 2375)
+        with sock:
+            sock.settimeout(2)
+            sock.connect(address)
+            sock.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            return b" 200 " in sock.recv(64)
+    except OSError:
         return False
-    return True
 
 
 @pytest.fixture(scope="session")

@@ -135,3 +135,22 @@ def test_sqlite_round_trip(tmp_path: object) -> None:
         row = conn.execute(sa.select(outbox_table())).one()
     assert row.status == "pending" and row.payload == b'{"a":1}'
     eng.dispose()
+
+
+def test_recovery_log_is_bounded(engine: sa.Engine) -> None:
+    from outboxkit.schema import record_recovery, recovery_table, trim_recovery
+
+    apply_schema(engine, shards=2)
+    with engine.begin() as conn:
+        for i in range(30):
+            record_recovery(
+                conn,
+                kind="lease-reclaimed",
+                node_id="n1",
+                table="outbox_events",
+                detail={"ids": [i]},
+                keep=10_000,
+            )
+        assert trim_recovery(conn, keep=10) == 20
+        kept = conn.execute(sa.select(recovery_table().c.detail)).scalars().all()
+    assert kept[0] == '{"ids":[20]}' and len(kept) == 10
