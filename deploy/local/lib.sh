@@ -19,7 +19,15 @@ parse_args() {
     CMD="${1:-}"
     [[ -n "$CMD" ]] || die "usage: $(basename "$0") start|stop|status|kill [--name N] [--port P]"
     shift
-    NAME="${NAME:-default}"
+    # ignore same-named variables from the environment (PORT is a common one)
+    NAME=default PORT=""
+    local f0
+    for f0 in "${EXTRA_FLAGS[@]:-}"; do
+        if [[ -n "$f0" ]]; then
+            printf -v "$(tr 'a-z-' 'A-Z_' <<<"$f0")" '%s' ""
+        fi
+    done
+    GIVEN=" "
     while [[ $# -gt 0 ]]; do
         local flag="${1#--}" val
         [[ "$1" == --* && $# -ge 2 ]] || die "bad argument: $1"
@@ -27,7 +35,7 @@ parse_args() {
         shift 2
         case "$flag" in
             name) NAME="$val" ;;
-            port) PORT="$val" ;;
+            port) PORT="$val" GIVEN+="PORT " ;;
             *)
                 local known=0 f
                 for f in "${EXTRA_FLAGS[@]:-}"; do
@@ -37,6 +45,7 @@ parse_args() {
                 local var
                 var="$(tr 'a-z-' 'A-Z_' <<<"$flag")"
                 printf -v "$var" '%s' "$val"
+                GIVEN+="$var "
                 ;;
         esac
     done
@@ -61,8 +70,8 @@ load_settings() {
     while IFS= read -r line; do
         [[ -n "$line" ]] || continue
         k="${line%%=*}"
-        # explicit flags win over remembered values
-        if [[ -z "${!k:-}" ]]; then
+        # flags given on this command line (even empty ones) win
+        if [[ "$GIVEN" != *" $k "* ]]; then
             printf -v "$k" '%s' "${line#*=}"
         fi
     done <"$f"
