@@ -80,6 +80,10 @@ num.recovery.threads.per.data.dir=1
 log.retention.hours=24
 log.segment.bytes=67108864
 delete.topic.enable=true
+# After a hard kill the restarted controller waits for the old broker session to
+# expire before unfencing (default 9s); fault tests restart brokers often.
+broker.heartbeat.interval.ms=500
+broker.session.timeout.ms=4000
 EOF
     if [[ -n "$MESSAGE_MAX_BYTES" ]]; then
         echo "message.max.bytes=$MESSAGE_MAX_BYTES" >>"$PROPS"
