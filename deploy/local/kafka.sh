@@ -36,9 +36,11 @@ ensure_jars() {
     log "fetching Kafka jars with Maven into $LIB_DIR"
     rm -rf "$LIB_DIR"
     mkdir -p "$LIB_DIR"
-    mvn -q -B -Dstyle.color=never -f "$LOCAL_DIR/kafka/pom.xml" dependency:copy-dependencies \
-        -DincludeScope=runtime -DoutputDirectory="$LIB_DIR" >&2 ||
-        die "mvn could not fetch the Kafka jars"
+    if ! mvn -B -Dstyle.color=never -f "$LOCAL_DIR/kafka/pom.xml" dependency:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$LIB_DIR" </dev/null >"$KAFKA_HOME/mvn.log" 2>&1; then
+        show_log_tail "$KAFKA_HOME/mvn.log" 60
+        die "mvn could not fetch the Kafka jars (full log: $KAFKA_HOME/mvn.log)"
+    fi
     touch "$LIB_DIR/.complete"
 }
 
@@ -122,8 +124,7 @@ PY
 }
 
 start() {
-    if instance_pid_alive && broker_answers >/dev/null 2>&1; then
-        log "$NAME already running on 127.0.0.1:$PORT"
+    if already_served broker_answers; then
         return 0
     fi
     ensure_jars
@@ -177,6 +178,10 @@ stop() {
 status() {
     if instance_pid_alive && broker_answers >/dev/null 2>&1; then
         echo "kafka $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && broker_answers >/dev/null 2>&1; then
+        echo "kafka $NAME running (started outside this checkout), 127.0.0.1:$PORT"
         return 0
     fi
     echo "kafka $NAME not running"

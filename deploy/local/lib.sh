@@ -148,6 +148,24 @@ show_log_tail() {
     fi
 }
 
+# Another checkout of the project (another worktree, a CI clone) may already
+# run the default instance from its own .state/. If the port answers as the
+# right service, use it instead of failing on a busy port.
+# already_served CHECK_CMD...: 0 if this checkout's or such a foreign instance answers.
+already_served() {
+    if instance_pid_alive; then
+        "$@" >/dev/null 2>&1 || return 1
+        log "$NAME already running on 127.0.0.1:$PORT"
+        return 0
+    fi
+    [[ "$NAME" == default ]] || return 1
+    port_open "$PORT" || return 1
+    "$@" >/dev/null 2>&1 || return 1
+    log "$NAME: 127.0.0.1:$PORT is already served by an instance started elsewhere; using it"
+    FOREIGN=1
+    return 0
+}
+
 # Refuse to start on a port some other process already listens on.
 require_free_port() {
     local port="$1"

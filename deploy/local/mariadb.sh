@@ -53,8 +53,7 @@ EOF
 }
 
 start() {
-    if instance_pid_alive && tcp_login_ok >/dev/null 2>&1; then
-        log "$NAME already running on 127.0.0.1:$PORT"
+    if already_served tcp_login_ok; then
         return 0
     fi
     ensure_packages mariadb-server mariadb-client
@@ -105,6 +104,10 @@ stop() {
 status() {
     if instance_pid_alive && tcp_login_ok >/dev/null 2>&1; then
         echo "mariadb $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && tcp_login_ok >/dev/null 2>&1; then
+        echo "mariadb $NAME running (started outside this checkout), 127.0.0.1:$PORT"
         return 0
     fi
     echo "mariadb $NAME not running"

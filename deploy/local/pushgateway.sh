@@ -26,8 +26,7 @@ ready() {
 }
 
 start() {
-    if instance_pid_alive && ready; then
-        log "$NAME already running on 127.0.0.1:$PORT"
+    if already_served ready; then
         return 0
     fi
     ensure_packages prometheus-pushgateway
@@ -58,6 +57,10 @@ stop() {
 status() {
     if instance_pid_alive && ready; then
         echo "pushgateway $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && ready >/dev/null 2>&1; then
+        echo "pushgateway $NAME running (started outside this checkout), 127.0.0.1:$PORT"
         return 0
     fi
     echo "pushgateway $NAME not running"

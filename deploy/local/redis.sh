@@ -17,8 +17,7 @@ LOG_FILE="$INSTANCE_DIR/redis.log"
 ping() { [[ "$(redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null)" == "PONG" ]]; }
 
 start() {
-    if instance_pid_alive && ping; then
-        log "$NAME already running on 127.0.0.1:$PORT"
+    if already_served ping; then
         return 0
     fi
     ensure_packages redis-server redis-tools
@@ -53,6 +52,10 @@ stop() {
 status() {
     if instance_pid_alive && ping; then
         echo "redis $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && ping >/dev/null 2>&1; then
+        echo "redis $NAME running (started outside this checkout), 127.0.0.1:$PORT"
         return 0
     fi
     echo "redis $NAME not running"
