@@ -7,7 +7,6 @@
 #   - daemons are started directly (no systemd / init scripts) and bound to 127.0.0.1
 
 LOCAL_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO_ROOT="$(cd "$LOCAL_DIR/../.." && pwd)"
 STATE_DIR="${OUTBOXKIT_LOCAL_STATE:-$LOCAL_DIR/.state}"
 
 log() { printf '[%s] %s\n' "${SERVICE:-local}" "$*" >&2; }
@@ -162,7 +161,6 @@ already_served() {
     port_open "$PORT" || return 1
     "$@" >/dev/null 2>&1 || return 1
     log "$NAME: 127.0.0.1:$PORT is already served by an instance started elsewhere; using it"
-    FOREIGN=1
     return 0
 }
 
@@ -215,6 +213,7 @@ spawn_daemon() {
     rm -f "$PID_FILE"
     # bash writes its own pid then execs the daemon, so the pid file is exact
     # whether or not setsid had to fork.
+    # shellcheck disable=SC2016 # expanded by the inner bash
     nohup setsid bash -c 'echo $$ >"$0"; exec "$@"' "$PID_FILE" "$@" \
         </dev/null >>"$logfile" 2>&1 &
     local i
