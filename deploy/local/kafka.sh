@@ -26,6 +26,7 @@ PROPS="$INSTANCE_DIR/server.properties"
 LOG4J="$INSTANCE_DIR/log4j2.xml"
 LOG_FILE="$INSTANCE_DIR/kafka.log"
 DATA_DIR="$INSTANCE_DIR/data"
+PROC_MATCH="kafka.Kafka $PROPS"
 
 ensure_jars() {
     if [[ -f "$LIB_DIR/.complete" ]]; then

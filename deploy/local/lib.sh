@@ -76,11 +76,17 @@ load_settings() {
     done <"$f"
 }
 
+# read_pid: the instance's pid, only if that process is alive and still ours.
+# Pid files outlive reboots and killed sessions; a recycled pid must never be
+# mistaken for the instance (or signalled). Scripts set PROC_MATCH to a string
+# that the instance's command line contains.
 read_pid() {
     [[ -s "$PID_FILE" ]] || return 1
-    local pid
+    local pid cmdline
     pid="$(tr -dc '0-9' <"$PID_FILE")"
     [[ -n "$pid" ]] || return 1
+    cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+    [[ "$cmdline" == *"${PROC_MATCH:?}"* ]] || return 1
     echo "$pid"
 }
 

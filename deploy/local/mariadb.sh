@@ -18,6 +18,7 @@ DATA_DIR="$INSTANCE_DIR/data"
 SOCKET="$INSTANCE_DIR/mysqld.sock"
 CNF="$INSTANCE_DIR/my.cnf"
 LOG_FILE="$INSTANCE_DIR/mariadb.log"
+PROC_MATCH="--defaults-file=$CNF"
 
 root_sql() { mariadb --no-defaults --protocol=socket --socket="$SOCKET" -uroot "$@"; }
 

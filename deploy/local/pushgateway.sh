@@ -13,6 +13,7 @@ parse_args "$@"
 load_settings
 PORT="${PORT:-9091}"
 LOG_FILE="$INSTANCE_DIR/pushgateway.log"
+PROC_MATCH="--web.listen-address=127.0.0.1:$PORT"
 
 ready() {
     # plain HTTP over /dev/tcp so curl is not required

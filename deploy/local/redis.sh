@@ -13,6 +13,8 @@ parse_args "$@"
 load_settings
 PORT="${PORT:-6379}"
 LOG_FILE="$INSTANCE_DIR/redis.log"
+# redis-server rewrites its process title to "redis-server <bind>:<port>"
+PROC_MATCH="redis-server 127.0.0.1:$PORT"
 
 ping() { [[ "$(redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null)" == "PONG" ]]; }
 
