@@ -101,6 +101,16 @@ def test_details_exception_is_503_with_redacted_error(
     assert get(base + "/healthz/live")[0] == 200  # the server survived
 
 
+def test_details_returning_a_non_dict_is_503(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    server = make_server(details=lambda: None)
+    lifecycle.set_running()
+    status, body = get(f"http://127.0.0.1:{server.port}/healthz/ready")
+    assert status == 503
+    assert "AttributeError" in json.loads(body)["error"]
+
+
 def test_metrics_endpoint_and_unknown_path(
     lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
 ) -> None:
