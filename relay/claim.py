@@ -2,8 +2,13 @@
 
 Eligible rows are ``pending``/``retryable`` rows whose ``next_attempt_at`` has
 passed, and ``delivering`` rows whose lease expired (a *reclaim*: the previous
-owner died or stalled). A candidate is held back while an earlier row of the
-same key is ``retryable`` or ``delivering``, so a key never overtakes itself.
+owner died or stalled). Per-key order: a candidate is held back while an earlier
+row of the same key is ``retryable`` and not yet due, or ``delivering`` under a
+live lease. An earlier row that is itself eligible does not hold it back: it has
+a smaller id, so it is in the same batch and produced first; if it cannot be
+locked (another claimer holds it), the later rows of its key are dropped from
+the batch after locking. So a key never overtakes itself, and a reclaimed
+batch comes back whole instead of one row per key per claim.
 
 Cost: one index-ordered sub-select per status over ``(status, id)``, each
 ``ORDER BY id LIMIT batch_size``, merged and cut to ``batch_size``. None of
@@ -24,8 +29,9 @@ import datetime as dt
 import logging
 import secrets
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -35,7 +41,7 @@ from outboxkit.runtime.logs import log_event
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table
 
-__all__ = ["Batch", "ClaimedRow", "candidate_ids", "claim_batch"]
+__all__ = ["Batch", "ClaimedRow", "candidates", "claim_batch"]
 
 log = logging.getLogger("outboxkit.relay.claim")
 
@@ -82,36 +88,42 @@ class Batch:
         return self.claimed_at + dt.timedelta(seconds=mono - self.claimed_mono)
 
 
-def candidate_ids(
+def candidates(
     conn: Connection,
     table: str,
     *,
     shards: Collection[int],
     limit: int,
     excluded_topics: Collection[str] = (),
-) -> list[int]:
-    """Ids of due rows in id order (at most ``limit``), read without locks."""
-    return list(conn.scalars(candidates_query(table, shards, limit, excluded_topics)))
+) -> list[tuple[int, bytes | None]]:
+    """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks."""
+    query = candidates_query(table, shards, limit, excluded_topics)
+    return [(r.id, r.message_key) for r in conn.execute(query)]
 
 
 def candidates_query(
     table: str, shards: Collection[int], limit: int, excluded_topics: Collection[str] = ()
-) -> sa.Select[tuple[int]]:
+) -> sa.Select[tuple[int, bytes | None]]:
     t = outbox_table(table)
     earlier = t.alias("earlier")
     now = db_now()
     key_blocked = sa.exists().where(
         earlier.c.message_key == t.c.message_key,
-        earlier.c.status.in_([Status.RETRYABLE.value, Status.DELIVERING.value]),
         earlier.c.id < t.c.id,
+        sa.or_(
+            sa.and_(earlier.c.status == Status.RETRYABLE.value, earlier.c.next_attempt_at > now),
+            sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
+        ),
     )
     common = [t.c.shard.in_(sorted(shards)), ~key_blocked]
     if excluded_topics:
         common.append(t.c.topic.not_in(sorted(excluded_topics)))
 
-    def by_status(status: Status, due: sa.ColumnElement[bool]) -> sa.Select[tuple[int]]:
+    def by_status(
+        status: Status, due: sa.ColumnElement[bool]
+    ) -> sa.Select[tuple[int, bytes | None]]:
         return (
-            sa.select(t.c.id)
+            sa.select(t.c.id, t.c.message_key)
             .where(t.c.status == status.value, due, *common)
             .order_by(t.c.id)
             .limit(limit)
@@ -122,7 +134,7 @@ def candidates_query(
         by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
         by_status(Status.DELIVERING, t.c.lease_expires_at <= now),
     ).subquery("candidates")
-    return sa.select(merged.c.id).order_by(merged.c.id).limit(limit)
+    return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
 
 
 def claim_batch(
@@ -145,11 +157,10 @@ def claim_batch(
     t = outbox_table(table)
     token = secrets.token_hex(16)
     with engine.begin() as conn:
-        ids = candidate_ids(
-            conn, table, shards=shards, limit=limit, excluded_topics=excluded_topics
-        )
-        if not ids:
+        found = candidates(conn, table, shards=shards, limit=limit, excluded_topics=excluded_topics)
+        if not found:
             return None
+        ids = [i for i, _ in found]
         now = db_now()
         eligible = sa.or_(
             sa.and_(
@@ -158,7 +169,7 @@ def claim_batch(
             ),
             sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at <= now),
         )
-        locked = conn.execute(
+        locked_rows = conn.execute(
             sa.select(
                 t.c.id,
                 t.c.event_id,
@@ -177,6 +188,7 @@ def claim_batch(
             .order_by(t.c.id)
             .with_for_update(skip_locked=True)
         ).all()
+        locked = _keep_key_order(found, locked_rows)
         if not locked:
             return None
         claimed_mono = time.monotonic()
@@ -229,6 +241,23 @@ def claim_batch(
         claimed_mono=claimed_mono,
         lease_expires_at=lease_expires_at,
     )
+
+
+def _keep_key_order(found: list[tuple[int, bytes | None]], locked: Sequence[Any]) -> list[Any]:
+    """Drop locked rows whose key has an earlier candidate we could not lock."""
+    by_id = {r.id: r for r in locked}
+    blocked: set[bytes] = set()
+    kept: list[Any] = []
+    for row_id, key in found:
+        row = by_id.get(row_id)
+        if key is not None and key in blocked:
+            continue
+        if row is None:
+            if key is not None:
+                blocked.add(key)
+            continue
+        kept.append(row)
+    return kept
 
 
 def _record_reclaims(

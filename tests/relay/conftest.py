@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,9 +14,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from relay_support import EmbeddedRelay, RelayProcess
+from relay_support import EmbeddedRelay, Pushgateway, RelayProcess, missing_service
 
-from outboxkit.relay import Relay, RelaySettings
+from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
 
 
 @pytest.fixture
@@ -43,3 +46,21 @@ def relay_process() -> Iterator[Callable[..., RelayProcess]]:
     yield start
     for p in started:
         p.stop()
+
+
+@pytest.fixture
+def pushgateway() -> Iterator[Pushgateway]:
+    url = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL", "")
+    try:
+        with urllib.request.urlopen(f"{url}/-/ready", timeout=2):  # noqa: S310
+            pass
+    except (OSError, ValueError) as exc:
+        missing_service(f"no Pushgateway at OUTBOXKIT_TEST_PUSHGATEWAY_URL={url!r}: {exc}")
+    gateway = Pushgateway(url)
+    yield gateway
+    for node_id in gateway.instances:
+        request = urllib.request.Request(  # noqa: S310
+            f"{gateway.url}/metrics/job/{PUSH_JOB}/instance/{node_id}", method="DELETE"
+        )
+        with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=5):  # noqa: S310
+            pass

@@ -19,13 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from outboxkit import Event, enqueue_many
-from outboxkit.relay import Relay, RelaySettings
+from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
 from outboxkit.schema import outbox_table
 
 REPO = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing_service(reason: str) -> None:
+    """Fail under CI, skip elsewhere (as the root conftest does)."""
+    if IN_CI:
+        pytest.fail(f"service unavailable under CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
 
 #: Short timeouts so fault tests finish in seconds: message.timeout.ms 2 s, batch
 #: deadline 4 s, lease 6 s (> deadline + flush).
@@ -199,7 +209,7 @@ class RelayProcess:
         self.proc = subprocess.Popen(
             self.args,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=full_env,
             text=True,
@@ -254,6 +264,8 @@ class RelayProcess:
             self.proc.kill()
             self.proc.wait(10)
         self._reader.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, dict[str, Any] | str]:
@@ -268,3 +280,27 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, dict[str, Any] | str]
         return status, json.loads(body)
     except ValueError:
         return status, body
+
+
+class Pushgateway:
+    """The test Pushgateway; groups of tracked relay instances are deleted afterwards."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.instances: list[str] = []
+
+    def track(self, node_id: str) -> str:
+        self.instances.append(node_id)
+        return node_id
+
+    def value(self, metric: str, node_id: str) -> float | None:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as resp:  # noqa: S310
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if (
+                line.startswith(metric + "{")
+                and f'instance="{node_id}"' in line
+                and f'job="{PUSH_JOB}"' in line
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        return None
