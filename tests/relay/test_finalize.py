@@ -253,3 +253,53 @@ def test_finalize_writes_one_statement_per_outcome_group(engine: sa.Engine, outb
     table = {r.id: r for r in rows(engine, outbox)}
     assert all(table[r.id].kafka_offset == r.id for r in batch.rows if r.id % 3)
     assert all(table[r.id].attempts == 0 for r in batch.rows if not r.id % 3)
+
+
+@pytest.mark.integration
+def test_delete_on_deliver_removes_acknowledged_rows_only(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1, config={"max.message.bytes": "2000"})
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"small") for _ in range(4)])
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=os.urandom(5000))])
+    relay = embedded(
+        fast_settings(
+            db_url, kafka_bootstrap, delete_on_deliver=True, kafka_config={"batch.size": "1500"}
+        )
+    )
+    wait_for(lambda: relay.metric("outbox_rows_failed_total") == 1, timeout=20, what="outcomes")
+    assert relay.stop() == 0
+    assert relay.metric("outbox_rows_delivered_total") == 4
+    assert [r.status for r in rows(engine, outbox)] == ["failed"], "failed rows are kept"
+    assert len(consume(kafka_bootstrap, topic, expected=4)) == 4
+
+
+@pytest.mark.unit
+def test_timeouts_after_an_authentication_failure_pause_instead_of_burning() -> None:
+    from confluent_kafka import KafkaError
+
+    from outboxkit.relay.publish import Publisher
+
+    publisher = Publisher(fast_settings("mysql+pymysql://u:pw-x@127.0.0.1/db", "127.0.0.1:1"))
+    timeout = Report(
+        1, KafkaError._MSG_TIMED_OUT, "timed out", ErrorKind.RETRIABLE, None, None, 5.0
+    )
+    assert publisher.blame(timeout) is timeout, "a plain timeout stays retriable"
+    with capture_json_logs(level="INFO") as logs:
+        publisher._on_error(KafkaError(KafkaError._AUTHENTICATION, "SASL authentication failed"))
+    assert logs.events("kafka-error")[0]["code"] == "_AUTHENTICATION"
+    blamed = publisher.blame(
+        Report(1, KafkaError._MSG_TIMED_OUT, "timed out", ErrorKind.RETRIABLE, None, None, 1e12)
+    )
+    assert blamed.kind is ErrorKind.RETRIABLE, "outside the window it is a timeout again"
+    now = time.monotonic()
+    recent = Report(1, KafkaError._MSG_TIMED_OUT, "t", ErrorKind.RETRIABLE, None, None, now)
+    blamed = publisher.blame(recent)
+    assert blamed.kind is ErrorKind.CONFIG_FAULT and "_AUTHENTICATION" in (blamed.error or "")
+    (decision,) = decide([_row(1, b"k")], {1: blamed}, max_attempts=1, refund_unknown=True)
+    assert decision.fate is Fate.PAUSED and decision.pause_reason == "authentication"

@@ -37,10 +37,24 @@ def test_20000_rows_over_500_keys_delivered_once_in_key_order(
 
     relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=1000))
     wait_for(
+        lambda: relay.metric("outbox_backlog_rows", {"status": "pending"}) > 0,
+        timeout=10,
+        what="a backlog sample",
+    )
+    assert relay.metric("outbox_oldest_pending_age_seconds") > 0
+    wait_for(
         lambda: relay.metric("outbox_rows_delivered_total") >= 20_000,
         timeout=120,
         what="20,000 deliveries",
     )
+    wait_for(
+        lambda: relay.metric("outbox_backlog_rows", {"status": "pending"}) == 0,
+        timeout=5,
+        what="the backlog gauge to drain",
+    )
+    assert relay.metric("outbox_oldest_pending_age_seconds") == 0
+    assert relay.metric("outbox_publish_latency_seconds_count") == 20_000
+    assert relay.metric("outbox_batch_size_sum") == 20_000
     assert relay.stop() == 0
 
     messages = consume(kafka_bootstrap, topic, expected=20_000)
