@@ -16,6 +16,7 @@ from relay_support import (
     fast_settings,
     http_get,
     rows,
+    status_counts,
     wait_for,
 )
 
@@ -203,15 +204,27 @@ def test_stale_relay_cannot_finalize_or_release_reclaimed_rows(
 def test_concurrent_claimers_never_hold_the_same_row(engine: sa.Engine, outbox: str) -> None:
     import threading
 
+    claim_engine = engine.execution_options(isolation_level="READ COMMITTED")  # as the relay
     add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(3000)])
     claimed: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+    deadline = time.monotonic() + 60
 
     def claimer(owner: str) -> None:
         ids: list[int] = []
-        while batch := claim_batch(
-            engine, outbox, owner=owner, shards=range(8), limit=25, lease_ttl=60
-        ):
-            ids += [r.id for r in batch.rows]
+        start.wait(10)
+        try:
+            while time.monotonic() < deadline:
+                batch = claim_batch(
+                    claim_engine, outbox, owner=owner, shards=range(8), limit=10, lease_ttl=60
+                )
+                if batch is not None:
+                    ids.extend(r.id for r in batch.rows)
+                elif not status_counts(engine, outbox).get("pending"):
+                    break  # None can also mean "all my candidates were locked"
+        except BaseException as exc:
+            errors.append(exc)
         claimed[owner] = ids
 
     threads = [threading.Thread(target=claimer, args=(f"c{i}",)) for i in range(6)]
@@ -219,6 +232,7 @@ def test_concurrent_claimers_never_hold_the_same_row(engine: sa.Engine, outbox: 
         t.start()
     for t in threads:
         t.join(60)
+    assert not errors, errors
     every = [i for ids in claimed.values() for i in ids]
     assert len(every) == len(set(every)) == 3000, "each row claimed exactly once"
     assert sum(1 for ids in claimed.values() if ids) > 1, "the claimers really competed"
