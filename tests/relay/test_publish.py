@@ -138,3 +138,37 @@ def test_max_attempts_fails_the_row_and_the_relay_never_touches_it_again(
     assert relay.stop() == 0
     assert rows(engine, outbox)[:5] == failed, "failed rows are never touched again"
     assert [m.value for m in consume(broker.bootstrap, topic, expected=1)] == [b"fresh"]
+
+
+def test_frozen_broker_does_not_hang_the_drain(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    broker: KafkaInstance,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    broker.start()
+    topic = _topic(broker, partitions=1)
+    settings = fast_settings(
+        db_url,
+        broker.bootstrap,
+        lease_ttl=30.0,
+        flush_timeout=1.0,
+        shutdown_timeout=8.0,
+        kafka_config={"message.timeout.ms": "20000"},
+    )
+    relay = embedded(settings)
+    broker.pause()  # connections stay open, nothing answers: produce requests hang
+    try:
+        add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
+        wait_for(
+            lambda: status_counts(engine, outbox) == {"delivering": 5}, timeout=10, what="claim"
+        )
+        started = time.monotonic()
+        assert relay.stop(timeout=20) == 0
+        elapsed = time.monotonic() - started
+    finally:
+        broker.resume()
+    assert elapsed < settings.shutdown_timeout, "bounded waits: no forced exit needed"
+    assert status_counts(engine, outbox) == {"retryable": 5}
+    assert {r.attempts for r in rows(engine, outbox)} == {0}, "released with the attempt refunded"
