@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Stop every local service instance, default and named, that has state in .state/.
+# Data stays on disk; delete deploy/local/.state for a clean slate.
+set -euo pipefail
+SERVICE=down
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+[[ -d "$STATE_DIR" ]] || exit 0
+
+pids=()
+for dir in "$STATE_DIR"/*-*/; do
+    [[ -d "$dir" ]] || continue
+    base="$(basename "$dir")"
+    svc="${base%%-*}"
+    name="${base#*-}"
+    case "$svc" in
+        mariadb | redis | kafka | pushgateway) ;;
+        *) continue ;;
+    esac
+    # stop in parallel: Kafka and MariaDB each take a few seconds
+    "$LOCAL_DIR/$svc.sh" stop --name "$name" >&2 &
+    pids+=($!)
+done
+
+rc=0
+for p in "${pids[@]}"; do
+    wait "$p" || rc=1
+done
+exit $rc

@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# Local Kafka broker for tests (KRaft, single node, broker+controller combined):
+#   kafka.sh start|stop|status|kill [--name N] [--port P] [--controller-port C]
+#                                   [--message-max-bytes B] [--heap H]
+#
+# Jars come from Maven Central (kafka/pom.xml) into .kafka/lib on first use.
+# Each instance has its own config, data dir, pid and log under .state/kafka-<name>/.
+set -euo pipefail
+SERVICE=kafka
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+EXTRA_FLAGS=(controller-port message-max-bytes heap)
+parse_args "$@"
+load_settings
+PORT="${PORT:-9092}"
+CONTROLLER_PORT="${CONTROLLER_PORT:-$((PORT + 1))}"
+MESSAGE_MAX_BYTES="${MESSAGE_MAX_BYTES:-}"
+HEAP="${HEAP:-512m}"
+
+KAFKA_HOME="$LOCAL_DIR/.kafka"
+LIB_DIR="$KAFKA_HOME/lib"
+# Fixed cluster id (base64 of a UUID): no JVM start needed to generate one.
+CLUSTER_ID="FOo1NcQuWAeQl6fJJtSeNA"
+PROPS="$INSTANCE_DIR/server.properties"
+LOG4J="$INSTANCE_DIR/log4j2.xml"
+LOG_FILE="$INSTANCE_DIR/kafka.log"
+DATA_DIR="$INSTANCE_DIR/data"
+PROC_MATCH="kafka.Kafka $PROPS"
+
+ensure_jars() {
+    if [[ -f "$LIB_DIR/.complete" ]]; then
+        return 0
+    fi
+    command -v java >/dev/null || ensure_packages openjdk-17-jre-headless
+    command -v mvn >/dev/null || ensure_packages maven
+    log "fetching Kafka jars with Maven into $LIB_DIR"
+    rm -rf "$LIB_DIR"
+    mkdir -p "$LIB_DIR"
+    if ! mvn -B -Dstyle.color=never -f "$LOCAL_DIR/kafka/pom.xml" dependency:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$LIB_DIR" </dev/null >"$KAFKA_HOME/mvn.log" 2>&1; then
+        show_log_tail "$KAFKA_HOME/mvn.log" 60
+        die "mvn could not fetch the Kafka jars (full log: $KAFKA_HOME/mvn.log)"
+    fi
+    touch "$LIB_DIR/.complete"
+}
+
+java_cmd() {
+    command -v java >/dev/null || ensure_packages openjdk-17-jre-headless
+    # shellcheck disable=SC2206
+    JAVA=(java "-Xms${HEAP}" "-Xmx${HEAP}" -XX:+UseG1GC -XX:MaxGCPauseMillis=20
+        -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true
+        "-Dlog4j2.configurationFile=$LOG4J" "-Dkafka.logs.dir=$INSTANCE_DIR"
+        -cp "$LIB_DIR/*")
+}
+
+write_config() {
+    cat >"$PROPS" <<EOF
+process.roles=broker,controller
+node.id=1
+listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+controller.quorum.bootstrap.servers=127.0.0.1:$CONTROLLER_PORT
+log.dirs=$DATA_DIR
+num.partitions=3
+default.replication.factor=1
+auto.create.topics.enable=false
+group.initial.rebalance.delay.ms=0
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=10
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=10
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+min.insync.replicas=1
+num.network.threads=2
+num.io.threads=4
+num.recovery.threads.per.data.dir=1
+log.retention.hours=24
+log.segment.bytes=67108864
+delete.topic.enable=true
+# After a hard kill the restarted controller waits for the old broker session to
+# expire before unfencing (default 9s); fault tests restart brokers often.
+broker.heartbeat.interval.ms=500
+broker.session.timeout.ms=4000
+EOF
+    if [[ -n "$MESSAGE_MAX_BYTES" ]]; then
+        echo "message.max.bytes=$MESSAGE_MAX_BYTES" >>"$PROPS"
+    fi
+    cat >"$LOG4J" <<EOF
+<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="WARN">
+  <Appenders>
+    <File name="file" fileName="$LOG_FILE" append="true">
+      <PatternLayout pattern="[%d] %p %m (%c{1})%n"/>
+    </File>
+  </Appenders>
+  <Loggers>
+    <Logger name="kafka.server.KafkaRaftServer" level="INFO"/>
+    <Logger name="kafka.server.BrokerServer" level="INFO"/>
+    <Logger name="kafka.Kafka" level="INFO"/>
+    <Root level="WARN"><AppenderRef ref="file"/></Root>
+  </Loggers>
+</Configuration>
+EOF
+}
+
+broker_answers() {
+    port_open "$PORT" || return 1
+    # A metadata round trip proves the broker (not just the socket) is up.
+    if python3 -c 'import confluent_kafka' 2>/dev/null; then
+        python3 - "$PORT" <<'PY'
+import sys
+from confluent_kafka.admin import AdminClient
+
+admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{sys.argv[1]}", "log_level": 0})
+md = admin.list_topics(timeout=3)
+sys.exit(0 if md.brokers else 1)
+PY
+    fi
+}
+
+start() {
+    if already_served broker_answers; then
+        return 0
+    fi
+    ensure_jars
+    if instance_pid_alive; then
+        log "$NAME: process is up but not answering yet; waiting"
+    else
+        require_free_port "$PORT"
+        require_free_port "$CONTROLLER_PORT"
+        mkdir -p "$INSTANCE_DIR"
+        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP
+        write_config
+        java_cmd
+        if [[ ! -f "$DATA_DIR/meta.properties" ]]; then
+            log "$NAME: formatting storage in $DATA_DIR"
+            rm -rf "$DATA_DIR"
+            "${JAVA[@]}" kafka.tools.StorageTool format -t "$CLUSTER_ID" -c "$PROPS" \
+                --standalone >>"$INSTANCE_DIR/format.log" 2>&1 || {
+                show_log_tail "$INSTANCE_DIR/format.log"
+                die "kafka storage format failed"
+            }
+        fi
+        log "$NAME: starting broker on 127.0.0.1:$PORT (controller $CONTROLLER_PORT)"
+        spawn_daemon "$INSTANCE_DIR/stdout.log" "${JAVA[@]}" kafka.Kafka "$PROPS"
+    fi
+    local deadline=$(($(date +%s) + ${KAFKA_START_TIMEOUT:-120}))
+    until broker_answers >/dev/null 2>&1; do
+        if ! instance_pid_alive; then
+            show_log_tail "$LOG_FILE"
+            show_log_tail "$INSTANCE_DIR/stdout.log" 20
+            die "kafka $NAME exited during startup"
+        fi
+        if [[ $(date +%s) -ge $deadline ]]; then
+            show_log_tail "$LOG_FILE"
+            show_log_tail "$INSTANCE_DIR/stdout.log" 20
+            die "kafka $NAME did not answer on 127.0.0.1:$PORT in time"
+        fi
+        sleep 0.3
+    done
+    log "$NAME ready on 127.0.0.1:$PORT (pid $(read_pid))"
+}
+
+stop() {
+    local pid
+    if pid="$(read_pid)" && pid_alive "$pid"; then
+        log "$NAME: stopping pid $pid"
+        stop_pid "$pid" 30
+    fi
+    rm -f "$PID_FILE"
+}
+
+status() {
+    if instance_pid_alive && broker_answers >/dev/null 2>&1; then
+        echo "kafka $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && broker_answers >/dev/null 2>&1; then
+        echo "kafka $NAME running (started outside this checkout), 127.0.0.1:$PORT"
+        return 0
+    fi
+    echo "kafka $NAME not running"
+    return 3
+}
+
+case "$CMD" in
+    start) start ;;
+    stop) stop ;;
+    kill) kill_instance ;;
+    status) status ;;
+    *) die "unknown command $CMD (start|stop|status|kill)" ;;
+esac

@@ -1,0 +1,231 @@
+# shellcheck shell=bash
+# Shared helpers for the deploy/local service scripts. Source it, don't run it.
+#
+# Conventions:
+#   - all diagnostics go to stderr; stdout is reserved for what a caller evals
+#   - each instance lives in $STATE_DIR/<service>-<name>/ (data, pid, log, config)
+#   - daemons are started directly (no systemd / init scripts) and bound to 127.0.0.1
+
+LOCAL_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+STATE_DIR="${OUTBOXKIT_LOCAL_STATE:-$LOCAL_DIR/.state}"
+
+log() { printf '[%s] %s\n' "${SERVICE:-local}" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# Parse "<cmd> [--name N] [--port P] [...]". Sets CMD, NAME, PORT plus any extra
+# --flag given in the EXTRA_FLAGS array (e.g. controller-port -> CONTROLLER_PORT).
+parse_args() {
+    CMD="${1:-}"
+    [[ -n "$CMD" ]] || die "usage: $(basename "$0") start|stop|status|kill [--name N] [--port P]"
+    shift
+    # ignore same-named variables from the environment (PORT is a common one)
+    NAME=default PORT=""
+    local f0
+    for f0 in "${EXTRA_FLAGS[@]:-}"; do
+        if [[ -n "$f0" ]]; then
+            printf -v "$(tr 'a-z-' 'A-Z_' <<<"$f0")" '%s' ""
+        fi
+    done
+    GIVEN=" "
+    while [[ $# -gt 0 ]]; do
+        local flag="${1#--}" val
+        [[ "$1" == --* && $# -ge 2 ]] || die "bad argument: $1"
+        val="$2"
+        shift 2
+        case "$flag" in
+            name) NAME="$val" ;;
+            port) PORT="$val" GIVEN+="PORT " ;;
+            *)
+                local known=0 f
+                for f in "${EXTRA_FLAGS[@]:-}"; do
+                    [[ "$f" == "$flag" ]] && known=1
+                done
+                [[ $known -eq 1 ]] || die "unknown option --$flag"
+                local var
+                var="$(tr 'a-z-' 'A-Z_' <<<"$flag")"
+                printf -v "$var" '%s' "$val"
+                GIVEN+="$var "
+                ;;
+        esac
+    done
+    [[ "$NAME" =~ ^[A-Za-z0-9_.-]+$ ]] || die "bad --name '$NAME'"
+    INSTANCE_DIR="$STATE_DIR/$SERVICE-$NAME"
+    PID_FILE="$INSTANCE_DIR/pid"
+}
+
+# A named instance remembers its ports, so "stop --name X" needs no --port.
+remember_settings() {
+    mkdir -p "$INSTANCE_DIR"
+    local v out=""
+    for v in "$@"; do
+        out+="$v=${!v:-}"$'\n'
+    done
+    printf '%s' "$out" >"$INSTANCE_DIR/settings"
+}
+
+load_settings() {
+    local f="$INSTANCE_DIR/settings" line k
+    [[ -f "$f" ]] || return 0
+    while IFS= read -r line; do
+        [[ -n "$line" ]] || continue
+        k="${line%%=*}"
+        # flags given on this command line (even empty ones) win
+        if [[ "$GIVEN" != *" $k "* ]]; then
+            printf -v "$k" '%s' "${line#*=}"
+        fi
+    done <"$f"
+}
+
+# read_pid: the instance's pid, only if that process is alive and still ours.
+# Pid files outlive reboots and killed sessions; a recycled pid must never be
+# mistaken for the instance (or signalled). Scripts set PROC_MATCH to a string
+# that the instance's command line contains.
+read_pid() {
+    [[ -s "$PID_FILE" ]] || return 1
+    local pid cmdline
+    pid="$(tr -dc '0-9' <"$PID_FILE")"
+    [[ -n "$pid" ]] || return 1
+    cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+    [[ "$cmdline" == *"${PROC_MATCH:?}"* ]] || return 1
+    echo "$pid"
+}
+
+pid_alive() { [[ -n "${1:-}" ]] && kill -0 "$1" 2>/dev/null; }
+
+instance_pid_alive() {
+    local pid
+    pid="$(read_pid)" || return 1
+    pid_alive "$pid"
+}
+
+port_open() {
+    # bash's /dev/tcp: no extra tools needed
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+# wait_for TIMEOUT_S DESCRIPTION COMMAND...: poll every 0.2s.
+wait_for() {
+    local timeout="$1" what="$2" deadline
+    shift 2
+    deadline=$(($(date +%s) + timeout))
+    while ! "$@" >/dev/null 2>&1; do
+        if [[ $(date +%s) -ge $deadline ]]; then
+            log "timed out after ${timeout}s waiting for $what"
+            return 1
+        fi
+        sleep 0.2
+    done
+}
+
+# stop_pid PID TIMEOUT_S: SIGTERM, wait, then SIGKILL.
+stop_pid() {
+    local pid="$1" timeout="$2" i
+    pid_alive "$pid" || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < timeout * 5; i++)); do
+        pid_alive "$pid" || return 0
+        sleep 0.2
+    done
+    log "pid $pid did not stop in ${timeout}s, sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do
+        pid_alive "$pid" || return 0
+        sleep 0.1
+    done
+    die "pid $pid survived SIGKILL"
+}
+
+kill_instance() {
+    local pid
+    if pid="$(read_pid)" && pid_alive "$pid"; then
+        log "$NAME: SIGKILL pid $pid"
+        kill -KILL "$pid" 2>/dev/null || true
+        while pid_alive "$pid"; do sleep 0.1; done
+    fi
+    rm -f "$PID_FILE"
+}
+
+show_log_tail() {
+    local f="$1"
+    if [[ -f "$f" ]]; then
+        log "last lines of $f:"
+        tail -n "${2:-40}" "$f" >&2 || true
+    fi
+}
+
+# Another checkout of the project (another worktree, a CI clone) may already
+# run the default instance from its own .state/. If the port answers as the
+# right service, use it instead of failing on a busy port.
+# already_served CHECK_CMD...: 0 if this checkout's or such a foreign instance answers.
+already_served() {
+    if instance_pid_alive; then
+        "$@" >/dev/null 2>&1 || return 1
+        log "$NAME already running on 127.0.0.1:$PORT"
+        return 0
+    fi
+    [[ "$NAME" == default ]] || return 1
+    port_open "$PORT" || return 1
+    "$@" >/dev/null 2>&1 || return 1
+    log "$NAME: 127.0.0.1:$PORT is already served by an instance started elsewhere; using it"
+    return 0
+}
+
+# Refuse to start on a port some other process already listens on.
+require_free_port() {
+    local port="$1"
+    if port_open "$port"; then
+        die "port $port on 127.0.0.1 is already in use by another process (not instance '$NAME')"
+    fi
+}
+
+pkg_installed() {
+    [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
+}
+
+# ensure_packages PKG...: apt-get install whatever is missing, without letting
+# the packages' maintainer scripts start their daemons (no init system here,
+# and a system daemon would grab our ports).
+ensure_packages() {
+    local missing=() p
+    for p in "$@"; do
+        pkg_installed "$p" || missing+=("$p")
+    done
+    [[ ${#missing[@]} -gt 0 ]] || return 0
+    log "installing missing packages: ${missing[*]}"
+    local policy=/usr/sbin/policy-rc.d created_policy=0
+    if [[ ! -e "$policy" ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy"
+        chmod 755 "$policy"
+        created_policy=1
+    fi
+    local rc=0
+    {
+        if [[ -z "${OUTBOXKIT_APT_UPDATED:-}" ]]; then
+            apt-get update -qq >&2
+            export OUTBOXKIT_APT_UPDATED=1
+        fi
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >&2
+    } || rc=$?
+    [[ $created_policy -eq 1 ]] && rm -f "$policy"
+    [[ $rc -eq 0 ]] || die "apt-get install ${missing[*]} failed"
+}
+
+# Start a command detached from the caller's session, recording its pid.
+# spawn_daemon LOGFILE CMD...
+spawn_daemon() {
+    local logfile="$1"
+    shift
+    rm -f "$PID_FILE"
+    # bash writes its own pid then execs the daemon, so the pid file is exact
+    # whether or not setsid had to fork.
+    # shellcheck disable=SC2016 # expanded by the inner bash
+    nohup setsid bash -c 'echo $$ >"$0"; exec "$@"' "$PID_FILE" "$@" \
+        </dev/null >>"$logfile" 2>&1 &
+    local i
+    for ((i = 0; i < 50; i++)); do
+        [[ -s "$PID_FILE" ]] && return 0
+        sleep 0.1
+    done
+    die "daemon did not write its pid file $PID_FILE"
+}

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Local MariaDB for tests: mariadb.sh start|stop|status|kill [--name N] [--port P]
+#
+# Every instance has its own datadir, socket and pid under .state/mariadb-<name>/,
+# listens on 127.0.0.1 only and is tuned for test speed, not durability.
+# After start: database outboxkit_test, user outboxkit/outboxkit with ALL on *.*.
+set -euo pipefail
+SERVICE=mariadb
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+EXTRA_FLAGS=()
+parse_args "$@"
+load_settings
+PORT="${PORT:-3306}"
+
+DATA_DIR="$INSTANCE_DIR/data"
+SOCKET="$INSTANCE_DIR/mysqld.sock"
+CNF="$INSTANCE_DIR/my.cnf"
+LOG_FILE="$INSTANCE_DIR/mariadb.log"
+PROC_MATCH="--defaults-file=$CNF"
+
+root_sql() { mariadb --no-defaults --protocol=socket --socket="$SOCKET" -uroot "$@"; }
+
+tcp_login_ok() {
+    mariadb --no-defaults --protocol=tcp -h127.0.0.1 -P"$PORT" -uoutboxkit -poutboxkit \
+        -e 'SELECT 1' outboxkit_test
+}
+
+write_config() {
+    cat >"$CNF" <<EOF
+[mysqld]
+user = root
+datadir = $DATA_DIR
+socket = $SOCKET
+pid-file = $INSTANCE_DIR/mariadbd.pid
+port = $PORT
+bind-address = 127.0.0.1
+skip-name-resolve
+skip-log-bin
+log-error = $LOG_FILE
+character-set-server = utf8mb4
+collation-server = utf8mb4_unicode_ci
+max_connections = 500
+performance_schema = OFF
+# tests: speed over durability
+innodb_flush_log_at_trx_commit = 2
+innodb_doublewrite = 0
+sync_binlog = 0
+innodb_buffer_pool_size = 256M
+innodb_log_file_size = 64M
+innodb_flush_method = O_DIRECT_NO_FSYNC
+EOF
+}
+
+start() {
+    if already_served tcp_login_ok; then
+        return 0
+    fi
+    ensure_packages mariadb-server mariadb-client
+    if instance_pid_alive; then
+        log "$NAME: process is up but not answering yet; waiting"
+    else
+        require_free_port "$PORT"
+        mkdir -p "$INSTANCE_DIR"
+        remember_settings PORT
+        write_config
+        if [[ ! -d "$DATA_DIR/mysql" ]]; then
+            log "$NAME: initialising datadir $DATA_DIR"
+            rm -rf "$DATA_DIR"
+            mariadb-install-db --defaults-file="$CNF" --auth-root-authentication-method=socket \
+                --skip-test-db >>"$INSTANCE_DIR/install-db.log" 2>&1 ||
+                {
+                    show_log_tail "$INSTANCE_DIR/install-db.log"
+                    die "mariadb-install-db failed"
+                }
+        fi
+        log "$NAME: starting mariadbd on 127.0.0.1:$PORT"
+        spawn_daemon "$INSTANCE_DIR/stdout.log" mariadbd --defaults-file="$CNF"
+    fi
+    if ! wait_for 60 "mariadb $NAME socket" root_sql -e 'SELECT 1'; then
+        show_log_tail "$LOG_FILE"
+        die "mariadb $NAME did not come up"
+    fi
+    root_sql <<'SQL'
+CREATE DATABASE IF NOT EXISTS outboxkit_test CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci;
+CREATE USER IF NOT EXISTS 'outboxkit'@'127.0.0.1' IDENTIFIED BY 'outboxkit';
+CREATE USER IF NOT EXISTS 'outboxkit'@'localhost' IDENTIFIED BY 'outboxkit';
+GRANT ALL PRIVILEGES ON *.* TO 'outboxkit'@'127.0.0.1' WITH GRANT OPTION;
+GRANT ALL PRIVILEGES ON *.* TO 'outboxkit'@'localhost' WITH GRANT OPTION;
+SQL
+    wait_for 20 "mariadb $NAME TCP login" tcp_login_ok || die "TCP login as outboxkit failed"
+    log "$NAME ready on 127.0.0.1:$PORT (pid $(read_pid))"
+}
+
+stop() {
+    local pid
+    if pid="$(read_pid)" && pid_alive "$pid"; then
+        log "$NAME: stopping pid $pid"
+        stop_pid "$pid" 60
+    fi
+    rm -f "$PID_FILE"
+}
+
+status() {
+    if instance_pid_alive && tcp_login_ok >/dev/null 2>&1; then
+        echo "mariadb $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && tcp_login_ok >/dev/null 2>&1; then
+        echo "mariadb $NAME running (started outside this checkout), 127.0.0.1:$PORT"
+        return 0
+    fi
+    echo "mariadb $NAME not running"
+    return 3
+}
+
+case "$CMD" in
+    start) start ;;
+    stop) stop ;;
+    kill) kill_instance ;;
+    status) status ;;
+    *) die "unknown command $CMD (start|stop|status|kill)" ;;
+esac

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Local Prometheus Pushgateway: pushgateway.sh start|stop|status|kill [--name N] [--port P]
+#
+# Debian's prometheus-pushgateway on 127.0.0.1 (default 9091), in-memory only,
+# pid and log under .state/pushgateway-<name>/.
+set -euo pipefail
+SERVICE=pushgateway
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+EXTRA_FLAGS=()
+parse_args "$@"
+load_settings
+PORT="${PORT:-9091}"
+LOG_FILE="$INSTANCE_DIR/pushgateway.log"
+PROC_MATCH="--web.listen-address=127.0.0.1:$PORT"
+
+ready() {
+    # plain HTTP over /dev/tcp so curl is not required
+    local reply
+    reply="$(
+        exec 3<>"/dev/tcp/127.0.0.1/$PORT" || exit 1
+        printf 'GET /-/ready HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+        timeout 2 head -n1 <&3
+    )" 2>/dev/null || return 1
+    [[ "$reply" == *" 200 "* ]]
+}
+
+start() {
+    if already_served ready; then
+        return 0
+    fi
+    ensure_packages prometheus-pushgateway
+    if ! instance_pid_alive; then
+        require_free_port "$PORT"
+        mkdir -p "$INSTANCE_DIR"
+        remember_settings PORT
+        log "$NAME: starting pushgateway on 127.0.0.1:$PORT"
+        spawn_daemon "$LOG_FILE" prometheus-pushgateway \
+            --web.listen-address="127.0.0.1:$PORT" --log.level=warn
+    fi
+    if ! wait_for 20 "pushgateway $NAME" ready; then
+        show_log_tail "$LOG_FILE"
+        die "pushgateway $NAME did not come up"
+    fi
+    log "$NAME ready on 127.0.0.1:$PORT (pid $(read_pid))"
+}
+
+stop() {
+    local pid
+    if pid="$(read_pid)" && pid_alive "$pid"; then
+        log "$NAME: stopping pid $pid"
+        stop_pid "$pid" 10
+    fi
+    rm -f "$PID_FILE"
+}
+
+status() {
+    if instance_pid_alive && ready; then
+        echo "pushgateway $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && ready >/dev/null 2>&1; then
+        echo "pushgateway $NAME running (started outside this checkout), 127.0.0.1:$PORT"
+        return 0
+    fi
+    echo "pushgateway $NAME not running"
+    return 3
+}
+
+case "$CMD" in
+    start) start ;;
+    stop) stop ;;
+    kill) kill_instance ;;
+    status) status ;;
+    *) die "unknown command $CMD (start|stop|status|kill)" ;;
+esac

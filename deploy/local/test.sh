@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The project's single test command:   ./deploy/local/test.sh [pytest args...]
+#
+# Installs the package with its dev extras, starts the local services
+# (deploy/local/up.sh), then runs ruff, the typecheck and pytest. All three run
+# even if an earlier one fails; the exit status is non-zero if any failed.
+# pytest collecting no tests (exit 5) counts as a failure.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$REPO_ROOT"
+PY="${PYTHON:-python3}"
+
+declare -a summary=()
+failed=0
+t_all=$(date +%s)
+
+step() {
+    local name="$1" t0 rc=0
+    shift
+    echo "==> $name" >&2
+    t0=$(date +%s)
+    "$@" || rc=$?
+    summary+=("$(printf '%-10s %4ss  %s' "$name" "$(($(date +%s) - t0))" \
+        "$([[ $rc -eq 0 ]] && echo ok || echo "FAILED (exit $rc)")")")
+    [[ $rc -eq 0 ]] || failed=1
+    return "$rc"
+}
+
+report() {
+    {
+        echo "==> step timings"
+        printf '    %s\n' "${summary[@]}"
+        echo "    total      $(($(date +%s) - t_all))s"
+    } >&2
+}
+trap report EXIT
+
+install_deps() {
+    "$PY" -m pip install -q --disable-pip-version-check -e '.[dev]' </dev/null >&2
+}
+
+services_up() {
+    local env
+    env="$(deploy/local/up.sh)" || return 1
+    eval "$env"
+    export OUTBOXKIT_TEST_DB_URL OUTBOXKIT_TEST_KAFKA_BOOTSTRAP \
+        OUTBOXKIT_TEST_REDIS_URL OUTBOXKIT_TEST_PUSHGATEWAY_URL
+}
+
+run_pytest() {
+    local rc=0
+    "$PY" -m pytest "$@" </dev/null || rc=$?
+    if [[ $rc -eq 5 ]]; then
+        echo "pytest collected no tests: treating as a failure" >&2
+    fi
+    return "$rc"
+}
+
+# Setup failures make the checks meaningless: stop there.
+step pip install_deps || exit 1
+step services services_up || exit 1
+
+step ruff "$PY" -m ruff check . || true
+step mypy deploy/local/typecheck.sh || true
+step pytest run_pytest "$@" || true
+
+exit "$failed"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Start the default local services (installing what is missing) and print the
+# test environment on stdout:   eval "$(deploy/local/up.sh)"
+# Everything else goes to stderr. Safe to run again: running services are kept.
+set -euo pipefail
+SERVICE=up
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+started=$(date +%s)
+
+# One apt-get update + install for everything missing, so the per-service
+# scripts below find their packages already there.
+ensure_packages mariadb-server mariadb-client redis-server redis-tools \
+    prometheus-pushgateway prometheus
+command -v java >/dev/null || ensure_packages openjdk-17-jre-headless
+command -v mvn >/dev/null || ensure_packages maven
+
+# Kafka's JVM start is the slowest part: run it alongside the others.
+"$LOCAL_DIR/kafka.sh" start >&2 &
+kafka_pid=$!
+
+rc=0
+"$LOCAL_DIR/mariadb.sh" start >&2 || rc=1
+"$LOCAL_DIR/redis.sh" start >&2 || rc=1
+"$LOCAL_DIR/pushgateway.sh" start >&2 || rc=1
+wait "$kafka_pid" || rc=1
+command -v promtool >/dev/null || { log "promtool missing after install"; rc=1; }
+
+if [[ $rc -ne 0 ]]; then
+    die "some services failed to start (see above); logs are under $STATE_DIR"
+fi
+log "all services up in $(($(date +%s) - started))s"
+
+cat <<'EOF'
+export OUTBOXKIT_TEST_DB_URL=mysql+pymysql://outboxkit:outboxkit@127.0.0.1:3306/outboxkit_test
+export OUTBOXKIT_TEST_KAFKA_BOOTSTRAP=127.0.0.1:9092
+export OUTBOXKIT_TEST_REDIS_URL=redis://127.0.0.1:6379/0
+export OUTBOXKIT_TEST_PUSHGATEWAY_URL=http://127.0.0.1:9091
+EOF

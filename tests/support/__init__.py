@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites (not part of the installed package)."""

@@ -1,0 +1,198 @@
+"""Dedicated local service instances for fault tests.
+
+Each instance is started and stopped through the ``deploy/local/*.sh`` scripts
+with its own ``--name`` and ports, so a test can stop, kill or pause it without
+disturbing the shared default instances that other tests use::
+
+    with KafkaInstance("kafka-fault", *free_ports(2)) as kafka:
+        ...  # kafka.bootstrap
+        kafka.kill()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Self
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOCAL_DIR = REPO_ROOT / "deploy" / "local"
+STATE_DIR = Path(os.environ.get("OUTBOXKIT_LOCAL_STATE", LOCAL_DIR / ".state"))
+
+SCRIPT_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (sockets held open together so none repeats)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class ServiceInstance:
+    """One named instance of a service managed by ``deploy/local/<service>.sh``."""
+
+    service: ClassVar[str]
+
+    def __init__(self, name: str, port: int) -> None:
+        if name == "default":
+            raise ValueError("the default instance is shared; use a dedicated name")
+        self.name = name
+        self.port = port
+
+    # -- scripts -----------------------------------------------------------
+    def _extra_args(self) -> list[str]:
+        return []
+
+    def _script(self, command: str, *, check: bool = True) -> int:
+        args = [
+            str(LOCAL_DIR / f"{self.service}.sh"),
+            command,
+            "--name",
+            self.name,
+            "--port",
+            str(self.port),
+            *self._extra_args(),
+        ]
+        proc = subprocess.run(
+            args,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=SCRIPT_TIMEOUT_S,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(args[:4])} failed with exit {proc.returncode}:\n{proc.stderr}"
+            )
+        return proc.returncode
+
+    @property
+    def state_dir(self) -> Path:
+        return STATE_DIR / f"{self.service}-{self.name}"
+
+    @property
+    def pid(self) -> int | None:
+        try:
+            return int((self.state_dir / "pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def start(self, *, fresh: bool = False) -> Self:
+        """Start (or keep) the instance and wait until it answers.
+
+        ``fresh=True`` first stops it and deletes its data (topics, databases).
+        """
+        if fresh:
+            self.stop()
+            shutil.rmtree(self.state_dir / "data", ignore_errors=True)
+        self._script("start")
+        return self
+
+    def stop(self) -> None:
+        """Clean shutdown (SIGTERM, SIGKILL after a timeout)."""
+        self.resume()
+        self._script("stop")
+
+    def kill(self) -> None:
+        """Hard crash: SIGKILL, no shutdown work."""
+        self.resume()
+        self._script("kill")
+
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP): connections stay open but nothing answers."""
+        pid = self.pid
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def is_running(self) -> bool:
+        return self._script("status", check=False) == 0
+
+    def wait_port_closed(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    pass
+            except OSError:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.service} {self.name} still listens on {self.port}")
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class KafkaInstance(ServiceInstance):
+    """A single-node KRaft broker; ``message_max_bytes`` caps the broker's record batch size."""
+
+    service = "kafka"
+
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        controller_port: int,
+        message_max_bytes: int | None = None,
+    ) -> None:
+        super().__init__(name, port)
+        self.controller_port = controller_port
+        self.message_max_bytes = message_max_bytes
+
+    def _extra_args(self) -> list[str]:
+        mmb = "" if self.message_max_bytes is None else str(self.message_max_bytes)
+        return ["--controller-port", str(self.controller_port), "--message-max-bytes", mmb]
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class RedisInstance(ServiceInstance):
+    service = "redis"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+class MariaDBInstance(ServiceInstance):
+    service = "mariadb"
+
+    @property
+    def url(self) -> str:
+        return f"mysql+pymysql://outboxkit:outboxkit@127.0.0.1:{self.port}/outboxkit_test"
