@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from outboxkit.consumer import Consumer, ConsumerSettings
+
 # Helper modules (kafkahelp, consumer_apps) live beside the tests; the subprocess
 # tests put this folder on the children's PYTHONPATH too.
 HERE = str(__import__("pathlib").Path(__file__).resolve().parent)
@@ -17,16 +19,6 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kafkahelp import FAST_GROUP  # noqa: E402
-
-from outboxkit.consumer import Consumer, ConsumerSettings
-from outboxkit.runtime.testing import reset_logging
-
-
-@pytest.fixture(autouse=True)
-def _clean_logging() -> Iterator[None]:
-    reset_logging()
-    yield
-    reset_logging()
 
 
 @pytest.fixture

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -149,3 +152,12 @@ def offsets_all_below(offsets: dict[int, int], done: dict[int, set[int]]) -> lis
 
 def partitions_of(items: Sequence[Any]) -> set[int]:
     return {m.partition() for m in items}
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a health endpoint; 503 is an answer, not an error."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http only)
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")

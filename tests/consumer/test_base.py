@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import threading
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kafkahelp import committed, end_offsets, make_events, produce, wait_for
+from kafkahelp import committed, end_offsets, http_get, make_events, produce, wait_for
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message
 from outboxkit.errors import ConfigError
@@ -43,14 +42,11 @@ def test_processes_in_partition_order_and_commits_everything_at_exit(
 ) -> None:
     topic = kafka_topics(3)
     produce(kafka_bootstrap, topic, make_events(60, keys=6))
-    consumer = Recorder(
-        settings(group_id=f"g-{topic}", topics=(topic,), commit_interval=30.0)
-    )
+    consumer = Recorder(settings(group_id=f"g-{topic}", topics=(topic,), commit_interval=30.0))
     with run_consumer(consumer) as running:
         wait_for(lambda: len(consumer.seen) >= 60, 30, what="60 messages handled")
         health = consumer.health.url
-        with urllib.request.urlopen(f"{health}/healthz/ready", timeout=2) as resp:
-            assert resp.status == 200
+        assert http_get(f"{health}/healthz/ready")[0] == 200
         assert running.stop() == 0
 
     assert consumer.started and consumer.stopped
@@ -85,7 +81,5 @@ def test_worker_drain_timeout_must_fit_in_shutdown_timeout(
 ) -> None:
     with pytest.raises(ConfigError, match="OUTBOXKIT_WORKER_DRAIN_TIMEOUT"):
         Recorder(
-            settings(
-                group_id="g", topics=("t",), worker_drain_timeout=30, shutdown_timeout=30
-            )
+            settings(group_id="g", topics=("t",), worker_drain_timeout=30, shutdown_timeout=30)
         )
