@@ -57,7 +57,33 @@ __all__ = ["Consumer"]
 
 _log = logging.getLogger("outboxkit.consumer")
 
+_kafka_log = logging.getLogger("outboxkit.consumer.kafka")
+
 _CONNECT_TIMEOUT = 10.0
+# Consumer properties a user may pass in kafka_config; the dead-letter producer
+# shares the rest (bootstrap, security) and would warn about these.
+_CONSUMER_ONLY_PREFIXES = (
+    "group.",
+    "auto.",
+    "enable.auto.",
+    "fetch.",
+    "session.",
+    "heartbeat.",
+    "max.poll.",
+    "partition.assignment.",
+    "queued.",
+    "isolation.",
+    "check.crcs",
+    "enable.partition.eof",
+    "coordinator.",
+    "consume.",
+)
+
+
+def _consumer_only(key: str) -> bool:
+    return key.startswith(_CONSUMER_ONLY_PREFIXES)
+
+
 _FORCED_CONFIG = {"enable.auto.offset.store": "false"}
 
 
@@ -111,6 +137,7 @@ class Consumer:
             details=self._details,
         )
         self.supervisor = Supervisor(self.lifecycle, logger=_log, metrics=self.service_metrics)
+        self.lifecycle.on_hurry(self._on_hurry)
         self.report: DrainReport | None = None
         self._engine = engine
         self._owns_engine = False
@@ -245,7 +272,7 @@ class Consumer:
 
     def _kafka_config(self) -> dict[str, Any]:
         s = self.settings
-        config: dict[str, Any] = {"client.id": s.node_id}
+        config: dict[str, Any] = {"client.id": s.node_id, "logger": _kafka_log}
         if s.kafka_bootstrap:
             config["bootstrap.servers"] = s.kafka_bootstrap
         config.update(s.kafka_config)
@@ -283,7 +310,7 @@ class Consumer:
         except KafkaException as exc:
             raise DependencyError(f"Kafka unreachable: {exc}") from None
         self._dead_letters = DeadLetters(
-            {k: v for k, v in base.items() if not k.startswith(("group.", "auto.", "enable.auto"))},
+            {k: v for k, v in base.items() if not _consumer_only(k)},
             group_id=str(self.group),
             timeout=s.dlq_timeout,
             topic_override=s.dlq_topic or self.dlq_topic,
@@ -435,7 +462,10 @@ class Consumer:
         box: dict[str, int] = {}
 
         def commit_and_close() -> None:
-            box.update(loop.commit())
+            loop.commit()
+            # What the group holds now for the partitions this process had, whether
+            # the periodic commit or this one wrote it.
+            box.update(loop.committed_offsets())
             loop.closing = True
             self._kafka.close()
             self._closed = True
@@ -528,6 +558,16 @@ class Consumer:
                 hook=name,
                 error=redact(f"{type(exc).__name__}: {exc}"),
             )
+
+    def _on_hurry(self) -> None:
+        running = len(self._dispatcher.running())
+        log_event(
+            _log,
+            "drain-hurried",
+            level=logging.WARNING,
+            unfinished=running,
+            note="handlers still running are left unknown: not committed, redelivered",
+        )
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
         if self._loop is not None:

@@ -336,6 +336,14 @@ class PollLoop:
             confirmed[f"{p.topic}/{p.partition}"] = p.offset
         return confirmed
 
+    def committed_offsets(self) -> dict[str, int]:
+        """``{"topic/partition": offset}`` confirmed committed, for assigned partitions."""
+        return {
+            f"{t}/{p}": tracker.committed
+            for (t, p), tracker in sorted(self.offsets.items())
+            if tracker.committed is not None
+        }
+
     # -- drain ---------------------------------------------------------------------
 
     def begin_drain(self) -> None:
@@ -344,7 +352,7 @@ class PollLoop:
         self.draining = True
         for tp in list(self.offsets):
             self._pause(tp, "draining")
-        released = self.dispatcher.close(list(self.offsets))
+        released = self.dispatcher.drain()
         self._watch = set(self.dispatcher.running())
         self._report.batch_size = len(self._watch) + len(released)
         self._count_released(released)

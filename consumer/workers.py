@@ -69,6 +69,7 @@ class Dispatcher:
         self._generations: dict[TopicPartition, int] = {}
         self._seq = itertools.count()
         self._stopped = False
+        self._draining = False
 
     # -- partitions (poll loop) ----------------------------------------------
 
@@ -105,12 +106,31 @@ class Dispatcher:
             self._cond.notify_all()
             return released
 
+    def drain(self) -> list[WorkItem]:
+        """Hand out no new work: return every queued and waiting message (released).
+
+        Partitions stay open, so what is running now still counts when it finishes.
+        """
+        with self._cond:
+            self._draining = True
+            released = [i for q in self._queued.values() for i in q]
+            released.extend(item for _, _, item in self._delayed)
+            for _, _, item in self._delayed:
+                self._free_lane(item)
+            self._queued.clear()
+            self._delayed.clear()
+            self._ready.clear()
+            self._cond.notify_all()
+            return released
+
     def is_live(self, item: WorkItem) -> bool:
         with self._cond:
             return self._live.get(item.tp) == item.generation
 
     def submit(self, item: WorkItem) -> None:
         with self._cond:
+            if self._draining:
+                return
             item.generation = self._live.get(item.tp, -1)
             lane = item.lane
             queue = self._queued.setdefault(lane, deque())
@@ -172,7 +192,7 @@ class Dispatcher:
         the caller finishes it as released.
         """
         with self._cond:
-            if self._stopped or self._live.get(item.tp) != item.generation:
+            if self._stopped or self._draining or self._live.get(item.tp) != item.generation:
                 return False
             self._running.discard(item)
             heapq.heappush(self._delayed, (time.monotonic() + delay, next(self._seq), item))
