@@ -248,11 +248,12 @@ class PollLoop:
             self.offsets[tp] = PartitionOffsets()
             if self.draining:
                 self._pause(tp, "draining")
-        log_event(_log, "partitions-assigned", partitions=_names(tps))
+        if tps:
+            log_event(_log, "partitions-assigned", partitions=_names(tps))
 
     def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
-        released = self.dispatcher.close(tps)
+        released = self.dispatcher.release(tps)
         self._count_released(released)
         if not self.closing:
             deadline = time.monotonic() + self.revoke_timeout
@@ -262,6 +263,7 @@ class PollLoop:
         self.collect()
         abandoned = len(self.dispatcher.running(lambda i: i.tp in tps))
         committed = self.commit(tps)
+        self.dispatcher.close(tps)
         self._forget(tps)
         kafka.incremental_unassign(partitions)
         log_event(

@@ -70,6 +70,7 @@ class Dispatcher:
         self._seq = itertools.count()
         self._stopped = False
         self._draining = False
+        self._releasing: set[TopicPartition] = set()
 
     # -- partitions (poll loop) ----------------------------------------------
 
@@ -78,14 +79,18 @@ class Dispatcher:
             gen = self._generations.get(tp, 0) + 1
             self._generations[tp] = gen
             self._live[tp] = gen
+            self._releasing.discard(tp)
             return gen
 
-    def close(self, tps: Iterable[TopicPartition]) -> list[WorkItem]:
-        """Stop work on ``tps``: return their queued and waiting messages (released)."""
+    def release(self, tps: Iterable[TopicPartition]) -> list[WorkItem]:
+        """Stop new work on ``tps``: return their queued and waiting messages (released).
+
+        What is running keeps its partition open (:meth:`is_live`) so its offset
+        can still be stored and committed before :meth:`close`.
+        """
         closing = set(tps)
         with self._cond:
-            for tp in closing:
-                self._live.pop(tp, None)
+            self._releasing |= closing
             released: list[WorkItem] = []
             for lane in list(self._queued):
                 items = self._queued[lane]
@@ -105,6 +110,16 @@ class Dispatcher:
             self._ready = deque(lane for lane in self._ready if lane in self._queued)
             self._cond.notify_all()
             return released
+
+    def close(self, tps: Iterable[TopicPartition]) -> list[WorkItem]:
+        """:meth:`release`, then forget the partitions: a result that comes later is stale."""
+        tps = set(tps)
+        released = self.release(tps)
+        with self._cond:
+            for tp in tps:
+                self._live.pop(tp, None)
+                self._releasing.discard(tp)
+        return released
 
     def drain(self) -> list[WorkItem]:
         """Hand out no new work: return every queued and waiting message (released).
@@ -129,7 +144,7 @@ class Dispatcher:
 
     def submit(self, item: WorkItem) -> None:
         with self._cond:
-            if self._draining:
+            if self._draining or item.tp in self._releasing:
                 return
             item.generation = self._live.get(item.tp, -1)
             lane = item.lane
@@ -192,7 +207,12 @@ class Dispatcher:
         the caller finishes it as released.
         """
         with self._cond:
-            if self._stopped or self._draining or self._live.get(item.tp) != item.generation:
+            if (
+                self._stopped
+                or self._draining
+                or item.tp in self._releasing
+                or self._live.get(item.tp) != item.generation
+            ):
                 return False
             self._running.discard(item)
             heapq.heappush(self._delayed, (time.monotonic() + delay, next(self._seq), item))
