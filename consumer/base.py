@@ -498,9 +498,7 @@ class Consumer:
         totals = dict(self._loop.totals) if self._loop is not None else {}
         log_event(
             _log,
-            "consumer-exit",
-            service=self.settings.service,
-            node_id=self.settings.node_id,
+            "consumer-exit",  # service and node_id are in every line's envelope
             signal=lc.signal_name,
             state=lc.state.value,
             batch_size=report.batch_size,

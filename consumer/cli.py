@@ -51,8 +51,8 @@ def load_consumer_class(target: str) -> type[Consumer]:
 def _consume(args: argparse.Namespace) -> int:
     cls = load_consumer_class(args.target)
     settings = load(ConsumerSettings, args=args)
-    configure_logging(level=settings.log_level, service=settings.service, node_id=settings.node_id)
     consumer = cls(settings)
+    configure_logging(level=settings.log_level, service=settings.service, node_id=settings.node_id)
     code = consumer.run(handle_signals=True)
     if not consumer.closed_cleanly:
         # A close stuck inside librdkafka would also hang interpreter exit.

@@ -48,7 +48,8 @@ class Classification(enum.Enum):
     PERMANENT = "permanent"
 
 
-_TRANSIENT_BUILTIN: tuple[type[BaseException], ...] = (
+_TRANSIENT_BY_DEFAULT: tuple[type[BaseException], ...] = (
+    TransientError,
     OSError,
     sa_exc.OperationalError,
     sa_exc.DisconnectionError,
@@ -69,6 +70,6 @@ def classify(
         return Classification.TRANSIENT
     if isinstance(exc, PermanentError):
         return Classification.PERMANENT
-    if isinstance(exc, TransientError | _TRANSIENT_BUILTIN):
+    if isinstance(exc, _TRANSIENT_BY_DEFAULT):
         return Classification.TRANSIENT
     return Classification.PERMANENT

@@ -56,7 +56,8 @@ class ConsumerMetrics:
         )
         self.lag = Gauge(
             "worker_consumer_lag",
-            "Messages between the committed offset and the end of the partition",
+            "Messages between the group's committed offset (or the log start, before the "
+            "first commit) and the end of the partition",
             ["topic", "partition"],
             registry=registry,
         )
@@ -80,9 +81,13 @@ class ConsumerMetrics:
                 for pid, pdata in tdata.get("partitions", {}).items():
                     if pid == "-1" or pdata.get("fetch_state") in (None, "none"):
                         continue
-                    lag = pdata.get("consumer_lag", -1)
-                    if isinstance(lag, int) and lag >= 0:
-                        self.lag.labels(topic=topic, partition=pid).set(lag)
+                    # librdkafka reports -1 until the group has committed; count from
+                    # the log start then, so a group that never commits shows its lag.
+                    hi = int(pdata.get("hi_offset", -1))
+                    committed = int(pdata.get("committed_offset", -1001))
+                    start = committed if committed >= 0 else int(pdata.get("lo_offset", -1))
+                    if hi >= 0 and start >= 0:
+                        self.lag.labels(topic=topic, partition=pid).set(max(0, hi - start))
         except Exception as exc:  # a metrics hook never breaks the loop
             log_event(_log, "stats-failed", level=logging.WARNING, error=str(exc))
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from outboxkit.consumer import Consumer, ConsumerSettings
+from outboxkit.runtime.testing import reset_logging
 
 # Helper modules (kafkahelp, consumer_apps) live beside the tests; the subprocess
 # tests put this folder on the children's PYTHONPATH too.
@@ -19,6 +20,14 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from kafkahelp import FAST_GROUP  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean_logging() -> Iterator[None]:
+    # Secrets and the JSON handler are process-wide; the CLI tests install them.
+    reset_logging()
+    yield
+    reset_logging()
 
 
 @pytest.fixture

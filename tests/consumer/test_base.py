@@ -47,6 +47,15 @@ def test_processes_in_partition_order_and_commits_everything_at_exit(
         wait_for(lambda: len(consumer.seen) >= 60, 30, what="60 messages handled")
         health = consumer.health.url
         assert http_get(f"{health}/healthz/ready")[0] == 200
+        lag = consumer.registry.get_sample_value
+        labels = [{"topic": topic, "partition": str(p)} for p in range(3)]
+        # Nothing committed yet (commit_interval is 30 s): the lag is the whole partition.
+        ends = end_offsets(kafka_bootstrap, topic, 3)
+        wait_for(
+            lambda: [lag("worker_consumer_lag", x) for x in labels] == [ends[p] for p in range(3)],
+            5,
+            what="consumer lag from librdkafka statistics",
+        )
         assert running.stop() == 0
 
     assert consumer.started and consumer.stopped
@@ -56,7 +65,6 @@ def test_processes_in_partition_order_and_commits_everything_at_exit(
     for offs in by_partition.values():
         assert offs == sorted(offs)
     # commit_interval is 30 s: everything committed was committed by the exit commit.
-    ends = end_offsets(kafka_bootstrap, topic, 3)
     assert committed(kafka_bootstrap, f"g-{topic}", topic, 3) == ends
     report = consumer.report
     assert report is not None
