@@ -70,3 +70,10 @@ def test_the_console_entry_point_exits_2_for_a_bad_target(tmp_path: Path) -> Non
     )
     assert done.returncode == 2, done.stderr
     assert "not a subclass" in done.stderr
+
+
+def test_the_demo_consumer_the_manifests_run_loads() -> None:
+    from outboxkit.consumer.cli import load_consumer_class
+
+    cls = load_consumer_class("outboxkit.demo:OrderConsumer")
+    assert cls.topics == ("orders",) and cls.group_id == "outboxkit-demo"

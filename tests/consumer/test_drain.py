@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -134,9 +136,15 @@ def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
         assert running.stop() == 0
 
 
-def test_second_signal_hurries_the_drain(
+def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
     kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
 ) -> None:
+    pushgateway = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
+    if not pushgateway:
+        reason = "OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason)
+        pytest.skip(reason)
     topic = kafka_topics(1)
     produce(kafka_bootstrap, topic, [(b"k", b"sleep:60", "e0")])
     proc = spawn(
@@ -144,6 +152,8 @@ def test_second_signal_hurries_the_drain(
         OUTBOXKIT_TOPICS=topic,
         OUTBOXKIT_GROUP_ID=f"g-{topic}",
         OUTBOXKIT_WORKER_DRAIN_TIMEOUT="20",
+        OUTBOXKIT_PUSHGATEWAY_URL=str(pushgateway),
+        OUTBOXKIT_SERVICE=f"svc-{topic}",
     )
     proc.wait_event("handler-started", 20)
     proc.signal(signal.SIGTERM)
@@ -158,3 +168,12 @@ def test_second_signal_hurries_the_drain(
     assert proc.wait_event("drain-hurried", 1)["unfinished"] == 1
     record = proc.exit_record()
     assert record["unknown"] == 1 and _adds_up(record)
+    # The process is gone; its last numbers are not.
+    with urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5) as resp:  # noqa: S310
+        text = resp.read().decode()
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith("worker_shutdown_released_messages{") and f"svc-{topic}" in line
+    ]
+    assert len(lines) == 1 and lines[0].endswith(" 1"), lines
