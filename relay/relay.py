@@ -526,6 +526,9 @@ class Relay:
 
     def _on_forced(self) -> None:
         held = self._held
+        started = self.lifecycle.drain_started_at
+        if started is not None:  # set_stopped() will not run: record the duration here
+            self.service_metrics.shutdown_duration.set(time.monotonic() - started)
         record = self._exit
         record.left_leased = len(held.batch) if held is not None else 0
         record.batch_size += record.left_leased

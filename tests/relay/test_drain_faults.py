@@ -125,13 +125,22 @@ def test_hung_database_during_drain_ends_in_a_forced_exit(
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     relay_process: Callable[..., RelayProcess],
+    pushgateway: Pushgateway,
 ) -> None:
     db_url, engine = fault_db
     topic = kafka_topics(partitions=3)
     add_events(
         engine, "outbox_events", [Event(topic=topic, key=f"k{i}", payload=b"x") for i in range(300)]
     )
-    relay, _ = _start_slow_relay(relay_process, db_url, kafka_bootstrap, shutdown_timeout=4.0)
+    relay, node_id = _start_slow_relay(
+        relay_process,
+        db_url,
+        kafka_bootstrap,
+        "--pushgateway-url",
+        pushgateway.url,
+        shutdown_timeout=4.0,
+    )
+    pushgateway.track(node_id)
     wait_for(
         lambda: status_counts(engine, "outbox_events").get("delivering") == 100,
         timeout=20,
@@ -151,3 +160,7 @@ def test_hung_database_during_drain_ends_in_a_forced_exit(
     exit_line = relay.events("relay-exit")[0]
     assert exit_line["result"] == "forced" and exit_line["left_leased"] == 100
     assert exit_line["exit_code"] == EXIT_FORCED
+    assert exit_line["metrics_pushed"] is True
+    assert pushgateway.value("outbox_shutdown_pending", node_id) == 100.0
+    assert pushgateway.value("service_forced_shutdowns_total", node_id) == 1.0
+    assert (pushgateway.value("service_shutdown_duration_seconds", node_id) or 0) >= 4.0
