@@ -6,6 +6,7 @@ keeps serving the other tests.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ def mariadb() -> Iterator[MariaDBInstance]:
         missing_service(f"dedicated MariaDB did not start: {exc}")
     yield db
     db.stop()
+    shutil.rmtree(db.state_dir, ignore_errors=True)  # a fresh name per run
 
 
 @pytest.fixture

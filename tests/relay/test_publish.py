@@ -3,6 +3,7 @@ and rows that use up their attempts."""
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 from collections import defaultdict
@@ -46,6 +47,7 @@ def broker() -> Iterator[KafkaInstance]:
         missing_service(f"dedicated Kafka broker did not start: {exc}")
     yield kafka
     kafka.stop()
+    shutil.rmtree(kafka.state_dir, ignore_errors=True)  # a fresh name per run
 
 
 def _topic(kafka: KafkaInstance, partitions: int = 3) -> str:
