@@ -1,57 +1,91 @@
-"""Which shards a relay may claim from: the contract between the loop and ownership.
+"""Which shards this relay may claim from, and how it waits between claims.
 
-The relay asks :meth:`ShardOwnership.claimable` before every claim and limits the
-claim to those shards. Without Redis one relay owns every shard
-(:class:`AllShards`); with Redis, :class:`outboxkit.relay.leases.RedisShardLeases`
-hands shards out through leases so that one shard is served by one relay at a
-time, which is what keeps per-key order across relays.
+Per-key order needs one claimer per shard at a time: every row of a key lands
+in the same shard (``schema.codec.shard_for``), so a relay that owns a shard is
+the only one that can deliver that key. :class:`ShardOwnership` is the seam:
+without Redis, :class:`AllShards` owns every shard (one relay per table; two
+such relays never double-claim a row, but give up per-key order). A Redis-lease
+implementation plugs in through the same protocol.
+
+:class:`Waker` is the seam for wake-up hints: the relay waits on it between
+empty claims. :class:`PollWaker` just sleeps ``poll_interval``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["AllShards", "ShardOwnership", "Waker"]
+__all__ = ["AllShards", "PollWaker", "ShardOwnership", "Waker"]
 
 
+@runtime_checkable
 class ShardOwnership(Protocol):
+    """Decides which shards the relay may claim from at any moment."""
+
     def start(self, inflight_shards: Callable[[], frozenset[int]]) -> None:
-        """Begin owning shards; ``inflight_shards`` tells which shards hold rows this
-        relay is delivering right now (a shard is given up only once it is absent)."""
+        """Begin owning shards. ``inflight_shards()`` returns the shards in which the
+        relay holds ``delivering`` rows right now: a shard must not be handed to
+        another relay while it is in that set (its rows' order is still open).
+        """
 
     def claimable(self) -> frozenset[int]:
-        """Shards the relay may claim from at this moment; called before every claim."""
+        """Shards the relay may claim from now; called before every claim.
+        An empty set means "claim nothing".
+        """
 
     def release_all(self) -> None:
-        """Give every shard up; called on drain after rows are finalized or released."""
+        """Give up every shard. Called during drain, after the relay's rows were
+        finalized or released, so the next owner starts from settled rows.
+        """
 
     def close(self) -> None:
-        """Free resources; after :meth:`release_all` when draining."""
+        """Free resources (connections); called after :meth:`release_all`."""
 
 
 class AllShards:
-    """Single relay, no coordination: every shard is always claimable."""
+    """Owns every shard ``0..shard_count-1``: the single-relay default without Redis."""
 
     def __init__(self, shard_count: int) -> None:
         if shard_count < 1:
             raise ValueError(f"shard_count must be >= 1 (got {shard_count})")
         self._all = frozenset(range(shard_count))
-        self._released = False
 
     def start(self, inflight_shards: Callable[[], frozenset[int]]) -> None:
-        self._released = False
+        pass
 
     def claimable(self) -> frozenset[int]:
-        return frozenset() if self._released else self._all
+        return self._all
 
     def release_all(self) -> None:
-        self._released = True
+        pass
 
     def close(self) -> None:
-        self._released = True
+        pass
 
 
+@runtime_checkable
 class Waker(Protocol):
+    """Where the relay waits when there was nothing to claim.
+
+    ``wait`` returns after ``timeout`` seconds, or earlier on a wake-up hint
+    (new rows were committed) or when the relay drains. A waker that also has a
+    ``wake()`` method gets it called by the relay when the drain begins.
+    """
+
+    def wait(self, timeout: float) -> None: ...
+
+
+class PollWaker:
+    """The default waker: sleep the poll interval; :meth:`wake` ends the sleep for good."""
+
+    def __init__(self) -> None:
+        self._woken = threading.Event()
+
     def wait(self, timeout: float) -> None:
-        """Return after ``timeout`` s, earlier on a wake-up hint or when draining."""
+        self._woken.wait(timeout)
+
+    def wake(self) -> None:
+        """Called when the drain begins: current and later waits return at once."""
+        self._woken.set()

@@ -1,0 +1,277 @@
+"""Claim a batch: due rows in id order, leased to this relay under a fresh token.
+
+Eligible rows are ``pending``/``retryable`` rows whose ``next_attempt_at`` has
+passed, and ``delivering`` rows whose lease expired (a *reclaim*: the previous
+owner died or stalled). Per-key order: a candidate is held back while an earlier
+row of the same key is ``retryable`` and not yet due, or ``delivering`` under a
+live lease. An earlier row that is itself eligible does not hold it back: it has
+a smaller id, so it is in the same batch and produced first; if it cannot be
+locked (another claimer holds it), the later rows of its key are dropped from
+the batch after locking. So a key never overtakes itself, and a reclaimed
+batch comes back whole instead of one row per key per claim.
+
+Cost: one index-ordered sub-select per status over ``(status, id)``, each
+``ORDER BY id LIMIT batch_size``, merged and cut to ``batch_size``. None of
+them reads ``delivered`` rows, so the claim does not slow down as history grows
+(an ``ORDER BY id`` over ``status IN (...)`` could make MySQL sort the whole
+backlog). The candidates are then locked by primary key with ``FOR UPDATE SKIP
+LOCKED`` and re-checked, so two relays racing for a row cannot both get it:
+the loser either skips the locked row or, once the winner committed, sees it
+``delivering`` with a live lease.
+
+Everything runs in one short READ COMMITTED transaction (no gap locks that
+would block writers' inserts).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import secrets
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from outboxkit.relay._dbtime import db_now_plus, micros
+from outboxkit.runtime.logs import log_event
+from outboxkit.schema.recovery import record_recovery
+from outboxkit.schema.table import Status, db_now, outbox_table
+
+__all__ = ["Batch", "ClaimedRow", "candidates", "claim_batch"]
+
+log = logging.getLogger("outboxkit.relay.claim")
+
+#: At most this many row ids in one recovery log line / record.
+_MAX_IDS_LOGGED = 200
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedRow:
+    id: int
+    event_id: str
+    topic: str
+    key: bytes | None
+    payload: bytes
+    headers: str | None
+    shard: int
+    #: Attempts including this claim.
+    attempts: int
+    created_at: dt.datetime
+    #: Owner of the expired lease this claim took over, or None.
+    reclaimed_from: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Rows leased to ``owner`` under ``token`` until ``lease_expires_at`` (DB time)."""
+
+    owner: str
+    token: str
+    rows: tuple[ClaimedRow, ...]
+    claimed_at: dt.datetime
+    claimed_mono: float
+    lease_expires_at: dt.datetime
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def shards(self) -> frozenset[int]:
+        return frozenset(r.shard for r in self.rows)
+
+    def db_time(self, mono: float) -> dt.datetime:
+        """The DB clock at monotonic time ``mono``, extrapolated from the claim."""
+        return self.claimed_at + dt.timedelta(seconds=mono - self.claimed_mono)
+
+
+def candidates(
+    conn: Connection,
+    table: str,
+    *,
+    shards: Collection[int],
+    limit: int,
+    excluded_topics: Collection[str] = (),
+) -> list[tuple[int, bytes | None]]:
+    """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks."""
+    query = candidates_query(table, shards, limit, excluded_topics)
+    return [(r.id, r.message_key) for r in conn.execute(query)]
+
+
+def candidates_query(
+    table: str, shards: Collection[int], limit: int, excluded_topics: Collection[str] = ()
+) -> sa.Select[tuple[int, bytes | None]]:
+    t = outbox_table(table)
+    earlier = t.alias("earlier")
+    now = db_now()
+    key_blocked = sa.exists().where(
+        earlier.c.message_key == t.c.message_key,
+        earlier.c.id < t.c.id,
+        sa.or_(
+            sa.and_(earlier.c.status == Status.RETRYABLE.value, earlier.c.next_attempt_at > now),
+            sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
+        ),
+    )
+    common = [t.c.shard.in_(sorted(shards)), ~key_blocked]
+    if excluded_topics:
+        common.append(t.c.topic.not_in(sorted(excluded_topics)))
+
+    def by_status(
+        status: Status, due: sa.ColumnElement[bool]
+    ) -> sa.Select[tuple[int, bytes | None]]:
+        return (
+            sa.select(t.c.id, t.c.message_key)
+            .where(t.c.status == status.value, due, *common)
+            .order_by(t.c.id)
+            .limit(limit)
+        )
+
+    merged = sa.union_all(
+        by_status(Status.PENDING, t.c.next_attempt_at <= now),
+        by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
+        by_status(Status.DELIVERING, t.c.lease_expires_at <= now),
+    ).subquery("candidates")
+    return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
+
+
+def claim_batch(
+    engine: Engine,
+    table: str,
+    *,
+    owner: str,
+    shards: Collection[int],
+    limit: int,
+    lease_ttl: float,
+    excluded_topics: Collection[str] = (),
+) -> Batch | None:
+    """Lease up to ``limit`` due rows to ``owner``; None when nothing was due.
+
+    Reclaimed rows are logged (``lease-reclaimed``) and recorded in the recovery
+    log in the same transaction. ``attempts`` goes up by one for every row.
+    """
+    if not shards or limit < 1:
+        return None
+    t = outbox_table(table)
+    token = secrets.token_hex(16)
+    with engine.begin() as conn:
+        found = candidates(conn, table, shards=shards, limit=limit, excluded_topics=excluded_topics)
+        if not found:
+            return None
+        ids = [i for i, _ in found]
+        now = db_now()
+        eligible = sa.or_(
+            sa.and_(
+                t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+                t.c.next_attempt_at <= now,
+            ),
+            sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at <= now),
+        )
+        locked_rows = conn.execute(
+            sa.select(
+                t.c.id,
+                t.c.event_id,
+                t.c.topic,
+                t.c.message_key,
+                t.c.payload,
+                t.c.headers,
+                t.c.shard,
+                t.c.attempts,
+                t.c.created_at,
+                t.c.status,
+                t.c.lease_owner,
+                now.label("db_now"),
+            )
+            .where(t.c.id.in_(ids), eligible)
+            .order_by(t.c.id)
+            .with_for_update(skip_locked=True)
+        ).all()
+        locked = _keep_key_order(found, locked_rows)
+        if not locked:
+            return None
+        claimed_mono = time.monotonic()
+        claimed_at: dt.datetime = locked[0].db_now
+        lease_expires_at = claimed_at + dt.timedelta(microseconds=micros(lease_ttl))
+        conn.execute(
+            t.update()
+            .where(t.c.id.in_([r.id for r in locked]))
+            .values(
+                status=Status.DELIVERING.value,
+                lease_owner=owner,
+                lease_token=token,
+                # Server-side, from the same clock every relay compares against.
+                lease_expires_at=db_now_plus(sa.literal(micros(lease_ttl))),
+                attempts=t.c.attempts + 1,
+                updated_at=now,
+            )
+        )
+        rows = tuple(
+            ClaimedRow(
+                id=r.id,
+                event_id=r.event_id,
+                topic=r.topic,
+                key=r.message_key,
+                payload=r.payload,
+                headers=r.headers,
+                shard=r.shard,
+                attempts=r.attempts + 1,
+                created_at=r.created_at,
+                reclaimed_from=r.lease_owner if r.status == Status.DELIVERING.value else None,
+            )
+            for r in locked
+        )
+        reclaims = _record_reclaims(conn, table, owner, rows)
+    for previous, reclaimed in reclaims.items():  # logged once committed
+        log_event(
+            log,
+            "lease-reclaimed",
+            level=logging.WARNING,
+            table=table,
+            previous_owner=previous,
+            rows=len(reclaimed),
+            row_ids=reclaimed[:_MAX_IDS_LOGGED],
+        )
+    return Batch(
+        owner=owner,
+        token=token,
+        rows=rows,
+        claimed_at=claimed_at,
+        claimed_mono=claimed_mono,
+        lease_expires_at=lease_expires_at,
+    )
+
+
+def _keep_key_order(found: list[tuple[int, bytes | None]], locked: Sequence[Any]) -> list[Any]:
+    """Drop locked rows whose key has an earlier candidate we could not lock."""
+    by_id = {r.id: r for r in locked}
+    blocked: set[bytes] = set()
+    kept: list[Any] = []
+    for row_id, key in found:
+        row = by_id.get(row_id)
+        if key is not None and key in blocked:
+            continue
+        if row is None:
+            if key is not None:
+                blocked.add(key)
+            continue
+        kept.append(row)
+    return kept
+
+
+def _record_reclaims(
+    conn: Connection, table: str, owner: str, rows: tuple[ClaimedRow, ...]
+) -> dict[str, list[int]]:
+    by_owner: dict[str, list[int]] = {}
+    for r in rows:
+        if r.reclaimed_from is not None:
+            by_owner.setdefault(r.reclaimed_from, []).append(r.id)
+    for previous, ids in by_owner.items():
+        detail = {
+            "previous_owner": previous,
+            "rows": len(ids),
+            "row_ids": ids[:_MAX_IDS_LOGGED],
+        }
+        record_recovery(conn, kind="lease-reclaimed", node_id=owner, table=table, detail=detail)
+    return by_owner

@@ -1,0 +1,254 @@
+"""Turn a batch's delivery reports into row states, under the lease token.
+
+:func:`decide` maps each row to a :class:`Fate` (pure, no I/O);
+:func:`finalize` writes the fates in one transaction, one statement per
+group of rows with the same outcome (not one round trip per row).
+
+Every statement is guarded by ``lease_owner`` **and** ``lease_token`` **and**
+``status='delivering'``: a relay whose lease expired and whose rows another
+relay reclaimed (new token) can no longer change them. Rows that fail the guard
+are counted and logged as *lease lost*; that is never an error.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from outboxkit.relay._dbtime import db_now_plus, micros
+from outboxkit.relay.backoff import Backoff
+from outboxkit.relay.claim import Batch, ClaimedRow
+from outboxkit.relay.publish import ErrorKind, Report, config_fault_reason
+from outboxkit.runtime.logs import log_event, redact
+from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, outbox_table
+
+__all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finalize"]
+
+log = logging.getLogger("outboxkit.relay.finalize")
+
+#: Rows per UPDATE statement (the CASE expressions grow with it).
+_CHUNK = 1000
+_MAX_IDS_LOGGED = 200
+
+
+class Fate(enum.Enum):
+    DELIVERED = "delivered"
+    RETRYABLE = "retryable"
+    FAILED = "failed"
+    PAUSED = "paused"  # relay configuration fault: retryable, attempt refunded
+    RELEASED = "released"  # no outcome known: retryable now, lease cleared
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    row: ClaimedRow
+    fate: Fate
+    error: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+    #: Give the claim's attempt back (released/paused rows).
+    refund: bool = False
+    #: Ack time on the relay's monotonic clock (delivered rows).
+    acked_mono: float | None = None
+    #: Label for ``outbox_topic_paused{reason}`` (paused rows).
+    pause_reason: str | None = None
+
+
+@dataclass
+class FinalizeResult:
+    counts: dict[Fate, int] = field(default_factory=lambda: dict.fromkeys(Fate, 0))
+    lease_lost: list[int] = field(default_factory=list)
+
+    def add(self, other: FinalizeResult) -> None:
+        for fate, n in other.counts.items():
+            self.counts[fate] += n
+        self.lease_lost.extend(other.lease_lost)
+
+
+def exhausted(row: ClaimedRow, max_attempts: int) -> Decision | None:
+    """A row claimed more than ``max_attempts`` times without an outcome (it crashed
+    relays, or their leases expired) fails without being sent again.
+    """
+    if row.attempts <= max_attempts:
+        return None
+    return Decision(
+        row,
+        Fate.FAILED,
+        error=f"claimed {row.attempts} times without a delivery outcome "
+        f"(max_attempts={max_attempts}): crashed or stalled relays",
+    )
+
+
+def decide(
+    rows: Sequence[ClaimedRow],
+    reports: Mapping[int, Report],
+    *,
+    max_attempts: int,
+    refund_unknown: bool,
+) -> list[Decision]:
+    """One decision per row, walking the batch in id order.
+
+    Per-key order: once a row of a key is not delivered (retryable, paused,
+    released), a later row of that key in the batch is not marked delivered
+    even if Kafka acknowledged it; it is released (attempt refunded) and sent
+    again after its predecessor. A ``failed`` row does not hold its key back.
+    """
+    decisions: list[Decision] = []
+    open_keys: set[bytes] = set()
+    for row in rows:
+        report = reports.get(row.id)
+        held = row.key is not None and row.key in open_keys
+        if report is None:
+            d = Decision(row, Fate.RELEASED, refund=refund_unknown)
+        elif report.ok and held:
+            d = Decision(
+                row,
+                Fate.RELEASED,
+                error="held back: an earlier row of this key was not delivered",
+                refund=True,
+            )
+        elif report.ok:
+            d = Decision(
+                row,
+                Fate.DELIVERED,
+                partition=report.partition,
+                offset=report.offset,
+                acked_mono=report.mono,
+            )
+        elif report.kind is ErrorKind.ROW_FAULT:
+            d = Decision(row, Fate.FAILED, error=report.error)
+        elif report.kind is ErrorKind.CONFIG_FAULT:
+            reason = config_fault_reason(report.code or 0)
+            d = Decision(row, Fate.PAUSED, error=report.error, refund=True, pause_reason=reason)
+        elif row.attempts >= max_attempts:
+            d = Decision(
+                row, Fate.FAILED, error=f"{report.error} (attempt {row.attempts}/{max_attempts})"
+            )
+        else:
+            d = Decision(row, Fate.RETRYABLE, error=report.error)
+        if row.key is not None and d.fate not in (Fate.DELIVERED, Fate.FAILED):
+            open_keys.add(row.key)
+        decisions.append(d)
+    return decisions
+
+
+def finalize(
+    engine: Engine,
+    table: str,
+    batch: Batch,
+    decisions: Sequence[Decision],
+    *,
+    backoff: Backoff | None,
+    delete_on_deliver: bool,
+) -> FinalizeResult:
+    """Write ``decisions`` in one transaction; rows whose lease is no longer ours
+    are left alone and returned in ``lease_lost``.
+    """
+    result = FinalizeResult()
+    if not decisions:
+        return result
+    t = outbox_table(table)
+    guard = sa.and_(
+        t.c.lease_owner == batch.owner,
+        t.c.lease_token == batch.token,
+        t.c.status == Status.DELIVERING.value,
+    )
+    ids = [d.row.id for d in decisions]
+    with engine.begin() as conn:
+        held: set[int] = set()
+        for chunk in _chunks(ids):
+            held.update(
+                conn.scalars(sa.select(t.c.id).where(t.c.id.in_(chunk), guard).with_for_update())
+            )
+        mine = [d for d in decisions if d.row.id in held]
+        for (fate, error, refund), group in _groups(mine).items():
+            for chunk in _chunks(group):
+                _write(conn, t, guard, fate, error, refund, chunk, backoff, delete_on_deliver)
+            result.counts[fate] += len(group)
+    result.lease_lost = [i for i in ids if i not in held]
+    if result.lease_lost:
+        log_event(
+            log,
+            "lease-lost",
+            level=logging.WARNING,
+            table=table,
+            rows=len(result.lease_lost),
+            row_ids=result.lease_lost[:_MAX_IDS_LOGGED],
+            reason="the rows were reclaimed or changed by someone else; left as they are",
+        )
+    return result
+
+
+def _groups(
+    decisions: Iterable[Decision],
+) -> dict[tuple[Fate, str | None, bool], list[Decision]]:
+    groups: dict[tuple[Fate, str | None, bool], list[Decision]] = {}
+    for d in decisions:
+        error = _bounded(d.error) if d.error is not None else None
+        groups.setdefault((d.fate, error, d.refund), []).append(d)
+    return groups
+
+
+def _write(
+    conn: Connection,
+    t: sa.Table,
+    guard: sa.ColumnElement[bool],
+    fate: Fate,
+    error: str | None,
+    refund: bool,
+    group: Sequence[Decision],
+    backoff: Backoff | None,
+    delete_on_deliver: bool,
+) -> None:
+    where = sa.and_(t.c.id.in_([d.row.id for d in group]), guard)
+    if fate is Fate.DELIVERED and delete_on_deliver:
+        conn.execute(t.delete().where(where))
+        return
+    now = db_now()
+    values: dict[str, Any] = {"updated_at": now, "lease_token": None, "lease_expires_at": None}
+    if error is not None:
+        values["last_error"] = error
+    if fate is Fate.DELIVERED:
+        # lease_owner stays: it records which relay delivered the row.
+        values |= {
+            "status": Status.DELIVERED.value,
+            "delivered_at": now,
+            "kafka_partition": _case(t, {d.row.id: d.partition for d in group}),
+            "kafka_offset": _case(t, {d.row.id: d.offset for d in group}),
+        }
+    elif fate is Fate.FAILED:
+        values |= {"status": Status.FAILED.value, "lease_owner": None}
+    elif fate is Fate.RETRYABLE:
+        if backoff is None:
+            raise ValueError("retryable rows need a backoff")
+        delays = {d.row.id: micros(backoff.delay(d.row.attempts)) for d in group}
+        values |= {
+            "status": Status.RETRYABLE.value,
+            "lease_owner": None,
+            "next_attempt_at": db_now_plus(_case(t, delays)),
+        }
+    else:  # PAUSED, RELEASED: eligible again at once (a paused topic is not claimed)
+        values |= {"status": Status.RETRYABLE.value, "lease_owner": None, "next_attempt_at": now}
+    if refund:
+        values["attempts"] = sa.case((t.c.attempts > 0, t.c.attempts - 1), else_=0)
+    conn.execute(t.update().where(where).values(values))
+
+
+def _case(t: sa.Table, by_id: Mapping[int, int | None]) -> sa.ColumnElement[Any]:
+    return sa.case(by_id, value=t.c.id)
+
+
+def _bounded(text: str) -> str:
+    clean = redact(text)
+    return clean if len(clean) <= MAX_LAST_ERROR else clean[: MAX_LAST_ERROR - 3] + "..."
+
+
+def _chunks(items: Sequence[Any]) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), _CHUNK):
+        yield items[i : i + _CHUNK]

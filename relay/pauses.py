@@ -1,0 +1,110 @@
+"""Topics paused because the relay's configuration is wrong for them.
+
+An unknown topic (auto-create off), a missing ACL or failed authentication is
+not the row's fault: burning the rows' attempts would turn an operator's
+five-minute fix into a pile of ``failed`` rows. Instead the topic is paused:
+its rows go back to ``retryable`` with the attempt refunded, the claim skips
+the topic, and every ``paused_topic_retry`` seconds one claim lets its rows
+through again as a probe. A delivered row resumes the topic; another
+configuration fault pauses it for one more period.
+
+The relay stays *ready* while topics are paused (other topics still flow, and a
+sidecar relay must not take its service's pod out of rotation); the paused
+topics and their reasons are listed in the ``/healthz/ready`` body, in the
+``outbox_topic_paused`` gauge and in a ``topic-paused`` log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import Gauge
+
+from outboxkit.runtime.logs import log_event
+
+__all__ = ["PausedTopics"]
+
+log = logging.getLogger("outboxkit.relay.pauses")
+
+_ADVICE = {
+    "unknown-topic": "the topic does not exist and the broker does not auto-create topics: "
+    "create it (or fix the topic name the service writes)",
+    "invalid-topic": "the broker rejects the topic name: fix the topic name the service writes",
+    "authorization": "the relay's principal may not write to this topic: grant it WRITE "
+    "(and IDEMPOTENT_WRITE on the cluster for older brokers)",
+    "authentication": "the relay cannot authenticate to Kafka: check the SASL/SSL settings in "
+    "--kafka-config / OUTBOXKIT_KAFKA_CONFIG",
+}
+
+
+@dataclass
+class _Pause:
+    reason: str
+    error: str
+    since: float
+    probe_at: float
+
+
+class PausedTopics:
+    def __init__(self, *, retry_interval: float, gauge: Gauge) -> None:
+        self.retry_interval = retry_interval
+        self._gauge = gauge
+        self._paused: dict[str, _Pause] = {}
+        self._lock = threading.Lock()
+
+    def pause(self, topic: str, reason: str, error: str, rows: int) -> None:
+        """Pause ``topic`` (or keep it paused) until the next probe."""
+        now = time.monotonic()
+        with self._lock:
+            current = self._paused.get(topic)
+            self._paused[topic] = _Pause(
+                reason=reason,
+                error=error,
+                since=current.since if current else now,
+                probe_at=now + self.retry_interval,
+            )
+        if current is not None:
+            return  # still paused: one line when it starts, one when it ends
+        self._gauge.labels(topic=topic, reason=reason).set(1)
+        log_event(
+            log,
+            "topic-paused",
+            level=logging.ERROR,
+            topic=topic,
+            reason=reason,
+            error=error,
+            action=_ADVICE.get(reason, "check the relay's Kafka configuration"),
+            rows_returned=rows,
+            probe_every_s=self.retry_interval,
+        )
+
+    def resume(self, topic: str) -> None:
+        with self._lock:
+            pause = self._paused.pop(topic, None)
+        if pause is None:
+            return
+        self._gauge.remove(topic, pause.reason)
+        log_event(
+            log,
+            "topic-resumed",
+            topic=topic,
+            reason=pause.reason,
+            paused_for_s=round(time.monotonic() - pause.since, 3),
+        )
+
+    def excluded(self) -> frozenset[str]:
+        """Topics the next claim must skip (paused, probe not yet due)."""
+        now = time.monotonic()
+        with self._lock:
+            return frozenset(t for t, p in self._paused.items() if p.probe_at > now)
+
+    def details(self) -> dict[str, str]:
+        with self._lock:
+            return {t: f"{p.reason}: {p.error}" for t, p in sorted(self._paused.items())}
+
+    def __contains__(self, topic: object) -> bool:
+        with self._lock:
+            return topic in self._paused

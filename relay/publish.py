@@ -1,0 +1,318 @@
+"""Publish a batch with one long-lived idempotent producer and collect its delivery reports.
+
+The producer is created once per relay process with ``enable.idempotence=true``
+and ``acks=all``: Kafka writes each partition's messages once and in produce
+order, even across internal retries, so producing a batch in id order keeps the
+order of every key (one key, one partition).
+
+Errors are classified by what should happen to the row (:class:`ErrorKind`):
+
+* ``RETRIABLE``: timeouts, transport, leader/broker unavailable, anything
+  librdkafka flags ``retriable()``; the row is retried later with backoff;
+* ``ROW_FAULT``: the row itself cannot be sent (too large, invalid record,
+  undecodable stored headers); the row is failed;
+* ``CONFIG_FAULT``: the relay's configuration is wrong, not the row
+  (authentication, authorization, unknown topic with auto-create off); the
+  topic is paused and no attempt is used;
+* ``UNKNOWN``: anything else; retried with backoff, so ``max_attempts`` bounds it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from outboxkit.relay.claim import ClaimedRow
+from outboxkit.relay.settings import RelaySettings
+from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.logs import log_event, redact
+from outboxkit.schema.codec import kafka_headers
+
+__all__ = ["ErrorKind", "InFlight", "Publisher", "Report", "classify", "producer_config"]
+
+log = logging.getLogger("outboxkit.relay.publish")
+
+
+class ErrorKind(enum.Enum):
+    RETRIABLE = "retriable"
+    ROW_FAULT = "row-fault"
+    CONFIG_FAULT = "config-fault"
+    UNKNOWN = "unknown"
+
+
+_ROW_FAULTS = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.INVALID_MSG,
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_TIMESTAMP,
+        KafkaError._BAD_MSG,
+        KafkaError._INVALID_ARG,
+    }
+)
+_CONFIG_FAULTS = {
+    KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown-topic",
+    KafkaError._UNKNOWN_TOPIC: "unknown-topic",
+    KafkaError._UNKNOWN_PARTITION: "unknown-topic",
+    KafkaError.TOPIC_EXCEPTION: "invalid-topic",
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: "authorization",
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED: "authorization",
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "authorization",
+    KafkaError.SASL_AUTHENTICATION_FAILED: "authentication",
+    KafkaError._AUTHENTICATION: "authentication",
+    KafkaError._SSL: "authentication",
+}
+_RETRIABLE = frozenset(
+    {
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._QUEUE_FULL,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.BROKER_NOT_AVAILABLE,
+        KafkaError.NETWORK_EXCEPTION,
+        KafkaError.NOT_ENOUGH_REPLICAS,
+        KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+    }
+)
+#: Seconds after a producer-level authentication error during which message
+#: timeouts are blamed on it (the messages never had a chance).
+_AUTH_BLAME_WINDOW = 120.0
+
+
+def classify(code: int, *, retriable: bool = False) -> ErrorKind:
+    if code in _ROW_FAULTS:
+        return ErrorKind.ROW_FAULT
+    if code in _CONFIG_FAULTS:
+        return ErrorKind.CONFIG_FAULT
+    if retriable or code in _RETRIABLE:
+        return ErrorKind.RETRIABLE
+    return ErrorKind.UNKNOWN
+
+
+def config_fault_reason(code: int) -> str:
+    """Short label for the ``reason`` of ``outbox_topic_paused``."""
+    return _CONFIG_FAULTS.get(code, "config")
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One delivery report. ``code`` is None when Kafka acknowledged the message."""
+
+    row_id: int
+    code: int | None
+    error: str | None
+    kind: ErrorKind | None
+    partition: int | None
+    offset: int | None
+    mono: float
+
+    @property
+    def ok(self) -> bool:
+        return self.code is None
+
+
+class InFlight:
+    """The delivery reports of one batch; callbacks of an older batch never land here."""
+
+    def __init__(self, rows: Iterable[ClaimedRow]) -> None:
+        self.expected = {r.id for r in rows}
+        self.reports: dict[int, Report] = {}
+        self._lock = threading.Lock()
+
+    def add(self, report: Report) -> None:
+        with self._lock:
+            if report.row_id in self.expected and report.row_id not in self.reports:
+                self.reports[report.row_id] = report
+
+    def done(self) -> bool:
+        with self._lock:
+            return len(self.reports) >= len(self.expected)
+
+    def missing(self) -> int:
+        with self._lock:
+            return len(self.expected) - len(self.reports)
+
+    def snapshot(self) -> dict[int, Report]:
+        with self._lock:
+            return dict(self.reports)
+
+
+def producer_config(
+    settings: RelaySettings, *, error_cb: Callable[[KafkaError], None]
+) -> dict[str, Any]:
+    """librdkafka configuration: safe defaults, then ``kafka_config``, then the
+    two properties the delivery guarantees depend on, which cannot be overridden.
+    """
+    message_timeout = settings.message_timeout_ms()
+    config: dict[str, Any] = {
+        "client.id": settings.node_id,
+        "compression.type": settings.compression,
+        "message.timeout.ms": message_timeout,
+        # Unknown topics fail within the batch deadline instead of after 30 s.
+        "topic.metadata.propagation.max.ms": min(30_000, max(1, message_timeout // 2)),
+        # Same key -> same partition as Java producers (murmur2), keyless spread.
+        "partitioner": "murmur2_random",
+        "linger.ms": 5,
+    }
+    if settings.kafka_bootstrap:
+        config["bootstrap.servers"] = settings.kafka_bootstrap
+    for key, value in settings.kafka_config.items():
+        config[key] = value
+    idempotence = str(config.get("enable.idempotence", "true")).lower()
+    acks = str(config.get("acks", "all")).lower()
+    if idempotence not in ("true", "1") or acks not in ("all", "-1"):
+        raise ConfigError(
+            "invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: the relay needs "
+            "enable.idempotence=true and acks=all (per-key order and no loss depend on them)"
+        )
+    config.update(
+        {
+            "enable.idempotence": True,
+            "acks": "all",
+            "error_cb": error_cb,
+            "logger": logging.getLogger("outboxkit.relay.kafka"),
+        }
+    )
+    return config
+
+
+class Publisher:
+    """The relay's producer: produce a batch in id order, wait for its reports, close."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self._auth_error: tuple[float, int, str] | None = None
+        self._last_error_logged: tuple[int, float] | None = None
+        try:
+            self.producer = Producer(producer_config(settings, error_cb=self._on_error))
+        except KafkaException as exc:
+            raise ConfigError(
+                f"invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: {redact(str(exc))}"
+            ) from None
+
+    def check_reachable(self, timeout: float) -> None:
+        """Raise DependencyError unless a broker answers within ``timeout`` s."""
+        try:
+            self.producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            raise DependencyError(f"Kafka unreachable: {redact(str(exc))}") from None
+
+    def publish(self, rows: Iterable[ClaimedRow]) -> InFlight:
+        """Produce ``rows`` in the given (id) order; reports land in the returned InFlight."""
+        rows = list(rows)
+        inflight = InFlight(rows)
+        for row in rows:
+            self._produce(row, inflight)
+        self.producer.poll(0)
+        return inflight
+
+    def _produce(self, row: ClaimedRow, inflight: InFlight) -> None:
+        try:
+            headers: list[tuple[str, str | bytes | None]] = list(
+                kafka_headers(row.headers, row.event_id)
+            )
+        except (ValueError, TypeError, UnicodeError) as exc:
+            inflight.add(_local_report(row.id, KafkaError._BAD_MSG, f"stored headers: {exc}"))
+            return
+        callback = _callback(inflight, row.id)
+        while True:
+            try:
+                self.producer.produce(
+                    row.topic, value=row.payload, key=row.key, headers=headers, on_delivery=callback
+                )
+                return
+            except BufferError:  # local queue full: serve reports, then retry
+                self.producer.poll(0.1)
+            except KafkaException as exc:
+                err = exc.args[0]
+                inflight.add(_local_report(row.id, err.code(), err.str()))
+                return
+
+    def wait(self, inflight: InFlight, deadline: Callable[[], float]) -> None:
+        """Serve delivery reports until all arrived or ``deadline()`` (monotonic) passed.
+
+        ``deadline`` is re-read on every turn: a drain or a hurry moves it closer.
+        """
+        while not inflight.done():
+            left = deadline() - time.monotonic()
+            if left <= 0:
+                return
+            self.producer.poll(min(0.05, left))
+
+    def blame(self, report: Report) -> Report:
+        """A timeout shortly after an authentication failure is the relay's config."""
+        auth = self._auth_error
+        if (
+            report.kind in (ErrorKind.RETRIABLE, ErrorKind.UNKNOWN)
+            and auth is not None
+            and report.mono - auth[0] < _AUTH_BLAME_WINDOW
+        ):
+            return Report(
+                row_id=report.row_id,
+                code=auth[1],
+                error=f"{report.error} after {auth[2]}",
+                kind=ErrorKind.CONFIG_FAULT,
+                partition=None,
+                offset=None,
+                mono=report.mono,
+            )
+        return report
+
+    def queued(self) -> int:
+        return len(self.producer)
+
+    def close(self, timeout: float) -> int:
+        """Drop messages whose rows were already released, flush the rest within
+        ``timeout`` s; returns the messages still unsent (0 after a clean drain).
+        """
+        self.producer.purge(in_queue=True, in_flight=False, blocking=False)
+        left = int(self.producer.flush(max(0.0, timeout)))
+        return left
+
+    def _on_error(self, err: KafkaError) -> None:
+        code = err.code()
+        now = time.monotonic()
+        if classify(code) is ErrorKind.CONFIG_FAULT:
+            self._auth_error = (now, code, f"{err.name()}: {err.str()}")
+        last = self._last_error_logged
+        if last is not None and last[0] == code and now - last[1] < 30:
+            return  # librdkafka repeats broker-down errors; one line per code per 30 s
+        self._last_error_logged = (code, now)
+        log_event(
+            log,
+            "kafka-error",
+            level=logging.ERROR if err.fatal() else logging.WARNING,
+            code=err.name(),
+            error=err.str(),
+            fatal=err.fatal(),
+        )
+
+
+def _callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError | None, Any], None]:
+    def on_delivery(err: KafkaError | None, msg: Any) -> None:
+        now = time.monotonic()
+        if err is None:
+            inflight.add(Report(row_id, None, None, None, msg.partition(), msg.offset(), now))
+        else:
+            kind = classify(err.code(), retriable=err.retriable())
+            text = f"{err.name()}: {err.str()}"
+            inflight.add(Report(row_id, err.code(), text, kind, None, None, now))
+
+    return on_delivery
+
+
+def _local_report(row_id: int, code: int, text: str) -> Report:
+    name = KafkaError(code).name()
+    return Report(row_id, code, f"{name}: {text}", classify(code), None, None, time.monotonic())

@@ -1,0 +1,556 @@
+"""The relay: claim a batch -> publish it -> finalize it, until drained.
+
+``Relay(settings).run()`` blocks until the relay has drained and returns an
+exit code. It installs no signal handlers: the CLI calls
+:meth:`Relay.install_process_handlers` (signals and the forced-exit watchdog);
+an application embedding the relay calls :meth:`Relay.drain` instead.
+
+Guarantees: a row is marked ``delivered`` only after Kafka acknowledged it;
+every row change after the claim is checked against the lease token; no row is
+claimed once the drain began; rows without a known outcome are released on the
+way out, and any row that cannot be released (database gone) is counted in the
+exit record and ``outbox_shutdown_pending`` and comes back after its lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from outboxkit.errors import SchemaNotAppliedError
+from outboxkit.relay.backoff import Backoff
+from outboxkit.relay.claim import Batch, claim_batch
+from outboxkit.relay.drain import ExitRecord, log_exit_record, release
+from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
+from outboxkit.relay.metrics import RelayMetrics, sample_backlog
+from outboxkit.relay.pauses import PausedTopics
+from outboxkit.relay.publish import InFlight, Publisher, Report
+from outboxkit.relay.settings import RelaySettings
+from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker
+from outboxkit.runtime import (
+    EXIT_CONFIG,
+    EXIT_DEPENDENCY,
+    EXIT_FAILURE,
+    EXIT_FORCED,
+    EXIT_OK,
+    ConfigError,
+    DependencyError,
+    HealthServer,
+    Lifecycle,
+    ServiceMetrics,
+    Supervisor,
+    describe,
+    log_event,
+    push_metrics,
+    redact,
+)
+from outboxkit.schema.apply import read_shard_count
+
+__all__ = ["PUSH_JOB", "Relay"]
+
+log = logging.getLogger("outboxkit.relay")
+
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
+PUSH_JOB = "outboxkit_relay"
+_CLOSE_BUDGET = 5.0
+
+
+@dataclass
+class _Held:
+    """A batch whose rows are leased to us and not yet finalized or released."""
+
+    batch: Batch
+    inflight: InFlight | None = None
+    #: Refund the attempt if the rows end up released (False after a crash).
+    refund: bool = True
+
+
+class Relay:
+    """One relay process (or one embedded relay) for one outbox table.
+
+    ``engine``: use this SQLAlchemy engine instead of building one from
+    ``settings.db_url`` (it is not disposed at exit). ``ownership``: which
+    shards to claim (default: all of them). ``waker``: what to wait on when idle
+    (default: sleep ``poll_interval``). ``on_batch``: called with every claimed
+    batch before it is published; an exception it raises is handled like any
+    bug inside a batch (tests inject faults with it).
+    """
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        *,
+        engine: Engine | None = None,
+        ownership: ShardOwnership | None = None,
+        waker: Waker | None = None,
+        on_batch: Callable[[Batch], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.service_metrics = ServiceMetrics(self.registry, service=settings.service)
+        self.metrics = RelayMetrics(self.registry)
+        self.lifecycle = Lifecycle(
+            service=settings.service,
+            node_id=settings.node_id,
+            shutdown_timeout=settings.shutdown_timeout,
+            logger=log,
+            metrics=self.service_metrics,
+        )
+        self.supervisor = Supervisor(self.lifecycle, logger=log, metrics=self.service_metrics)
+        self.health = HealthServer(
+            self.lifecycle,
+            host=settings.health_host,
+            port=settings.health_port,
+            registry=self.registry,
+            details=self._ready_details,
+        )
+        self.paused = PausedTopics(
+            retry_interval=settings.paused_topic_retry, gauge=self.metrics.topic_paused
+        )
+        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_cap)
+        self._engine = engine
+        self._own_engine = engine is None
+        self._ownership = ownership
+        self._waker: Waker = waker if waker is not None else PollWaker()
+        self._on_batch = on_batch
+        self._publisher: Publisher | None = None
+        self._held: _Held | None = None
+        self._jittered = False
+        self._next_sample = 0.0
+        self._crashes_before_drain = 0
+        self._open: list[str] = []
+        self._exit = ExitRecord(signal=None, state="starting")
+        self.metrics.track_shutdown_pending(self._shutdown_pending)
+        self.lifecycle.on_drain(self._on_drain)
+        self.lifecycle.on_hurry(self._on_hurry)
+
+    # -- public API -----------------------------------------------------------
+
+    def run(self) -> int:
+        """Start, relay until drained, shut down in order; return the exit code."""
+        code = self._start()
+        if code is not None:
+            return code
+        self.lifecycle.set_running()
+        try:
+            self.supervisor.run("relay", self._loop)
+        except BaseException:  # KeyboardInterrupt when embedded without handlers
+            self.lifecycle.drain("interrupted")
+            self._stop()
+            raise
+        return self._stop()
+
+    def drain(self) -> None:
+        """Start the drain (what the first SIGTERM does); :meth:`run` then returns."""
+        self.lifecycle.drain("api")
+
+    def install_process_handlers(self) -> None:
+        """For entry points that own the process: SIGTERM/SIGINT drain (second: hurry),
+        and a watchdog forces the exit (code 4) once ``shutdown_timeout`` has passed.
+        """
+        self.lifecycle.install_signal_handlers()
+        self.lifecycle.start_watchdog(self._cut, on_forced=self._on_forced)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the relay has not been started")
+        return self._engine
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """Claim -> publish -> finalize until the drain begins (the supervisor
+        restarts this after an unexpected exception, never once draining)."""
+        self._settle_leftover()
+        self._start_jitter()
+        while not self.lifecycle.draining.is_set():
+            self._sample_backlog_if_due()
+            batch = self._claim()
+            if batch is None:
+                self._waker.wait(self.settings.poll_interval)
+            else:
+                self._deliver(batch)
+
+    def _claim(self) -> Batch | None:
+        assert self._ownership is not None
+        shards = self._ownership.claimable()
+        self.metrics.shards_owned.set(len(shards))
+        if not shards or self.lifecycle.draining.is_set():
+            return None
+        batch = claim_batch(
+            self.engine,
+            self.settings.table,
+            owner=self.settings.node_id,
+            shards=shards,
+            limit=self.settings.batch_size,
+            lease_ttl=self.settings.lease_ttl,
+            excluded_topics=self.paused.excluded(),
+        )
+        if batch is None:
+            return None
+        self._held = _Held(batch)
+        self.metrics.claimed.inc(len(batch))
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.reclaimed.inc(sum(1 for r in batch.rows if r.reclaimed_from is not None))
+        return batch
+
+    def _deliver(self, batch: Batch) -> None:
+        """Publish the batch, wait for its reports, finalize. On an unexpected
+        exception: finalize what is known, release the rest without refund, re-raise.
+        """
+        held = self._held
+        assert held is not None and held.batch is batch and self._publisher is not None
+        try:
+            if self._on_batch is not None:
+                self._on_batch(batch)
+            spent = [d for d in (exhausted(r, self.settings.max_attempts) for r in batch.rows) if d]
+            spent_ids = {d.row.id for d in spent}
+            to_send = [r for r in batch.rows if r.id not in spent_ids]
+            if self.lifecycle.draining.is_set():  # the drain began during the claim
+                decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
+            else:
+                held.inflight = self._publisher.publish(to_send)
+                self._publisher.wait(held.inflight, lambda: self._deadline(batch))
+                decisions = decide(
+                    to_send,
+                    self._reports(held.inflight),
+                    max_attempts=self.settings.max_attempts,
+                    refund_unknown=True,
+                )
+            self._settle(held, [*spent, *decisions])
+        except Exception:
+            self._salvage(held)
+            raise
+
+    def _deadline(self, batch: Batch) -> float:
+        """When to stop waiting for this batch's reports (monotonic); moves on drain/hurry."""
+        if self.lifecycle.hurry.is_set():
+            return 0.0
+        limit = batch.claimed_mono + self.settings.effective_batch_deadline()
+        started = self.lifecycle.drain_started_at
+        if started is not None:
+            limit = min(limit, started + self.settings.flush_timeout)
+        return limit
+
+    def _reports(self, inflight: InFlight) -> dict[int, Report]:
+        assert self._publisher is not None
+        return {i: self._publisher.blame(r) for i, r in inflight.snapshot().items()}
+
+    def _settle(self, held: _Held, decisions: list[Decision]) -> None:
+        """Write the decisions under the batch's token, then count and log them."""
+        result = finalize(
+            self.engine,
+            self.settings.table,
+            held.batch,
+            decisions,
+            backoff=self.backoff,
+            delete_on_deliver=self.settings.delete_on_deliver,
+        )
+        self._held = None
+        self._account(held.batch, decisions, result)
+
+    def _salvage(self, held: _Held) -> None:
+        """After an unexpected exception inside a batch: finalize known outcomes,
+        release the rest **without** refund (a row that always crashes the relay
+        must still reach ``failed``). Failures here leave the rows leased."""
+        held.refund = False
+        try:
+            reports: dict[int, Report] = {}
+            if held.inflight is not None and self._publisher is not None:
+                self._publisher.wait(held.inflight, lambda: self._deadline(held.batch))
+                reports = self._reports(held.inflight)
+            decisions = decide(
+                held.batch.rows,
+                reports,
+                max_attempts=self.settings.max_attempts,
+                refund_unknown=False,
+            )
+            self._settle(held, decisions)
+        except Exception as exc:
+            log_event(
+                log,
+                "batch-salvage-failed",
+                level=logging.ERROR,
+                rows=len(held.batch),
+                error=redact(f"{type(exc).__name__}: {exc}"),
+                effect="rows stay leased until their lease expires",
+            )
+
+    def _settle_leftover(self) -> None:
+        """Release a batch a crashed run could not settle (raises if the DB is still gone)."""
+        held = self._held
+        if held is None:
+            return
+        result = release(
+            self.engine, self.settings.table, held.batch, held.batch.rows, refund=held.refund
+        )
+        self._held = None
+        self._account(held.batch, [], result)
+
+    def _account(self, batch: Batch, decisions: list[Decision], result: FinalizeResult) -> None:
+        m = self.metrics
+        m.delivered.inc(result.counts[Fate.DELIVERED])
+        m.failed.inc(result.counts[Fate.FAILED])
+        m.retryable.inc(result.counts[Fate.RETRYABLE] + result.counts[Fate.PAUSED])
+        m.released.inc(result.counts[Fate.RELEASED])
+        m.lease_lost.inc(len(result.lease_lost))
+        lost = set(result.lease_lost)
+        for d in decisions:
+            if d.row.id in lost:
+                continue
+            if d.fate is Fate.DELIVERED:
+                if d.acked_mono is not None:
+                    age = batch.db_time(d.acked_mono) - d.row.created_at
+                    m.publish_latency.observe(max(0.0, age.total_seconds()))
+                if d.row.topic in self.paused:
+                    self.paused.resume(d.row.topic)
+        paused: dict[str, list[Decision]] = {}
+        for d in decisions:
+            if d.fate is Fate.PAUSED and d.row.id not in lost:
+                paused.setdefault(d.row.topic, []).append(d)
+        for topic, rows in paused.items():
+            self.paused.pause(
+                topic, rows[0].pause_reason or "config", rows[0].error or "", len(rows)
+            )
+        if self.lifecycle.draining.is_set():
+            self._exit.add(len(batch), result)
+
+    # -- helpers of the loop --------------------------------------------------------
+
+    def _start_jitter(self) -> None:
+        if not self._jittered:
+            self._jittered = True
+            self.lifecycle.wait_draining(random.uniform(0, self.settings.start_jitter))
+
+    def _sample_backlog_if_due(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sample:
+            return
+        self._next_sample = now + self.settings.metrics_interval
+        try:
+            with self.engine.connect() as conn:
+                counts, age = sample_backlog(conn, self.settings.table)
+        except Exception as exc:  # a metrics hook never breaks the loop
+            log_event(log, "backlog-sample-failed", level=logging.WARNING, error=redact(str(exc)))
+            return
+        for status, n in counts.items():
+            self.metrics.backlog.labels(status=status.value).set(n)
+        self.metrics.oldest_pending_age.set(age)
+
+    def _inflight_shards(self) -> frozenset[int]:
+        held = self._held
+        return held.batch.shards if held is not None else frozenset()
+
+    def _shutdown_pending(self) -> int:
+        """Rows we hold while draining/stopped; 0 while running (no false alerts)."""
+        held = self._held
+        if held is None or not self.lifecycle.draining.is_set():
+            return 0
+        return len(held.batch)
+
+    def _ready_details(self) -> dict[str, object]:
+        details: dict[str, object] = {"paused_topics": self.paused.details()}
+        return details
+
+    # -- start and stop -------------------------------------------------------------
+
+    def _start(self) -> int | None:
+        """Connect to the database and Kafka and bind the health port; an exit code on failure."""
+        s = self.settings
+        try:
+            if self._engine is None:
+                self._engine = _create_engine(s)
+            else:  # no gap locks in the claim; see claim.py
+                self._engine = self._engine.execution_options(isolation_level="READ COMMITTED")
+            self._open.append("database")
+            if self.engine.dialect.name not in ("mysql", "mariadb"):
+                raise ConfigError(
+                    "invalid --db-url / OUTBOXKIT_DB_URL: the relay supports MySQL and "
+                    f"MariaDB (got {self.engine.dialect.name})"
+                )
+            with self.engine.connect() as conn:
+                shard_count = read_shard_count(conn, s.table)
+            self._publisher = Publisher(s)
+            self._open.append("kafka-producer")
+            self._publisher.check_reachable(s.connect_timeout)
+            if self._ownership is None:
+                self._ownership = AllShards(shard_count)
+            self._ownership.start(self._inflight_shards)
+            self._open.append("shard-ownership")
+            self.health.start()
+        except ConfigError as exc:
+            return self._failed_start("config", EXIT_CONFIG, exc)
+        except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
+            return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
+        log_event(
+            log,
+            "relay-started",
+            table=s.table,
+            shards=shard_count,
+            health_port=self.health.port,
+            settings=describe(s),
+        )
+        return None
+
+    def _failed_start(self, kind: str, code: int, exc: BaseException) -> int:
+        error = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
+        log_event(
+            log,
+            "start-failed",
+            level=logging.ERROR,
+            kind=kind,
+            error=redact(f"{type(error).__name__}: {error}"),
+            exit_code=code,
+        )
+        self.lifecycle.drain("start-failed")
+        self._close_resources()
+        self.lifecycle.set_stopped()
+        self._exit.state = "stopped"
+        self._exit.signal = self.lifecycle.signal_name
+        self._exit.result = f"{kind}-error"
+        self._exit.exit_code = code
+        log_exit_record(self._exit)
+        return code
+
+    def _stop(self) -> int:
+        """The drain, in order. Each step says why it comes where it does."""
+        # 1. Rows first: the loop finalized or released its batch unless it crashed;
+        #    try once more, so nothing waits for lease expiry without need.
+        if self._held is not None:
+            try:
+                self._settle_leftover()
+            except Exception as exc:
+                log_event(
+                    log,
+                    "release-failed",
+                    level=logging.ERROR,
+                    rows=len(self._held.batch),
+                    error=redact(f"{type(exc).__name__}: {exc}"),
+                    effect="rows stay leased until their lease expires",
+                )
+        left = len(self._held.batch) if self._held is not None else 0
+        # 2-4. Shard leases only once our rows are settled (the next owner must find
+        #    them settled), then Kafka (its queue holds only released rows' copies),
+        #    then the DB pool.
+        self._close_resources()
+        self.lifecycle.set_stopped()
+        record = self._exit
+        record.left_leased = left
+        record.batch_size += left
+        if left:
+            record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
+        elif self.supervisor.crashes > self._crashes_before_drain:
+            record.result, record.exit_code = "error", EXIT_FAILURE
+        elif self.lifecycle.exit_code() != EXIT_OK:
+            record.result, record.exit_code = "fatal", self.lifecycle.exit_code()
+        self._finish_record(record)
+        self.health.stop()
+        return record.exit_code
+
+    def _close_resources(self) -> None:
+        if "shard-ownership" in self._open and self._ownership is not None:
+            self._step("shard-ownership", self._ownership.release_all)
+            self._step("shard-ownership", self._ownership.close)
+        if "kafka-producer" in self._open and self._publisher is not None:
+            publisher = self._publisher
+            budget = min(_CLOSE_BUDGET, max(0.0, self.lifecycle.remaining() - 1.0))
+            self._step("kafka-producer", lambda: self._log_unsent(publisher.close(budget)))
+        if "database" in self._open and self._engine is not None and self._own_engine:
+            self._step("database", self._engine.dispose)
+        self._open.clear()
+
+    def _step(self, name: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            log_event(
+                log,
+                "close-failed",
+                level=logging.ERROR,
+                resource=name,
+                error=redact(f"{type(exc).__name__}: {exc}"),
+            )
+
+    def _log_unsent(self, unsent: int) -> None:
+        if unsent:
+            log_event(log, "kafka-unsent-at-close", level=logging.WARNING, messages=unsent)
+
+    def _finish_record(self, record: ExitRecord) -> None:
+        lc = self.lifecycle
+        record.signal = lc.signal_name
+        record.state = lc.state.value
+        record.shutdown_deadline_ms = round(lc.shutdown_timeout * 1000)
+        started = lc.drain_started_at
+        if started is not None:
+            record.duration_ms = round((time.monotonic() - started) * 1000)
+        if self.settings.pushgateway_url:
+            record.metrics_pushed = push_metrics(
+                self.settings.pushgateway_url,
+                job=PUSH_JOB,
+                grouping_key={"instance": self.settings.node_id},
+                registry=self.registry,
+            )
+        log_exit_record(record)
+
+    # -- lifecycle callbacks ------------------------------------------------------
+
+    def _on_drain(self) -> None:
+        self._crashes_before_drain = self.supervisor.crashes
+        wake = getattr(self._waker, "wake", None)
+        if callable(wake):
+            wake()
+
+    def _on_hurry(self) -> None:
+        held = self._held
+        unfinished = 0
+        if held is not None:
+            unfinished = held.inflight.missing() if held.inflight else len(held.batch)
+        log_event(log, "drain-hurried", level=logging.WARNING, unfinished_rows=unfinished)
+
+    def _cut(self) -> list[str]:
+        """Watchdog: the drain overran shutdown_timeout; name what is being abandoned."""
+        cut = list(self._open)
+        held = self._held
+        if held is not None:
+            cut.append(f"{len(held.batch)} leased rows (back after lease expiry)")
+        return cut
+
+    def _on_forced(self) -> None:
+        held = self._held
+        record = self._exit
+        record.left_leased = len(held.batch) if held is not None else 0
+        record.batch_size += record.left_leased
+        record.result, record.exit_code = "forced", EXIT_FORCED
+        self._finish_record(record)
+
+
+def _create_engine(settings: RelaySettings) -> Engine:
+    assert settings.db_url is not None
+    url = sa.make_url(settings.db_url)
+    connect_args: dict[str, object] = {}
+    if url.get_backend_name() in ("mysql", "mariadb"):
+        # A statement that outlives a lease is pointless; a hung server must not
+        # hang the loop forever either.
+        timeout = max(1, math.ceil(settings.lease_ttl))
+        connect_args = {
+            "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
+            "read_timeout": timeout,
+            "write_timeout": timeout,
+        }
+    return sa.create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=2,
+        max_overflow=2,
+        isolation_level="READ COMMITTED",
+        connect_args=connect_args,
+    )

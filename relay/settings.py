@@ -1,0 +1,156 @@
+"""Relay settings: one frozen dataclass, filled from ``--flags`` and ``OUTBOXKIT_*``.
+
+Every field ``x_y`` is the flag ``--x-y`` and the variable ``OUTBOXKIT_X_Y``
+(see :mod:`outboxkit.runtime.settings`). Durations are seconds, fractions and
+``500ms``/``2s``/``1m`` allowed. :meth:`RelaySettings.validate` holds the
+cross-field rules; a violation exits with code 2 and names the settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from outboxkit.runtime.settings import RuntimeSettings, non_negative, positive, setting
+from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
+
+__all__ = ["COMPRESSION_CODECS", "RelaySettings"]
+
+COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+
+#: librdkafka's own default (300 s) would outlive any sensible lease.
+DEFAULT_MESSAGE_TIMEOUT_MS = 30_000
+
+
+def _identifier(value: str) -> str | None:
+    try:
+        validate_identifier(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _positive_or_unset(value: float | None) -> str | None:
+    return None if value is None else positive(value)
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RelaySettings(RuntimeSettings):
+    """Everything ``outboxkit relay`` can be told; see ``docs/relay.md``."""
+
+    service: str = setting("outboxkit-relay", help="service name in logs, metrics, exit record")
+    table: str = setting(DEFAULT_TABLE, help="outbox table to relay", validate=_identifier)
+    batch_size: int = setting(500, help="rows claimed per batch", validate=_at_least_one)
+    poll_interval: float = setting(
+        1.0, help="seconds to wait before claiming again when nothing was due", validate=positive
+    )
+    lease_ttl: float = setting(
+        60.0,
+        help="seconds a claimed row stays leased to this relay; after that another relay "
+        "may reclaim it",
+        validate=positive,
+    )
+    flush_timeout: float = setting(
+        10.0,
+        help="drain: seconds to wait for the delivery reports of the batch in flight "
+        "(outbox_flush_timeout) before releasing the rest",
+        validate=non_negative,
+    )
+    batch_deadline: float | None = setting(
+        None,
+        help="seconds to wait for the delivery reports of one batch; rows without a report "
+        "by then are released",
+        default_help="message.timeout.ms + 2 s",
+        validate=_positive_or_unset,
+    )
+    max_attempts: int = setting(
+        10, help="claims of a row before a retriable error marks it failed", validate=_at_least_one
+    )
+    backoff_base: float = setting(
+        0.5, help="retry backoff: window of the first retry (full jitter)", validate=positive
+    )
+    backoff_cap: float = setting(300.0, help="retry backoff: largest window", validate=positive)
+    paused_topic_retry: float = setting(
+        30.0,
+        help="seconds between probes of a topic paused for a relay configuration fault "
+        "(unknown topic, authorization, authentication)",
+        validate=positive,
+    )
+    delete_on_deliver: bool = setting(
+        False, help="delete rows once Kafka acknowledged them instead of marking them delivered"
+    )
+    compression: str = setting(
+        "lz4", help="Kafka compression codec (compression.type)", choices=COMPRESSION_CODECS
+    )
+    start_jitter: float = setting(
+        1.0,
+        help="up to this many seconds of random delay before the first claim, so relays "
+        "started together spread out",
+        validate=non_negative,
+    )
+    metrics_interval: float = setting(
+        15.0,
+        help="seconds between samples of the backlog gauges (one cheap query per status)",
+        validate=positive,
+    )
+    connect_timeout: float = setting(
+        10.0,
+        help="seconds to reach the database and Kafka at start before exiting with code 3",
+        validate=positive,
+    )
+
+    def message_timeout_ms(self) -> int:
+        """``message.timeout.ms`` as the producer will use it."""
+        raw = self.kafka_config.get("message.timeout.ms")
+        return int(raw) if raw is not None else DEFAULT_MESSAGE_TIMEOUT_MS
+
+    def effective_batch_deadline(self) -> float:
+        if self.batch_deadline is not None:
+            return self.batch_deadline
+        return self.message_timeout_ms() / 1000 + 2.0
+
+    def validate(self) -> list[str]:
+        problems = list(super().validate())
+        if not self.db_url:
+            problems.append("missing --db-url / OUTBOXKIT_DB_URL: required by the relay")
+        if not self.kafka_bootstrap and "bootstrap.servers" not in self.kafka_config:
+            problems.append(
+                "missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP: required by the relay"
+            )
+        raw_timeout = self.kafka_config.get("message.timeout.ms")
+        if raw_timeout is not None and not raw_timeout.isdigit():
+            problems.append(
+                "invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: message.timeout.ms must be "
+                f"an integer of milliseconds (got {raw_timeout!r})"
+            )
+            return problems
+        if self.backoff_cap < self.backoff_base:
+            problems.append(
+                "invalid --backoff-cap / OUTBOXKIT_BACKOFF_CAP: must be >= --backoff-base "
+                f"({self.backoff_cap} < {self.backoff_base})"
+            )
+        deadline = self.effective_batch_deadline()
+        if deadline * 1000 < self.message_timeout_ms():
+            problems.append(
+                "invalid --batch-deadline / OUTBOXKIT_BATCH_DEADLINE: must be >= "
+                f"message.timeout.ms ({deadline} s < {self.message_timeout_ms()} ms), or rows "
+                "still queued in the producer would be released and sent twice"
+            )
+        # A batch must always be finalized or released while its lease still holds,
+        # or another relay could reclaim rows whose outcome this one still awaits.
+        if self.lease_ttl <= deadline + self.flush_timeout:
+            problems.append(
+                "invalid --lease-ttl / OUTBOXKIT_LEASE_TTL: must exceed the batch deadline "
+                "(--batch-deadline, default message.timeout.ms + 2 s) plus --flush-timeout "
+                f"({self.lease_ttl} <= {deadline} + {self.flush_timeout})"
+            )
+        if self.flush_timeout >= self.shutdown_timeout:
+            problems.append(
+                "invalid --flush-timeout / OUTBOXKIT_FLUSH_TIMEOUT: must be below "
+                f"--shutdown-timeout ({self.flush_timeout} >= {self.shutdown_timeout}), "
+                "or every drain with a batch in flight would end in a forced exit"
+            )
+        return problems

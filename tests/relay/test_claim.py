@@ -1,0 +1,171 @@
+"""The claim: cost, per-key hold-back, reclaims, and the shard-ownership contract."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from relay_support import EmbeddedRelay, add_events, fast_settings, rows, wait_for
+
+from outboxkit import Event
+from outboxkit.relay.claim import Batch, candidates_query, claim_batch
+from outboxkit.schema import outbox_table, recovery_table, shard_for
+
+pytestmark = pytest.mark.integration
+
+ALL = range(8)
+
+
+def _handler_reads(conn: sa.Connection, query: sa.Select[tuple[int, bytes | None]]) -> int:
+    def reads() -> int:
+        result = conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Handler_read%'"))
+        return sum(int(v) for _, v in result)
+
+    before = reads()
+    conn.execute(query).all()
+    return reads() - before
+
+
+def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outbox: str) -> None:
+    add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i % 500}", payload=b"x") for i in range(20_000)]
+    )
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(t.update().values(status="delivered"))
+    add_events(
+        engine, outbox, [Event(topic="t", key=f"n{i % 50}", payload=b"x") for i in range(100)]
+    )
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"ANALYZE TABLE {outbox}"))
+    query = candidates_query(outbox, ALL, 50)
+    with engine.connect() as conn:
+        sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+        plan = conn.execute(sa.text("EXPLAIN " + sql)).mappings().all()
+        reads = _handler_reads(conn, query)
+    per_status = [p for p in plan if p["table"] == outbox]
+    assert len(per_status) == 3
+    assert all(p["key"] == f"ix_{outbox}_status_id" for p in per_status), plan
+    assert all("filesort" not in (p["Extra"] or "") for p in per_status), plan
+    # 20,000 delivered rows, 50 claimed: a few hundred index reads, not a scan.
+    assert reads < 1_000, reads
+
+
+def test_later_rows_of_a_key_wait_for_a_retryable_row_until_it_is_due(
+    engine: sa.Engine, outbox: str
+) -> None:
+    add_events(engine, outbox, [Event(topic="t", key="k", payload=f"{i}") for i in range(4)])
+    add_events(engine, outbox, [Event(topic="t", key="other", payload=b"o")])
+    t = outbox_table(outbox)
+    ids = [r.id for r in rows(engine, outbox)]
+    with engine.begin() as conn:  # row 2 of key k failed retriably, due in 2 s
+        conn.execute(
+            sa.text(
+                f"UPDATE {outbox} SET status='retryable', attempts=1, "
+                "next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL 2 SECOND WHERE id = :id"
+            ),
+            {"id": ids[1]},
+        )
+    first = claim_batch(engine, outbox, owner="r", shards=ALL, limit=100, lease_ttl=60)
+    assert first is not None
+    assert [r.id for r in first.rows] == [ids[0], ids[4]], "k's rows 3 and 4 are held back"
+    with engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id.in_([ids[0], ids[4]])).values(status="delivered"))
+    assert claim_batch(engine, outbox, owner="r", shards=ALL, limit=100, lease_ttl=60) is None
+    time.sleep(2.1)
+    second = claim_batch(engine, outbox, owner="r", shards=ALL, limit=100, lease_ttl=60)
+    assert second is not None
+    assert [r.id for r in second.rows] == ids[1:4], "due again: the key comes back in order"
+    assert [r.attempts for r in second.rows] == [2, 1, 1]
+
+
+def test_expired_lease_is_reclaimed_whole_and_recorded(engine: sa.Engine, outbox: str) -> None:
+    add_events(engine, outbox, [Event(topic="t", key="k", payload=f"{i}") for i in range(20)])
+    dead = claim_batch(engine, outbox, owner="dead", shards=ALL, limit=100, lease_ttl=0.3)
+    assert dead is not None and len(dead) == 20
+    assert claim_batch(engine, outbox, owner="alive", shards=ALL, limit=100, lease_ttl=60) is None
+    time.sleep(0.4)
+    alive = claim_batch(engine, outbox, owner="alive", shards=ALL, limit=100, lease_ttl=60)
+    assert alive is not None
+    assert [r.id for r in alive.rows] == [r.id for r in dead.rows], "one claim, in id order"
+    assert {r.reclaimed_from for r in alive.rows} == {"dead"}
+    assert {r.attempts for r in alive.rows} == {2}
+    assert alive.token != dead.token
+    with engine.connect() as conn:
+        (event,) = conn.execute(sa.select(recovery_table())).all()
+    assert event.kind == "lease-reclaimed" and event.node_id == "alive"
+    assert json.loads(event.detail)["row_ids"] == [r.id for r in dead.rows]
+
+
+class RecordingOwnership:
+    """Owns the shards it is told to; records how the relay uses the contract."""
+
+    def __init__(self, shards: set[int]) -> None:
+        self.shards = set(shards)
+        self.inflight: Callable[[], frozenset[int]] | None = None
+        self.inflight_seen: set[int] = set()
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+
+    def start(self, inflight_shards: Callable[[], frozenset[int]]) -> None:
+        self.calls.append("start")
+        self.inflight = inflight_shards
+
+    def claimable(self) -> frozenset[int]:
+        assert self.inflight is not None
+        with self._lock:
+            self.inflight_seen |= self.inflight()
+            return frozenset(self.shards)
+
+    def release_all(self) -> None:
+        self.calls.append("release_all")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_relay_claims_only_from_shards_its_ownership_allows(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    keys = [f"key-{i}" for i in range(40)]
+    add_events(engine, outbox, [Event(topic=topic, key=k, payload=b"p") for k in keys * 3])
+    shard_of = {k: shard_for(k.encode(), "", 8) for k in keys}
+    mine = {shard_of[keys[0]]}
+    ownership = RecordingOwnership(mine)
+    during: list[tuple[frozenset[int], frozenset[int]]] = []
+
+    def look(batch: Batch) -> None:  # what an ownership thread sees mid-batch
+        assert ownership.inflight is not None
+        during.append((ownership.inflight(), batch.shards))
+
+    relay = embedded(
+        fast_settings(db_url, kafka_bootstrap, batch_size=5), ownership=ownership, on_batch=look
+    )
+    expected = sum(3 for k in keys if shard_of[k] in mine)
+    wait_for(
+        lambda: relay.metric("outbox_rows_delivered_total") == expected, timeout=20, what="mine"
+    )
+    time.sleep(0.5)
+    delivered = {r.message_key.decode() for r in rows(engine, outbox) if r.status == "delivered"}
+    assert {shard_of[k] for k in delivered} == mine, "nothing from shards it does not own"
+    assert relay.metric("outbox_shards_owned") == 1
+    assert during and all(seen == shards == mine for seen, shards in during)
+    assert not ownership.inflight_seen, "between batches the relay holds no shard"
+
+    with ownership._lock:
+        ownership.shards = set()  # owning nothing: no claim at all
+    before = relay.metric("outbox_rows_claimed_total")
+    time.sleep(0.5)
+    assert relay.metric("outbox_rows_claimed_total") == before
+    assert relay.stop() == 0
+    assert ownership.calls == ["start", "release_all", "close"]

@@ -1,0 +1,206 @@
+"""``outboxkit relay`` as an operator runs it: help, settings errors, exit codes, secrets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from relay_support import (
+    REPO,
+    Pushgateway,
+    RelayProcess,
+    add_events,
+    fast_settings,
+    http_get,
+    rows,
+    status_counts,
+    wait_for,
+)
+from support.services import free_port
+
+from outboxkit import Event
+from outboxkit.relay import RelaySettings
+from outboxkit.runtime import EXIT_CONFIG, EXIT_DEPENDENCY
+from outboxkit.runtime.settings import env_name, flag_name
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    full_env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "outboxkit", "relay", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.unit
+def test_help_documents_every_setting_and_its_environment_variable() -> None:
+    result = _cli("--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for f in dataclasses.fields(RelaySettings):
+        assert flag_name(f.name) in text, f.name
+        assert env_name(f.name) in text, f.name
+    assert "exit codes" in text and "4 forced exit" in text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("args", "env", "names"),
+    [
+        ([], {"OUTBOXKIT_BATCH_SIZE": "many"}, "--batch-size / OUTBOXKIT_BATCH_SIZE"),
+        (["--lease-ttl", "10"], {}, "--lease-ttl / OUTBOXKIT_LEASE_TTL"),
+        (["--flush-timeout", "40"], {}, "--flush-timeout / OUTBOXKIT_FLUSH_TIMEOUT"),
+        (["--compression", "brotli"], {}, "--compression / OUTBOXKIT_COMPRESSION"),
+        (["--table", "drop table;"], {}, "--table / OUTBOXKIT_TABLE"),
+    ],
+)
+def test_bad_settings_exit_2_naming_the_setting(
+    args: list[str], env: dict[str, str], names: str
+) -> None:
+    base = {
+        "OUTBOXKIT_DB_URL": "mysql+pymysql://u:p@127.0.0.1:1/db",
+        "OUTBOXKIT_KAFKA_BOOTSTRAP": "x:1",
+    }
+    result = _cli(*args, env={**base, **env})
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    assert names in result.stderr
+
+
+@pytest.mark.unit
+def test_missing_database_url_exits_2() -> None:
+    result = _cli(env={"OUTBOXKIT_KAFKA_BOOTSTRAP": "x:1"})
+    assert result.returncode == EXIT_CONFIG
+    assert "--db-url / OUTBOXKIT_DB_URL" in result.stderr
+
+
+@pytest.mark.integration
+def test_non_idempotent_producer_config_is_refused_with_exit_2(
+    db_url: str, outbox: str, kafka_bootstrap: str
+) -> None:
+    result = _cli(
+        "--kafka-config", "acks=1", "--health-port", "0",
+        env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
+    )  # fmt: skip
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    assert "enable.idempotence=true and acks=all" in result.stderr
+    assert '"event": "relay-exit"' in result.stderr
+
+
+@pytest.mark.integration
+def test_unreachable_database_or_kafka_at_start_exits_3(
+    db_url: str, outbox: str, kafka_bootstrap: str
+) -> None:
+    closed = f"127.0.0.1:{free_port()}"
+    no_db = _cli(
+        "--connect-timeout", "2", "--health-port", "0",
+        env={
+            "OUTBOXKIT_DB_URL": f"mysql+pymysql://user:unused-pw@{closed}/db",
+            "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        },
+    )  # fmt: skip
+    assert no_db.returncode == EXIT_DEPENDENCY, no_db.stderr
+    assert '"event": "start-failed"' in no_db.stderr and '"kind": "dependency"' in no_db.stderr
+
+    no_kafka = _cli(
+        "--connect-timeout", "2", "--health-port", "0",
+        env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": closed},
+    )  # fmt: skip
+    assert no_kafka.returncode == EXIT_DEPENDENCY, no_kafka.stderr
+    assert "Kafka unreachable" in no_kafka.stderr
+
+
+@pytest.fixture
+def secret_db_user(engine: sa.Engine, db_url: str, outbox: str) -> Iterator[tuple[str, str]]:
+    """A database user whose password appears nowhere else: (url, password)."""
+    user = f"okt_{uuid.uuid4().hex[:8]}"
+    password = f"Pw-{uuid.uuid4().hex}-Zz"
+    database = sa.make_url(db_url).database
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE USER '{user}'@'%' IDENTIFIED BY '{password}'"))
+        conn.execute(sa.text(f"GRANT ALL ON {database}.* TO '{user}'@'%'"))
+        conn.execute(sa.text(f"GRANT ALL ON outboxkit_test.* TO '{user}'@'%'"))
+    url = sa.make_url(db_url).set(username=user, password=password)
+    yield url.render_as_string(hide_password=False), password
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP USER '{user}'@'%'"))
+
+
+@pytest.mark.integration
+def test_no_password_or_sasl_secret_in_logs_rows_or_metrics(
+    engine: sa.Engine,
+    outbox: str,
+    secret_db_user: tuple[str, str],
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    pushgateway: Pushgateway,
+) -> None:
+    url, db_password = secret_db_user
+    sasl_secret = f"Sasl-{uuid.uuid4().hex}"
+    topic = kafka_topics(partitions=1)
+    missing = f"okt_missing_{uuid.uuid4().hex[:8]}"
+    add_events(engine, outbox, [Event(topic=topic, payload=b"ok") for _ in range(3)])
+    add_events(engine, outbox, [Event(topic=missing, payload=b"nope")])
+    node_id = pushgateway.track(fast_settings(url, kafka_bootstrap).node_id)
+    env = {"OUTBOXKIT_DB_URL": url, "OUTBOXKIT_KAFKA_CONFIG": f"sasl.password={sasl_secret}"}
+    relay = relay_process(
+        [
+            "--kafka-bootstrap", kafka_bootstrap, "--node-id", node_id, "--health-port", "0",
+            "--log-level", "DEBUG", "--start-jitter", "0", "--poll-interval", "0.05",
+            "--metrics-interval", "0.2", "--lease-ttl", "6", "--flush-timeout", "1",
+            "--kafka-config", "message.timeout.ms=2000", "--kafka-config", "sasl.username=relay",
+            "--pushgateway-url", pushgateway.url,
+        ],
+        env=env,
+    )  # fmt: skip
+    url_base = relay.health_url()
+    wait_for(lambda: relay.events("topic-paused"), timeout=20, what="topic-paused")
+    wait_for(
+        lambda: status_counts(engine, outbox).get("delivered") == 3, timeout=20, what="delivery"
+    )
+    _, metrics_text = http_get(f"{url_base}/metrics")
+    _, ready = http_get(f"{url_base}/healthz/ready")
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(timeout=15) == 0
+
+    # A failed start with a wrong password must not print that password either.
+    wrong = sa.make_url(url).set(password=db_password + "-wrong")
+    bad = _cli(
+        "--kafka-bootstrap", kafka_bootstrap, "--health-port", "0",
+        env={"OUTBOXKIT_DB_URL": wrong.render_as_string(hide_password=False)},
+    )  # fmt: skip
+    assert bad.returncode == EXIT_DEPENDENCY
+
+    started = relay.events("relay-started")[0]
+    assert "***" in started["settings"]["db_url"]
+    assert started["settings"]["kafka_config"]["sasl.password"] == "***"
+    with urllib.request.urlopen(f"{pushgateway.url}/metrics", timeout=5) as resp:  # noqa: S310
+        pushed = resp.read().decode()
+    table_text = "\n".join(repr(tuple(r)) for r in rows(engine, outbox))
+    everything = {
+        "relay log": "\n".join(relay.lines),
+        "failed start log": bad.stderr + bad.stdout,
+        "rows": table_text,
+        "metrics": str(metrics_text),
+        "readiness": str(ready),
+        "pushgateway": pushed,
+    }
+    assert relay.events("relay-exit") and "UNKNOWN_TOPIC" in table_text
+    for secret in (db_password, sasl_secret):
+        for where, text in everything.items():
+            assert secret not in text, f"secret leaked into {where}"

@@ -1,0 +1,153 @@
+"""Drains that cannot finish cleanly: the database is gone or hangs.
+
+A dedicated MariaDB instance is killed or frozen (SIGSTOP), so the shared one
+keeps serving the other tests.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from relay_support import (
+    Pushgateway,
+    RelayProcess,
+    add_events,
+    cli_args,
+    fast_settings,
+    missing_service,
+    status_counts,
+    wait_for,
+)
+from support.services import MariaDBInstance, free_port
+
+from outboxkit import Event
+from outboxkit.runtime import EXIT_DEPENDENCY, EXIT_FORCED
+from outboxkit.schema import apply_schema
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+#: A batch of 100 whose tail lingers in the producer for 8 s (see test_drain.py).
+SLOW_KAFKA = {"linger.ms": "8000", "batch.num.messages": "10", "message.timeout.ms": "10000"}
+
+
+@pytest.fixture(scope="module")
+def mariadb() -> Iterator[MariaDBInstance]:
+    db = MariaDBInstance(f"relay-{uuid.uuid4().hex[:6]}", free_port())
+    try:
+        db.start(fresh=True)
+    except Exception as exc:
+        missing_service(f"dedicated MariaDB did not start: {exc}")
+    yield db
+    db.stop()
+
+
+@pytest.fixture
+def fault_db(mariadb: MariaDBInstance) -> Iterator[tuple[str, sa.Engine]]:
+    """A fresh database with the outbox schema in the dedicated instance."""
+    mariadb.start()
+    name = f"okt_{uuid.uuid4().hex[:10]}"
+    server = sa.create_engine(mariadb.url)
+    with server.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    server.dispose()
+    url = sa.make_url(mariadb.url).set(database=name).render_as_string(hide_password=False)
+    engine = sa.create_engine(url)
+    apply_schema(engine, shards=8)
+    yield url, engine
+    engine.dispose()
+
+
+def _start_slow_relay(
+    relay_process: Callable[..., RelayProcess],
+    db_url: str,
+    bootstrap: str,
+    *extra: str,
+    **kw: object,
+) -> tuple[RelayProcess, str]:
+    settings = fast_settings(
+        db_url,
+        bootstrap,
+        batch_size=100,
+        lease_ttl=20.0,
+        flush_timeout=2.0,
+        kafka_config=SLOW_KAFKA,
+        **kw,
+    )
+    return relay_process([*cli_args(settings), *extra]), settings.node_id
+
+
+def test_database_gone_during_drain_leaves_rows_leased_and_reports_them(
+    fault_db: tuple[str, sa.Engine],
+    mariadb: MariaDBInstance,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    pushgateway: Pushgateway,
+) -> None:
+    db_url, engine = fault_db
+    topic = kafka_topics(partitions=3)
+    add_events(
+        engine, "outbox_events", [Event(topic=topic, key=f"k{i}", payload=b"x") for i in range(300)]
+    )
+    relay, node_id = _start_slow_relay(
+        relay_process, db_url, kafka_bootstrap, "--pushgateway-url", pushgateway.url
+    )
+    pushgateway.track(node_id)
+    wait_for(
+        lambda: status_counts(engine, "outbox_events").get("delivering") == 100,
+        timeout=20,
+        what="a batch in flight",
+    )
+    engine.dispose()
+    relay.signal(signal.SIGTERM)
+    mariadb.kill()
+
+    assert relay.wait(timeout=15) == EXIT_DEPENDENCY
+    exit_line = relay.events("relay-exit")[0]
+    assert exit_line["result"] == "left-leased"
+    assert exit_line["left_leased"] == 100 == exit_line["batch_size"]
+    assert relay.events("release-failed")
+    assert pushgateway.value("outbox_shutdown_pending", node_id) == 100.0
+
+    mariadb.start()
+    assert status_counts(engine, "outbox_events") == {"delivering": 100, "pending": 200}, (
+        "held rows wait for their lease to expire"
+    )
+
+
+def test_hung_database_during_drain_ends_in_a_forced_exit(
+    fault_db: tuple[str, sa.Engine],
+    mariadb: MariaDBInstance,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    db_url, engine = fault_db
+    topic = kafka_topics(partitions=3)
+    add_events(
+        engine, "outbox_events", [Event(topic=topic, key=f"k{i}", payload=b"x") for i in range(300)]
+    )
+    relay, _ = _start_slow_relay(relay_process, db_url, kafka_bootstrap, shutdown_timeout=4.0)
+    wait_for(
+        lambda: status_counts(engine, "outbox_events").get("delivering") == 100,
+        timeout=20,
+        what="a batch in flight",
+    )
+    engine.dispose()
+    mariadb.pause()
+    try:
+        relay.signal(signal.SIGTERM)
+        assert relay.wait(timeout=20) == EXIT_FORCED
+    finally:
+        mariadb.resume()
+    forced = relay.events("forced-shutdown")[0]
+    assert forced["exit_code"] == EXIT_FORCED and forced["shutdown_timeout_s"] == 4.0
+    assert "database" in forced["cut"] and "kafka-producer" in forced["cut"]
+    assert any("100 leased rows" in c for c in forced["cut"])
+    exit_line = relay.events("relay-exit")[0]
+    assert exit_line["result"] == "forced" and exit_line["left_leased"] == 100
+    assert exit_line["exit_code"] == EXIT_FORCED

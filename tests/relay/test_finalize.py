@@ -1,0 +1,305 @@
+"""Outcomes of a batch: decisions (unit), row faults, paused topics, lease tokens."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from relay_support import (
+    EmbeddedRelay,
+    add_events,
+    consume,
+    fast_settings,
+    http_get,
+    rows,
+    wait_for,
+)
+
+from outboxkit import Event
+from outboxkit.relay.claim import Batch, ClaimedRow, claim_batch
+from outboxkit.relay.drain import release
+from outboxkit.relay.finalize import Decision, Fate, decide, finalize
+from outboxkit.relay.publish import ErrorKind, Report
+from outboxkit.runtime.testing import capture_json_logs
+
+
+def _row(row_id: int, key: bytes | None, attempts: int = 1) -> ClaimedRow:
+    return ClaimedRow(
+        id=row_id,
+        event_id=f"e{row_id}",
+        topic="t",
+        key=key,
+        payload=b"",
+        headers=None,
+        shard=0,
+        attempts=attempts,
+        created_at=dt.datetime(2024, 1, 1),
+        reclaimed_from=None,
+    )
+
+
+def _ok(row_id: int) -> Report:
+    return Report(row_id, None, None, None, 0, row_id, 0.0)
+
+
+def _err(row_id: int, kind: ErrorKind, code: int = -192) -> Report:
+    return Report(row_id, code, f"error {code}", kind, None, None, 0.0)
+
+
+@pytest.mark.unit
+def test_later_row_of_a_key_is_not_delivered_before_its_predecessor() -> None:
+    rows_ = [_row(1, b"a"), _row(2, b"a"), _row(3, b"b"), _row(4, None), _row(5, b"a")]
+    reports = {1: _err(1, ErrorKind.RETRIABLE), 2: _ok(2), 3: _ok(3), 4: _ok(4)}
+    fates = {d.row.id: d for d in decide(rows_, reports, max_attempts=10, refund_unknown=True)}
+    assert fates[1].fate is Fate.RETRYABLE
+    assert fates[2].fate is Fate.RELEASED and fates[2].refund, "acked, but its key is open"
+    assert fates[3].fate is Fate.DELIVERED and fates[4].fate is Fate.DELIVERED
+    assert fates[5].fate is Fate.RELEASED and fates[5].refund, "no report: released"
+
+
+@pytest.mark.unit
+def test_failed_row_does_not_hold_its_key_and_attempts_bound_retries() -> None:
+    rows_ = [_row(1, b"a"), _row(2, b"a", attempts=3), _row(3, b"a", attempts=3)]
+    reports = {
+        1: _err(1, ErrorKind.ROW_FAULT, 10),
+        2: _err(2, ErrorKind.RETRIABLE),
+        3: _err(3, ErrorKind.CONFIG_FAULT, 3),
+    }
+    d1, d2, d3 = decide(rows_, reports, max_attempts=3, refund_unknown=False)
+    assert d1.fate is Fate.FAILED
+    assert d2.fate is Fate.FAILED and "attempt 3/3" in (d2.error or "")
+    assert d3.fate is Fate.PAUSED and d3.refund and d3.pause_reason == "unknown-topic"
+
+
+@pytest.mark.integration
+def test_oversized_row_fails_with_reason_and_the_rest_is_delivered(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1, config={"max.message.bytes": "2000"})
+    events = [Event(topic=topic, key="k", payload=f"small-{i}") for i in range(3)]
+    events.append(Event(topic=topic, key="k", payload=os.urandom(5000)))
+    events += [Event(topic=topic, key="k", payload=f"small-{i}") for i in range(3, 6)]
+    add_events(engine, outbox, events)
+    # Producer batches must stay under the topic limit, so only the big row is rejected.
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, kafka_config={"batch.size": "1500"}))
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 6, timeout=20, what="6 rows")
+    table = rows(engine, outbox)
+    big = table[3]
+    assert big.status == "failed" and big.lease_owner is None
+    assert "MSG_SIZE_TOO_LARGE" in big.last_error
+    assert [r.status for r in table if r.id != big.id] == ["delivered"] * 6
+    assert relay.metric("outbox_rows_failed_total") == 1
+    messages = consume(kafka_bootstrap, topic, expected=6)
+    assert [m.value for m in messages] == [f"small-{i}".encode() for i in range(6)]
+
+    # A failed row is never touched again.
+    time.sleep(1.0)
+    assert rows(engine, outbox)[3] == big
+    assert relay.stop() == 0
+
+
+@pytest.mark.integration
+def test_unknown_topic_is_paused_without_burning_attempts_and_resumes_once_created(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    good = kafka_topics(partitions=1)
+    missing = f"okt_missing_{os.urandom(4).hex()}"
+    add_events(
+        engine,
+        outbox,
+        [Event(topic=missing, key=f"m{i}", payload=b"m") for i in range(5)]
+        + [Event(topic=good, key=f"g{i}", payload=b"g") for i in range(5)],
+    )
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(fast_settings(db_url, kafka_bootstrap, paused_topic_retry=1.0))
+        wait_for(lambda: logs.events("topic-paused"), timeout=20, what="topic-paused")
+        wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 5, timeout=20, what="good")
+        paused = logs.events("topic-paused")[0]
+        assert paused["topic"] == missing and paused["reason"] == "unknown-topic"
+        assert "create it" in str(paused["action"])
+        assert (
+            relay.metric("outbox_topic_paused", {"topic": missing, "reason": "unknown-topic"}) == 1
+        )
+        status, body = http_get(relay.relay.health.url + "/healthz/ready")
+        assert status == 200, "paused topics do not make the relay unready"
+        assert isinstance(body, dict) and missing in body["paused_topics"]
+        time.sleep(2.5)  # at least one more probe
+        waiting = [r for r in rows(engine, outbox) if r.topic == missing]
+        assert {r.status for r in waiting} <= {"retryable", "delivering"}
+        assert {r.attempts for r in waiting if r.status == "retryable"} == {0}, "not burnt"
+        assert "UNKNOWN_TOPIC" in waiting[0].last_error
+
+        kafka_topics(partitions=1, name=missing)
+        wait_for(
+            lambda: relay.metric("outbox_rows_delivered_total") == 10, timeout=30, what="resume"
+        )
+        assert logs.events("topic-resumed")[0]["topic"] == missing
+        assert (
+            relay.metric("outbox_topic_paused", {"topic": missing, "reason": "unknown-topic"}) == 0
+        )
+        assert relay.stop() == 0
+    assert len(consume(kafka_bootstrap, missing, expected=5)) >= 5
+    assert {r.attempts for r in rows(engine, outbox) if r.topic == missing} == {1}
+
+
+@pytest.mark.integration
+def test_stale_relay_cannot_finalize_or_release_reclaimed_rows(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(10)])
+    fast = {"lease_ttl": 4.0, "flush_timeout": 0.5, "kafka_config": {"message.timeout.ms": "1000"}}
+
+    stalled: list[Batch] = []
+
+    def stall(batch: Batch) -> None:  # relay A stops answering past its lease
+        stalled.append(batch)
+        time.sleep(5.5)
+
+    with capture_json_logs(level="INFO") as logs:
+        a = embedded(
+            fast_settings(db_url, kafka_bootstrap, node_id="relay-a", **fast), on_batch=stall
+        )
+        wait_for(lambda: stalled, timeout=10, what="relay A's claim")
+        b = embedded(fast_settings(db_url, kafka_bootstrap, node_id="relay-b", **fast))
+        wait_for(lambda: b.metric("outbox_rows_delivered_total") == 10, timeout=20, what="B")
+        assert b.metric("outbox_rows_reclaimed_total") == 10
+        wait_for(lambda: a.metric("outbox_lease_lost_total") == 10, timeout=10, what="A's finalize")
+        assert a.metric("outbox_rows_delivered_total") == 0
+        lost = logs.events("lease-lost")
+        assert lost and lost[0]["rows"] == 10
+        assert a.stop() == 0 and b.stop() == 0
+
+    after = rows(engine, outbox)
+    assert all(r.status == "delivered" and r.lease_owner == "relay-b" for r in after)
+    assert all(r.attempts == 2 for r in after)
+
+    # A's release (its drain path) is refused by the token check as well.
+    result = release(engine, outbox, stalled[0], stalled[0].rows, refund=True)
+    assert len(result.lease_lost) == 10 and result.counts[Fate.RELEASED] == 0
+    assert rows(engine, outbox) == after
+
+
+@pytest.mark.integration
+def test_concurrent_claimers_never_hold_the_same_row(engine: sa.Engine, outbox: str) -> None:
+    import threading
+
+    add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(3000)])
+    claimed: dict[str, list[int]] = {}
+
+    def claimer(owner: str) -> None:
+        ids: list[int] = []
+        while batch := claim_batch(
+            engine, outbox, owner=owner, shards=range(8), limit=25, lease_ttl=60
+        ):
+            ids += [r.id for r in batch.rows]
+        claimed[owner] = ids
+
+    threads = [threading.Thread(target=claimer, args=(f"c{i}",)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    every = [i for ids in claimed.values() for i in ids]
+    assert len(every) == len(set(every)) == 3000, "each row claimed exactly once"
+    assert sum(1 for ids in claimed.values() if ids) > 1, "the claimers really competed"
+    owners = {r.id: r.lease_owner for r in rows(engine, outbox)}
+    assert all(owners[i] == owner for owner, ids in claimed.items() for i in ids)
+
+
+@pytest.mark.integration
+def test_finalize_writes_one_statement_per_outcome_group(engine: sa.Engine, outbox: str) -> None:
+    add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(300)])
+    batch = claim_batch(engine, outbox, owner="o", shards=range(8), limit=300, lease_ttl=60)
+    assert batch is not None
+    decisions = [
+        Decision(r, Fate.DELIVERED, partition=0, offset=r.id)
+        if r.id % 3
+        else Decision(r, Fate.RELEASED, refund=True)
+        for r in batch.rows
+    ]
+    statements: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        result = finalize(engine, outbox, batch, decisions, backoff=None, delete_on_deliver=False)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+    assert result.counts[Fate.DELIVERED] == 200 and result.counts[Fate.RELEASED] == 100
+    writes = [s for s in statements if s.lstrip().upper().startswith("UPDATE")]
+    assert len(writes) == 2, "one UPDATE per outcome, not one per row"
+    table = {r.id: r for r in rows(engine, outbox)}
+    assert all(table[r.id].kafka_offset == r.id for r in batch.rows if r.id % 3)
+    assert all(table[r.id].attempts == 0 for r in batch.rows if not r.id % 3)
+
+
+@pytest.mark.integration
+def test_delete_on_deliver_removes_acknowledged_rows_only(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1, config={"max.message.bytes": "2000"})
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"small") for _ in range(4)])
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=os.urandom(5000))])
+    relay = embedded(
+        fast_settings(
+            db_url, kafka_bootstrap, delete_on_deliver=True, kafka_config={"batch.size": "1500"}
+        )
+    )
+    wait_for(lambda: relay.metric("outbox_rows_failed_total") == 1, timeout=20, what="outcomes")
+    assert relay.stop() == 0
+    assert relay.metric("outbox_rows_delivered_total") == 4
+    assert [r.status for r in rows(engine, outbox)] == ["failed"], "failed rows are kept"
+    assert len(consume(kafka_bootstrap, topic, expected=4)) == 4
+
+
+@pytest.mark.unit
+def test_timeouts_after_an_authentication_failure_pause_instead_of_burning() -> None:
+    from confluent_kafka import KafkaError
+
+    from outboxkit.relay.publish import Publisher
+
+    publisher = Publisher(fast_settings("mysql+pymysql://u:pw-x@127.0.0.1/db", "127.0.0.1:1"))
+    timeout = Report(
+        1, KafkaError._MSG_TIMED_OUT, "timed out", ErrorKind.RETRIABLE, None, None, 5.0
+    )
+    assert publisher.blame(timeout) is timeout, "a plain timeout stays retriable"
+    with capture_json_logs(level="INFO") as logs:
+        publisher._on_error(KafkaError(KafkaError._AUTHENTICATION, "SASL authentication failed"))
+    assert logs.events("kafka-error")[0]["code"] == "_AUTHENTICATION"
+    blamed = publisher.blame(
+        Report(1, KafkaError._MSG_TIMED_OUT, "timed out", ErrorKind.RETRIABLE, None, None, 1e12)
+    )
+    assert blamed.kind is ErrorKind.RETRIABLE, "outside the window it is a timeout again"
+    now = time.monotonic()
+    recent = Report(1, KafkaError._MSG_TIMED_OUT, "t", ErrorKind.RETRIABLE, None, None, now)
+    blamed = publisher.blame(recent)
+    assert blamed.kind is ErrorKind.CONFIG_FAULT and "_AUTHENTICATION" in (blamed.error or "")
+    (decision,) = decide([_row(1, b"k")], {1: blamed}, max_attempts=1, refund_unknown=True)
+    assert decision.fate is Fate.PAUSED and decision.pause_reason == "authentication"

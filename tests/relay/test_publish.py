@@ -1,0 +1,140 @@
+"""Kafka faults on a dedicated broker that the tests stop and start: an outage,
+and rows that use up their attempts."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient, NewTopic
+from relay_support import (
+    EmbeddedRelay,
+    add_events,
+    consume,
+    fast_settings,
+    missing_service,
+    rows,
+    status_counts,
+    wait_for,
+)
+from support.services import KafkaInstance, free_ports
+
+from outboxkit import Event
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+BROKER_DOWN = {
+    "batch_size": 50,
+    "lease_ttl": 4.0,
+    "flush_timeout": 0.5,
+    "backoff_base": 0.3,
+    "backoff_cap": 3.0,
+    "kafka_config": {"message.timeout.ms": "1000", "reconnect.backoff.max.ms": "500"},
+}
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[KafkaInstance]:
+    kafka = KafkaInstance(f"relay-{uuid.uuid4().hex[:6]}", *free_ports(2))
+    try:
+        kafka.start(fresh=True)
+    except Exception as exc:
+        missing_service(f"dedicated Kafka broker did not start: {exc}")
+    yield kafka
+    kafka.stop()
+
+
+def _topic(kafka: KafkaInstance, partitions: int = 3) -> str:
+    name = f"okt_{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
+    futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+    futures[name].result(timeout=20)
+    return name
+
+
+def test_broker_down_rows_retry_with_growing_backoff_then_all_delivered(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    broker: KafkaInstance,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    broker.start()
+    topic = _topic(broker)
+    add_events(
+        engine, outbox, [Event(topic=topic, key=f"k{i % 10}", payload=b"a") for i in range(100)]
+    )
+    relay = embedded(fast_settings(db_url, broker.bootstrap, max_attempts=40, **BROKER_DOWN))
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 100, timeout=20, what="first")
+
+    broker.stop()
+    add_events(
+        engine, outbox, [Event(topic=topic, key=f"k{i % 10}", payload=b"b") for i in range(200)]
+    )
+    wait_for(lambda: relay.metric("outbox_rows_retryable_total") >= 50, timeout=20, what="retries")
+    first = {r.id: r for r in rows(engine, outbox) if r.status == "retryable"}
+    time.sleep(6)
+    later = {r.id: r for r in rows(engine, outbox)}
+    again = [
+        i for i in first if later[i].status == "retryable" and later[i].attempts > first[i].attempts
+    ]
+    assert again, "rows were retried during the outage"
+    assert all(later[i].next_attempt_at > first[i].next_attempt_at for i in again)
+    assert max(later[i].attempts for i in again) >= 2
+    assert all(
+        "_MSG_TIMED_OUT" in (later[i].last_error or "")
+        or "_TRANSPORT" in (later[i].last_error or "")
+        for i in again
+    )
+    assert "failed" not in status_counts(engine, outbox)
+    assert relay.relay.lifecycle.state.value == "running" and relay.thread.is_alive()
+    assert relay.relay.supervisor.crashes == 0
+
+    broker.start()
+    wait_for(
+        lambda: status_counts(engine, outbox) == {"delivered": 300}, timeout=90, what="recovery"
+    )
+    assert relay.stop() == 0
+
+    table = rows(engine, outbox)
+    messages = consume(broker.bootstrap, topic, expected=300)
+    first_copy: dict[str, tuple[int, int]] = {}
+    for m in messages:
+        eid = m.headers["event_id"].decode()
+        first_copy[eid] = min(first_copy.get(eid, (m.partition, m.offset)), (m.partition, m.offset))
+    assert set(first_copy) == {r.event_id for r in table}, "nothing lost"
+    per_key: dict[object, list[tuple[int, int]]] = defaultdict(list)
+    for r in table:
+        per_key[r.message_key].append(first_copy[r.event_id])
+    assert all(v == sorted(v) for v in per_key.values()), "per-key order held through the outage"
+
+
+def test_max_attempts_fails_the_row_and_the_relay_never_touches_it_again(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    broker: KafkaInstance,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    broker.start()
+    topic = _topic(broker, partitions=1)
+    relay = embedded(fast_settings(db_url, broker.bootstrap, max_attempts=2, **BROKER_DOWN))
+    broker.stop()
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"doomed") for _ in range(5)])
+    wait_for(lambda: status_counts(engine, outbox) == {"failed": 5}, timeout=30, what="failed")
+    failed = rows(engine, outbox)
+    assert all(r.attempts == 2 and "(attempt 2/2)" in r.last_error for r in failed)
+    assert all(r.lease_owner is None and r.lease_token is None for r in failed)
+    assert relay.metric("outbox_rows_failed_total") == 5
+
+    broker.start()
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"fresh")])
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 1, timeout=60, what="fresh")
+    time.sleep(1)
+    assert relay.stop() == 0
+    assert rows(engine, outbox)[:5] == failed, "failed rows are never touched again"
+    assert [m.value for m in consume(broker.bootstrap, topic, expected=1)] == [b"fresh"]

@@ -1,0 +1,84 @@
+"""Unexpected exceptions inside a batch: restarted with backoff, never once draining."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from relay_support import EmbeddedRelay, add_events, fast_settings, rows, status_counts, wait_for
+
+from outboxkit import Event
+from outboxkit.relay import Batch, Relay
+from outboxkit.runtime import EXIT_FAILURE
+from outboxkit.runtime.testing import capture_json_logs
+
+pytestmark = pytest.mark.integration
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_injected_exception_restarts_the_loop_with_backoff_and_keeps_the_attempt(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
+    crashes = iter([Boom("first"), Boom("second")])
+
+    def fault(batch: Batch) -> None:
+        exc = next(crashes, None)
+        if exc is not None:
+            raise exc
+
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(fast_settings(db_url, kafka_bootstrap), on_batch=fault)
+        wait_for(lambda: status_counts(engine, outbox) == {"delivered": 5}, timeout=20, what="rows")
+        assert relay.stop() == 0
+    crashed = logs.events("worker-crashed")
+    assert [c["restart_in_s"] for c in crashed] == [1.0, 2.0], "the backoff series"
+    assert [c["worker"] for c in crashed] == ["relay", "relay"]
+    assert "Boom: first" in str(crashed[0]["error"]) and "Traceback" in str(crashed[0]["exc"])
+    assert relay.metric("service_worker_restarts_total", {"worker": "relay"}) == 2
+    assert relay.metric("outbox_rows_released_total") == 10, "the batch released twice"
+    # Two crashed claims kept their attempt (no refund), the third delivered.
+    assert {r.attempts for r in rows(engine, outbox)} == {3}
+
+
+def test_exception_during_drain_is_not_restarted_and_rows_are_released(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
+    holder: list[Relay] = []
+
+    def drain_then_crash(batch: Batch) -> None:
+        holder[0].drain()
+        raise Boom("while draining")
+
+    relay = Relay(fast_settings(db_url, kafka_bootstrap), on_batch=drain_then_crash)
+    holder.append(relay)
+    codes: list[int] = []
+    with capture_json_logs(level="INFO") as logs:
+        thread = threading.Thread(target=lambda: codes.append(relay.run()))
+        thread.start()
+        thread.join(30)
+    assert codes == [EXIT_FAILURE]
+    assert logs.events("worker-crashed-during-drain")
+    assert not logs.events("worker-crashed"), "never restarted once draining"
+    exit_line = logs.events("relay-exit")[0]
+    assert exit_line["result"] == "error" and exit_line["unknown"] == 5
+    assert exit_line["batch_size"] == 5 and exit_line["left_leased"] == 0
+    assert status_counts(engine, outbox) == {"retryable": 5}
+    assert {r.attempts for r in rows(engine, outbox)} == {1}, "released without refund"
