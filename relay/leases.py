@@ -57,8 +57,8 @@ from redis.commands.core import Script
 from redis.retry import Retry
 from sqlalchemy.engine import Connection
 
-from outboxkit.runtime.errors import ConfigError
-from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.logs import log_event, redact
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
 
 __all__ = [
@@ -232,12 +232,16 @@ class LeaseSettings:
 class ShardLeaseMetrics:
     """The shard-lease metrics, registered on the relay's registry."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.owned = Gauge(
-            "outbox_shards_owned",
-            "Shards whose lease this relay holds and can prove (renewed in time)",
-            registry=registry,
-        )
+    def __init__(self, registry: CollectorRegistry, *, owned_gauge: bool = True) -> None:
+        # The relay keeps its own ``outbox_shards_owned`` (shards it may claim from);
+        # standalone, the leases keep it: leases held and proven.
+        self.owned: Gauge | None = None
+        if owned_gauge:
+            self.owned = Gauge(
+                "outbox_shards_owned",
+                "Shards whose lease this relay holds and can prove (renewed in time)",
+                registry=registry,
+            )
         self.acquired = Counter(
             "outbox_shard_lease_acquired",
             "Shard leases acquired (SET NX succeeded)",
@@ -290,6 +294,7 @@ class RedisShardLeases:
         shard_count: int,
         settings: LeaseSettings | None = None,
         registry: CollectorRegistry | None = None,
+        owned_gauge: bool = True,
         logger: logging.Logger | None = None,
     ) -> None:
         self.table = validate_identifier(table)
@@ -302,7 +307,7 @@ class RedisShardLeases:
         self.settings = settings or LeaseSettings()
         self.settings.validate()
         self.log = logger or _log
-        self.metrics = ShardLeaseMetrics(registry or CollectorRegistry())
+        self.metrics = ShardLeaseMetrics(registry or CollectorRegistry(), owned_gauge=owned_gauge)
         timeout = self.settings.command_timeout
         if isinstance(redis_client, str):
             # No client-side retries: the tick loop is the retry, and a tick must
@@ -337,6 +342,21 @@ class RedisShardLeases:
         self._kick = threading.Event()
         self._leaving = False
         self._thread: threading.Thread | None = None
+
+    def check_reachable(self, timeout: float) -> None:
+        """Raise DependencyError (and close) unless Redis answers within ``timeout`` s;
+        the relay calls it at start, like its database and Kafka checks."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._redis.ping()
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    self.close()
+                    error = redact(f"{type(exc).__name__}: {exc}")
+                    raise DependencyError(f"Redis unreachable for shard leases: {error}") from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
     # -- ShardOwnership ------------------------------------------------------
 
@@ -391,7 +411,7 @@ class RedisShardLeases:
                         self.log, "shard-released", table=self.table, shard=shard, reason="drain"
                     )
             self._lost.clear()
-            self.metrics.owned.set(len(self._held))
+        self._set_owned_gauge()
 
     def close(self) -> None:
         with self._lock:
@@ -470,6 +490,11 @@ class RedisShardLeases:
         else:
             self._redis_state(True)
         self._check_deadlines()
+        self._set_owned_gauge()
+
+    def _set_owned_gauge(self) -> None:
+        if self.metrics.owned is None:
+            return
         with self._lock:
             self.metrics.owned.set(sum(1 for h in self._held.values() if not h.unproven))
 

@@ -5,10 +5,12 @@
 :meth:`RedisWaker.wait` returns as soon as it is set. A burst of hints
 coalesces into one early return. When Redis drops, the thread reconnects on
 its own (with backoff) and wakes the loop once after reconnecting, since hints
-sent meanwhile were lost; until then the relay simply polls. :class:`PollWaker`
-is the waiter without Redis.
+sent meanwhile were lost; until then the relay simply polls. Without Redis the
+relay uses :class:`~outboxkit.relay.shards.PollWaker`.
 
-Both return at once when the process starts draining.
+It returns at once when the process starts draining: the relay calls
+:meth:`RedisWaker.wake` when the drain begins, and a ``Lifecycle`` or
+``threading.Event`` passed in is watched as well.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from redis.retry import Retry
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event, redact_url
 
-__all__ = ["PollWaker", "RedisWaker"]
+__all__ = ["RedisWaker"]
 
 _log = logging.getLogger("outboxkit.relay.wakeup")
 
@@ -51,8 +53,10 @@ class _DrainAware:
             self._draining = lifecycle_or_event
             self._watch_draining = True
 
+    _woken_for_good = False
+
     def _is_draining(self) -> bool:
-        return self._draining is not None and self._draining.is_set()
+        return self._woken_for_good or (self._draining is not None and self._draining.is_set())
 
     def _sleep(self, timeout: float) -> None:
         if timeout <= 0 or self._is_draining():
@@ -65,19 +69,6 @@ class _DrainAware:
             left = deadline - time.monotonic()
             if left <= 0 or self._wake.wait(min(left, _EVENT_SLICE_S)):
                 return
-
-
-class PollWaker(_DrainAware):
-    """Waits the poll interval; returns early only when draining."""
-
-    def __init__(self, lifecycle_or_event: Lifecycle | threading.Event | None = None) -> None:
-        super().__init__(lifecycle_or_event)
-
-    def wait(self, timeout: float) -> None:
-        self._sleep(timeout)
-
-    def close(self) -> None:
-        self._wake.set()
 
 
 class RedisWaker(_DrainAware):
@@ -117,9 +108,14 @@ class RedisWaker(_DrainAware):
             # point wakes the next wait; a row committed before is seen by the claim.
             self._wake.clear()
 
+    def wake(self) -> None:
+        """The drain began: this and every later :meth:`wait` return at once."""
+        self._woken_for_good = True
+        self._wake.set()
+
     def close(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.wake()
         self._thread.join(timeout=_READ_SLICE_S * 4 + 1)
 
     # -- subscriber thread -----------------------------------------------------
