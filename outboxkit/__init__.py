@@ -21,6 +21,7 @@ from outboxkit.errors import (
     TransientError,
     UnserializablePayloadError,
 )
+from outboxkit.wakeup import enable_wakeups, notify_relays
 from outboxkit.writer import Event, enqueue, enqueue_many, uuid7
 
 try:
@@ -43,7 +44,9 @@ __all__ = [
     "TransientError",
     "UnserializablePayloadError",
     "__version__",
+    "enable_wakeups",
     "enqueue",
     "enqueue_many",
+    "notify_relays",
     "uuid7",
 ]

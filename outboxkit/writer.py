@@ -44,6 +44,7 @@ from outboxkit.schema.table import (
     outbox_table,
     validate_identifier,
 )
+from outboxkit.wakeup import mark_enqueued
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "Event", "enqueue", "enqueue_many", "uuid7"]
 
@@ -125,6 +126,7 @@ def enqueue_many(
     )
     for chunk in _chunks(rows):
         conn.execute(stmt, chunk)
+    mark_enqueued(target, conn, table)  # for wake-up hints after commit, when enabled
     return [row["event_id"] for row in rows]
 
 

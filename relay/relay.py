@@ -30,11 +30,13 @@ from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, claim_batch
 from outboxkit.relay.drain import ExitRecord, log_exit_record, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
+from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
 from outboxkit.relay.metrics import RelayMetrics, sample_backlog
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker
+from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime import (
     EXIT_CONFIG,
     EXIT_DEPENDENCY,
@@ -53,6 +55,7 @@ from outboxkit.runtime import (
     redact,
 )
 from outboxkit.schema.apply import read_shard_count
+from outboxkit.wakeup import wakeup_channel
 
 __all__ = ["PUSH_JOB", "Relay"]
 
@@ -120,6 +123,8 @@ class Relay:
         self._own_engine = engine is None
         self._ownership = ownership
         self._waker: Waker = waker if waker is not None else PollWaker()
+        self._own_waker = waker is None
+        self._foreign: ForeignRelayMonitor | None = None
         self._on_batch = on_batch
         self._publisher: Publisher | None = None
         self._held: _Held | None = None
@@ -339,6 +344,8 @@ class Relay:
         try:
             with self.engine.connect() as conn:
                 counts, age = sample_backlog(conn, self.settings.table)
+                if self._foreign is not None:
+                    self._foreign.check(conn)
         except Exception as exc:  # a metrics hook never breaks the loop
             log_event(log, "backlog-sample-failed", level=logging.WARNING, error=redact(str(exc)))
             return
@@ -383,9 +390,13 @@ class Relay:
             self._open.append("kafka-producer")
             self._publisher.check_reachable(s.connect_timeout)
             if self._ownership is None:
-                self._ownership = AllShards(shard_count)
+                self._ownership = self._default_ownership(shard_count)
             self._ownership.start(self._inflight_shards)
             self._open.append("shard-ownership")
+            if self._own_waker and s.redis_url and s.wakeups:
+                channel = wakeup_channel(s.table, s.redis_prefix)
+                self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
+                self._open.append("redis-wakeups")
             self.health.start()
         except ConfigError as exc:
             return self._failed_start("config", EXIT_CONFIG, exc)
@@ -400,6 +411,31 @@ class Relay:
             settings=describe(s),
         )
         return None
+
+    def _default_ownership(self, shard_count: int) -> ShardOwnership:
+        """Redis shard leases when ``redis_url`` is set; else every shard, and a watch
+        for a second relay on the table (which would give up per-key order)."""
+        s = self.settings
+        if not s.redis_url:
+            self._foreign = ForeignRelayMonitor(s.table, s.node_id, log)
+            return AllShards(shard_count)
+        leases = RedisShardLeases(
+            s.redis_url,
+            table=s.table,
+            node_id=s.node_id,
+            shard_count=shard_count,
+            settings=LeaseSettings(
+                ttl=s.shard_lease_ttl,
+                renew_interval=s.shard_renew_interval,
+                batch_budget=s.shard_batch_budget(),
+                prefix=s.redis_prefix,
+            ),
+            registry=self.registry,
+            owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
+            logger=log,
+        )
+        leases.check_reachable(s.connect_timeout)
+        return leases
 
     def _failed_start(self, kind: str, code: int, exc: BaseException) -> int:
         error = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
@@ -464,6 +500,8 @@ class Relay:
             publisher = self._publisher
             budget = min(_CLOSE_BUDGET, max(0.0, self.lifecycle.remaining() - 1.0))
             self._step("kafka-producer", lambda: self._log_unsent(publisher.close(budget)))
+        if "redis-wakeups" in self._open and isinstance(self._waker, RedisWaker):
+            self._step("redis-wakeups", self._waker.close)
         if "database" in self._open and self._engine is not None and self._own_engine:
             self._step("database", self._engine.dispose)
         self._open.clear()

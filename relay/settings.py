@@ -101,6 +101,24 @@ class RelaySettings(RuntimeSettings):
         help="seconds to reach the database and Kafka at start before exiting with code 3",
         validate=positive,
     )
+    # Several relays: shard leases and wake-up hints in Redis (--redis-url); docs/scaling.md.
+    redis_prefix: str = setting(
+        "", help="prefix of every Redis key and channel (a {hash tag} for Redis Cluster)"
+    )
+    shard_lease_ttl: float = setting(
+        45.0,
+        help="with --redis-url: TTL of a shard lease in Redis; a dead relay's shards are taken "
+        "over after it; must exceed 2 x --shard-renew-interval + the batch deadline + 1 s",
+        validate=positive,
+    )
+    shard_renew_interval: float = setting(
+        5.0, help="with --redis-url: seconds between shard lease renewals", validate=positive
+    )
+    wakeups: bool = setting(
+        True,
+        help="with --redis-url: claim as soon as a writer's wake-up hint arrives instead of "
+        "waiting for --poll-interval",
+    )
 
     def message_timeout_ms(self) -> int:
         """``message.timeout.ms`` as the producer will use it."""
@@ -111,6 +129,10 @@ class RelaySettings(RuntimeSettings):
         if self.batch_deadline is not None:
             return self.batch_deadline
         return self.message_timeout_ms() / 1000 + 2.0
+
+    def shard_batch_budget(self) -> float:
+        """Longest a claimed batch stays unsettled: its deadline plus time to finalize."""
+        return self.effective_batch_deadline() + 1.0
 
     def validate(self) -> list[str]:
         problems = list(super().validate())
@@ -146,6 +168,15 @@ class RelaySettings(RuntimeSettings):
                 "invalid --lease-ttl / OUTBOXKIT_LEASE_TTL: must exceed the batch deadline "
                 "(--batch-deadline, default message.timeout.ms + 2 s) plus --flush-timeout "
                 f"({self.lease_ttl} <= {deadline} + {self.flush_timeout})"
+            )
+        # A relay that cannot renew must stop claiming a batch's budget before its shard
+        # lease can expire, and still have a renewal in between (docs/scaling.md).
+        budget = self.shard_batch_budget()
+        if self.redis_url and self.shard_lease_ttl <= 2 * self.shard_renew_interval + budget:
+            problems.append(
+                "invalid --shard-lease-ttl / OUTBOXKIT_SHARD_LEASE_TTL: must exceed 2 x "
+                "--shard-renew-interval plus the batch deadline + 1 s "
+                f"({self.shard_lease_ttl} <= 2 x {self.shard_renew_interval} + {budget})"
             )
         if self.flush_timeout >= self.shutdown_timeout:
             problems.append(

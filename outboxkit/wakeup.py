@@ -1,0 +1,278 @@
+"""Wake-up hints: tell relays, right after a commit, that rows are waiting.
+
+Relays poll the outbox every ``poll_interval``; a hint on the Redis channel
+``{prefix}outboxkit:{table}:wakeup`` makes them claim at once, so a quiet system
+delivers in milliseconds without hot polling. Hints are an optimisation only: a
+lost hint (Redis down, a relay reconnecting) costs at most one poll interval,
+never a row.
+
+Two ways to send them, both opt-in:
+
+* :func:`enable_wakeups` on an ``Engine`` or a ``sessionmaker`` / ``Session``:
+  the writer marks the transaction when ``enqueue`` writes rows, and a listener
+  sends one hint per table after that transaction **commits** (nothing on
+  rollback, nothing for transactions that enqueued nothing). Hints go out from a
+  background thread, so a commit never waits for Redis, and a burst of commits
+  coalesces into fewer hints while one is being sent.
+* :func:`notify_relays` called by the application after its own commit.
+
+With an ``Engine``, a Core connection publishes when it begins its next
+transaction or goes back to the pool after the commit (SQLAlchemy has no
+after-commit event for connections); a connection kept idle after ``commit()``
+sends its hint late. Sessions publish from ``after_commit``. Enable wake-ups on
+one of the two for the same database, or each commit sends two hints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
+
+from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
+
+__all__ = [
+    "WakeupHook",
+    "WakeupPublisher",
+    "enable_wakeups",
+    "mark_enqueued",
+    "notify_relays",
+    "wakeup_channel",
+]
+
+_log = logging.getLogger("outboxkit.wakeup")
+
+#: ``info`` key (of a Session or a Connection) holding the tables written to in
+#: the current transaction.
+ENQUEUED = "outboxkit.wakeup.enqueued"
+# Tables of a Core transaction whose commit was sent; published once it is known
+# to have succeeded (the connection begins again or goes back to the pool).
+_COMMITTED = "outboxkit.wakeup.committed"
+
+_HINT = b"1"
+
+
+def wakeup_channel(table: str = DEFAULT_TABLE, prefix: str = "") -> str:
+    """The pub/sub channel relays of ``table`` listen on."""
+    return f"{prefix}outboxkit:{validate_identifier(table)}:wakeup"
+
+
+def mark_enqueued(target: Connection | Session, conn: Connection, table: str) -> None:
+    """Record that this transaction wrote rows to ``table`` (called by the writer).
+
+    Costs a dict update; does nothing else unless :func:`enable_wakeups` listens.
+    """
+    if isinstance(target, Session):
+        target.info.setdefault(ENQUEUED, set()).add(table)
+    conn.info.setdefault(ENQUEUED, set()).add(table)
+
+
+def notify_relays(
+    redis_client: redis.Redis[Any], table: str = DEFAULT_TABLE, *, prefix: str = ""
+) -> bool:
+    """Publish one hint for ``table`` now; call it after your commit.
+
+    Returns False (and logs at debug level) when Redis cannot be reached: the
+    relays will still find the rows at their next poll.
+    """
+    try:
+        redis_client.publish(wakeup_channel(table, prefix), _HINT)
+    except redis.RedisError as exc:
+        _log.debug("wake-up hint not sent: %s: %s", type(exc).__name__, exc)
+        return False
+    return True
+
+
+class WakeupPublisher:
+    """Sends hints from a background thread so callers never wait for Redis.
+
+    :meth:`hint` only records the tables; the thread publishes one hint per
+    table for everything recorded since its last publish. Failures are logged
+    once per outage and the hints dropped.
+    """
+
+    def __init__(
+        self, redis_client: str | redis.Redis[Any], *, prefix: str = "", timeout: float = 1.0
+    ) -> None:
+        if isinstance(redis_client, str):
+            self._redis: redis.Redis[Any] = redis.Redis.from_url(
+                redis_client, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+            self._own_client = True
+        else:
+            self._redis = redis_client
+            self._own_client = False
+        self.prefix = prefix
+        self._cond = threading.Condition()
+        self._pending: set[str] = set()
+        self._busy = False
+        self._closed = False
+        self._failing = False
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self.sent = 0
+
+    def hint(self, tables: Iterable[str]) -> None:
+        """Queue a hint for each table; never blocks, never raises."""
+        with self._cond:
+            if self._closed:
+                return
+            self._pending.update(tables)
+            self._ensure_thread()
+            self._cond.notify()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued hint was sent (or dropped); True if it was."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
+        if self._own_client:
+            self._redis.close()
+
+    def _ensure_thread(self) -> None:
+        # Caller holds the condition. A forked child has no thread: start its own.
+        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+            return
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="outboxkit-wakeup", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if self._closed and not self._pending:
+                    return
+                tables, self._pending = sorted(self._pending), set()
+                self._busy = True
+            try:
+                for table in tables:
+                    self._publish(table)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _publish(self, table: str) -> None:
+        try:
+            self._redis.publish(wakeup_channel(table, self.prefix), _HINT)
+        except Exception as exc:  # a hint must never break anything
+            if not self._failing:
+                self._failing = True
+                _log.warning(
+                    "wake-up hints cannot be sent (relays fall back to polling): %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
+            return
+        if self._failing:
+            self._failing = False
+            _log.info("wake-up hints are sent again")
+        self.sent += 1
+
+
+SessionTarget = Session | sessionmaker[Any] | scoped_session[Any] | type[Session]
+
+
+class WakeupHook:
+    """What :func:`enable_wakeups` installed; :meth:`disable` removes it."""
+
+    def __init__(self, target: Engine | SessionTarget, publisher: WakeupPublisher) -> None:
+        self.target = target
+        self.publisher = publisher
+        self._listeners: list[tuple[Any, str, Any]] = []
+
+    def _listen(self, target: Any, name: str, fn: Any) -> None:
+        event.listen(target, name, fn)
+        self._listeners.append((target, name, fn))
+
+    def disable(self) -> None:
+        """Remove the listeners and stop the publisher (after sending what is queued)."""
+        for target, name, fn in self._listeners:
+            event.remove(target, name, fn)
+        self._listeners.clear()
+        self.publisher.flush(timeout=2.0)
+        self.publisher.close()
+
+
+def enable_wakeups(
+    target: Engine | SessionTarget,
+    redis_client: str | redis.Redis[Any],
+    *,
+    prefix: str = "",
+) -> WakeupHook:
+    """Publish a wake-up hint after every commit that enqueued rows.
+
+    ``target`` is the ``Engine`` the service writes through, or its
+    ``sessionmaker`` / ``scoped_session`` / ``Session`` (class or instance).
+    ``prefix`` must match the relays' Redis prefix (``OUTBOXKIT_REDIS_PREFIX``).
+    """
+    hook = WakeupHook(target, WakeupPublisher(redis_client, prefix=prefix))
+    if isinstance(target, Engine):
+        _listen_engine(hook, target)
+    else:
+        _listen_session(hook, target)
+    return hook
+
+
+def _listen_session(hook: WakeupHook, target: SessionTarget) -> None:
+    publisher = hook.publisher
+
+    def after_commit(session: Session) -> None:
+        tables = session.info.pop(ENQUEUED, None)
+        if tables:
+            publisher.hint(tables)
+
+    def after_rollback(session: Session) -> None:
+        session.info.pop(ENQUEUED, None)
+
+    hook._listen(target, "after_commit", after_commit)
+    hook._listen(target, "after_rollback", after_rollback)
+
+
+def _listen_engine(hook: WakeupHook, engine: Engine) -> None:
+    publisher = hook.publisher
+
+    def publish_committed(info: dict[Any, Any]) -> None:
+        tables = info.pop(_COMMITTED, None)
+        if tables:
+            publisher.hint(tables)
+
+    def on_commit(conn: Connection) -> None:
+        # Fired *before* the DBAPI commit: hold the tables until it succeeded.
+        tables = conn.info.pop(ENQUEUED, None)
+        if tables:
+            conn.info.setdefault(_COMMITTED, set()).update(tables)
+
+    def on_rollback(conn: Connection) -> None:
+        # Also fired when the commit itself failed: nothing was committed.
+        conn.info.pop(ENQUEUED, None)
+        conn.info.pop(_COMMITTED, None)
+
+    def on_begin(conn: Connection) -> None:
+        publish_committed(conn.info)
+
+    def on_checkin(dbapi_connection: Any, record: Any) -> None:
+        if record is None:
+            return
+        publish_committed(record.info)
+        record.info.pop(ENQUEUED, None)  # never committed; the pool rolls it back
+
+    hook._listen(engine, "commit", on_commit)
+    hook._listen(engine, "rollback", on_rollback)
+    hook._listen(engine, "begin", on_begin)
+    hook._listen(engine, "checkin", on_checkin)

@@ -1,0 +1,745 @@
+"""Shard leases in Redis: each shard served by one relay at a time, shared fairly.
+
+Per-key order across relays rests on one rule: a shard (and so every key hashed
+to it) is claimed from by at most one relay at a time. :class:`RedisShardLeases`
+implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
+
+* **Lease** per shard: key ``{prefix}outboxkit:{table}:shard:{n}`` holding
+  ``node_id:token`` with a PX TTL, taken with ``SET NX PX``. Renewal (PEXPIRE)
+  and release (DEL) run as Lua compare-and-set on the exact value, so a relay
+  never extends or deletes a lease it cannot prove is its own.
+* **Proof of ownership** is local and monotonic: a shard is claimable only while
+  ``now < t + ttl - safety_margin``, where ``t`` is the moment the last
+  successful acquire or renew command was *sent* (Redis starts the TTL later,
+  so the local deadline always falls first). The margin is one renew period
+  plus the relay's batch budget: a relay that cannot renew stops claiming early
+  enough for its last batch to finish before the lease can expire.
+* **Membership**: a sorted set ``{prefix}outboxkit:{table}:members`` scored with
+  each relay's heartbeat expiry (Redis server time). Every relay computes the
+  same deterministic split of shards over the live members
+  (:func:`assign_shards`: rendezvous hashing with quotas, every member gets
+  ``floor`` or ``ceil`` of ``shards / members``), so nobody coordinates.
+* **Handover**: a shard that is no longer this relay's target stops being
+  claimable at once; it is released (CAS) only after the loop has asked for
+  claimable shards again (so a claim that started before is over) and
+  ``inflight_shards()`` no longer contains it. A shard whose renewal failed is
+  forgotten under the same condition.
+* **Dead relay**: its heartbeat expires just after its leases (both carry the
+  same TTL, the renewals are sent first), so a survivor that sees it gone finds
+  the leases free and takes the shards within one renew period after the TTL.
+* **Redis down**: renewals fail, deadlines pass, :meth:`claimable` shrinks to
+  nothing; the renewal thread keeps trying and everything resumes on its own.
+  A lease that still carries our value after the outage is renewed (nobody else
+  can have held it); one that is gone or taken is dropped and re-acquired.
+
+Without Redis one relay owns every shard (:class:`~outboxkit.relay.shards.AllShards`);
+:class:`ForeignRelayMonitor` notices a second relay on the same table and says
+loudly that per-key order is no longer guaranteed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.backoff import NoBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+from sqlalchemy.engine import Connection
+
+from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.logs import log_event, redact
+from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+
+__all__ = [
+    "ForeignRelayMonitor",
+    "LeaseSettings",
+    "RedisShardLeases",
+    "ShardLeaseMetrics",
+    "assign_shards",
+    "detect_foreign_relays",
+    "lease_key",
+    "members_key",
+]
+
+_log = logging.getLogger("outboxkit.relay.leases")
+
+# Tick faster than the renew period while a handover or an acquisition is
+# pending, so shards change hands in a fraction of a second, not a period.
+_FAST_TICK_S = 0.25
+
+# KEYS: lease keys; ARGV[1]: ttl ms; ARGV[i + 1]: value for KEYS[i].
+# Per key: 1 = done, 0 = key missing, -1 = held by someone else.
+_RENEW_LUA = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v == ARGV[i + 1] then
+    redis.call('PEXPIRE', key, ARGV[1])
+    out[i] = 1
+  elseif v then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+_RELEASE_LUA = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v == ARGV[i + 1] then
+    redis.call('DEL', key)
+    out[i] = 1
+  elseif v then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+_ACQUIRE_LUA = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('SET', key, ARGV[i + 1], 'NX', 'PX', ARGV[1]) then
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# KEYS[1]: members zset; ARGV[1]: node id; ARGV[2]: ttl ms; ARGV[3]: '1' join, '0' leave.
+# Scores are expiry times in Redis server milliseconds, so pod clocks never matter.
+_HEARTBEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[3] == '1' then
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+redis.call('PEXPIRE', KEYS[1], ttl * 2)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+
+def lease_key(prefix: str, table: str, shard: int) -> str:
+    return f"{prefix}outboxkit:{table}:shard:{shard}"
+
+
+def members_key(prefix: str, table: str) -> str:
+    return f"{prefix}outboxkit:{table}:members"
+
+
+def _weight(member: str, shard: int) -> int:
+    digest = hashlib.blake2b(f"{member}\x00{shard}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def assign_shards(shard_count: int, members: Iterable[str]) -> dict[str, frozenset[int]]:
+    """The split of shards over ``members`` that every relay computes identically.
+
+    Rendezvous hashing with quotas: (shard, member) pairs are taken in order of a
+    stable hash weight, and a member takes a shard while it has fewer than
+    ``floor(shards / members)``, or one more while fewer than ``shards % members``
+    members have reached that. Every member ends with ``floor`` or ``ceil`` shards
+    (a split within +-1 of fair), and a join or a leave moves few shards.
+    """
+    names = sorted(set(members))
+    if not names:
+        return {}
+    base, extra = divmod(shard_count, len(names))
+    counts = dict.fromkeys(names, 0)
+    owned: dict[str, set[int]] = {m: set() for m in names}
+    at_ceiling = 0
+    taken: set[int] = set()
+    pairs = sorted(((_weight(m, s), m, s) for s in range(shard_count) for m in names), reverse=True)
+    for _, member, shard in pairs:
+        if shard in taken:
+            continue
+        n = counts[member]
+        if n < base or (n == base and at_ceiling < extra):
+            if n == base:
+                at_ceiling += 1
+            counts[member] = n + 1
+            owned[member].add(shard)
+            taken.add(shard)
+            if len(taken) == shard_count:
+                break
+    return {m: frozenset(s) for m, s in owned.items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseSettings:
+    """Timing of shard leases.
+
+    ``batch_budget`` is the longest a claimed batch may take until it is
+    finalized or released (the relay's batch deadline plus finalize time). A
+    shard stops being claimable ``renew_interval + batch_budget`` before the
+    lease could expire, so ``ttl`` must exceed ``2 * renew_interval + batch_budget``.
+    """
+
+    ttl: float = 15.0
+    renew_interval: float = 2.5
+    batch_budget: float = 5.0
+    prefix: str = ""
+    redis_timeout: float | None = None
+
+    @property
+    def safety_margin(self) -> float:
+        return self.renew_interval + self.batch_budget
+
+    @property
+    def command_timeout(self) -> float:
+        if self.redis_timeout is not None:
+            return self.redis_timeout
+        return max(0.2, min(2.0, self.renew_interval / 2))
+
+    def validate(self) -> None:
+        errors: list[str] = []
+        for name in ("ttl", "renew_interval", "batch_budget"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                errors.append(f"shard lease {name} must be a finite number > 0 (got {value!r})")
+        if not errors and self.ttl - self.safety_margin <= self.renew_interval:
+            errors.append(
+                f"shard lease ttl ({self.ttl:g} s) must exceed 2 x renew interval "
+                f"({self.renew_interval:g} s) + batch budget ({self.batch_budget:g} s), "
+                "or a relay would stop claiming between two renewals"
+            )
+        if errors:
+            raise ConfigError("; ".join(errors), errors=errors)
+
+
+class ShardLeaseMetrics:
+    """The shard-lease metrics, registered on the relay's registry."""
+
+    def __init__(self, registry: CollectorRegistry, *, owned_gauge: bool = True) -> None:
+        # The relay keeps its own ``outbox_shards_owned`` (shards it may claim from);
+        # standalone, the leases keep it: leases held and proven.
+        self.owned: Gauge | None = None
+        if owned_gauge:
+            self.owned = Gauge(
+                "outbox_shards_owned",
+                "Shards whose lease this relay holds and can prove (renewed in time)",
+                registry=registry,
+            )
+        self.acquired = Counter(
+            "outbox_shard_lease_acquired",
+            "Shard leases acquired (SET NX succeeded)",
+            registry=registry,
+        )
+        self.lost = Counter(
+            "outbox_shard_lease_lost",
+            "Shard leases lost: taken or expired in Redis, or unproven past the safety deadline",
+            registry=registry,
+        )
+        self.handovers = Counter(
+            "outbox_shard_handovers",
+            "Shards released to another relay after their in-flight rows were finished",
+            registry=registry,
+        )
+        self.rebalances = Counter(
+            "outbox_rebalances",
+            "Changes of the live relay set that changed this relay's target shards",
+            registry=registry,
+        )
+
+
+@dataclass(slots=True)
+class _Held:
+    value: str
+    valid_until: float  # monotonic; claimable before this
+    surplus_since: float | None = None  # monotonic; set when no longer a target
+    unproven: bool = False  # the deadline passed without a successful renew
+
+
+@dataclass(slots=True)
+class _Lost:
+    since: float  # monotonic; not claimable from this moment on
+
+
+class RedisShardLeases:
+    """Shard ownership through Redis leases; see the module docstring.
+
+    Assumption about the caller (the relay loop): a claim that follows a
+    :meth:`claimable` call has registered its rows in ``inflight_shards()``
+    before :meth:`claimable` is called again.
+    """
+
+    def __init__(
+        self,
+        redis_client: str | redis.Redis[bytes],
+        *,
+        table: str,
+        node_id: str,
+        shard_count: int,
+        settings: LeaseSettings | None = None,
+        registry: CollectorRegistry | None = None,
+        owned_gauge: bool = True,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.table = validate_identifier(table)
+        if shard_count < 1:
+            raise ConfigError(f"shard_count must be >= 1 (got {shard_count})")
+        if not node_id:
+            raise ConfigError("node_id must not be empty")
+        self.node_id = node_id
+        self.shard_count = shard_count
+        self.settings = settings or LeaseSettings()
+        self.settings.validate()
+        self.log = logger or _log
+        self.metrics = ShardLeaseMetrics(registry or CollectorRegistry(), owned_gauge=owned_gauge)
+        timeout = self.settings.command_timeout
+        if isinstance(redis_client, str):
+            # No client-side retries: the tick loop is the retry, and a tick must
+            # stay short so deadlines are checked on time.
+            self._redis = redis.Redis.from_url(
+                redis_client,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=Retry(backoff=NoBackoff(), retries=0),
+            )
+            self._own_client = True
+        else:
+            self._redis = redis_client
+            self._own_client = False
+        self._renew = self._redis.register_script(_RENEW_LUA)
+        self._release = self._redis.register_script(_RELEASE_LUA)
+        self._acquire = self._redis.register_script(_ACQUIRE_LUA)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
+        self._members_key = members_key(self.settings.prefix, self.table)
+        self._ttl_ms = max(1, round(self.settings.ttl * 1000))
+
+        self._lock = threading.Lock()
+        self._held: dict[int, _Held] = {}
+        self._lost: dict[int, _Lost] = {}
+        self._last_claimable_call = -math.inf
+        self._members: tuple[str, ...] = ()
+        self._targets: frozenset[int] = frozenset()
+        self._assignment_cache: tuple[tuple[str, ...], dict[str, frozenset[int]]] | None = None
+        self._redis_ok: bool | None = None
+        self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._leaving = False
+        self._thread: threading.Thread | None = None
+
+    def check_reachable(self, timeout: float) -> None:
+        """Raise DependencyError (and close) unless Redis answers within ``timeout`` s;
+        the relay calls it at start, like its database and Kafka checks."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._redis.ping()
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    self.close()
+                    error = redact(f"{type(exc).__name__}: {exc}")
+                    raise DependencyError(f"Redis unreachable for shard leases: {error}") from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    # -- ShardOwnership ------------------------------------------------------
+
+    def start(self, inflight_shards: Callable[[], frozenset[int]]) -> None:
+        """Join, take a first share synchronously (if Redis answers), then keep
+        renewing and rebalancing in a background thread."""
+        self._inflight = inflight_shards
+        self._tick()
+        self._thread = threading.Thread(
+            target=self._run, name=f"outboxkit-shard-leases-{self.table}", daemon=True
+        )
+        self._thread.start()
+
+    def claimable(self) -> frozenset[int]:
+        now = time.monotonic()
+        with self._lock:
+            self._last_claimable_call = now
+            if self._leaving:
+                return frozenset()
+            return frozenset(
+                s for s, h in self._held.items() if h.surplus_since is None and now < h.valid_until
+            )
+
+    def release_all(self) -> None:
+        """Leave: stop claiming, release every lease by CAS and drop out of the
+        member set, so the others rebalance at their next tick instead of after
+        the TTL. Leases that cannot be released (Redis down) simply expire."""
+        with self._lock:
+            self._leaving = True
+        self._stop_thread()
+        with self._lock:
+            held = {s: h.value for s, h in self._held.items()}
+        try:
+            self._heartbeat(keys=[self._members_key], args=[self.node_id, self._ttl_ms, "0"])
+            results = self._call_cas(self._release, held) if held else {}
+        except redis.RedisError as exc:
+            log_event(
+                self.log,
+                "shard-release-failed",
+                level=logging.WARNING,
+                table=self.table,
+                shards=sorted(held),
+                error=f"{type(exc).__name__}: {exc}",
+                note="the leases expire after their TTL",
+            )
+            return
+        with self._lock:
+            for shard, result in results.items():
+                self._held.pop(shard, None)
+                if result == 1:
+                    log_event(
+                        self.log, "shard-released", table=self.table, shard=shard, reason="drain"
+                    )
+            self._lost.clear()
+        self._set_owned_gauge()
+
+    def close(self) -> None:
+        with self._lock:
+            self._leaving = True
+        self._stop_thread()
+        if self._own_client:
+            self._redis.close()
+
+    # -- introspection (tests, health details) ---------------------------------
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._members
+
+    @property
+    def targets(self) -> frozenset[int]:
+        return self._targets
+
+    def held(self) -> frozenset[int]:
+        """Shards whose lease this relay holds (claimable or being handed over)."""
+        with self._lock:
+            return frozenset(self._held)
+
+    # -- the renewal thread ----------------------------------------------------
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.settings.command_timeout * 4 + 1)
+        self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._kick.wait(self._next_delay())
+            self._kick.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._tick()
+            except Exception as exc:  # a bug here must not end the renewals silently
+                log_event(
+                    self.log,
+                    "shard-lease-tick-failed",
+                    level=logging.ERROR,
+                    table=self.table,
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=True,
+                )
+
+    def _next_delay(self) -> float:
+        with self._lock:
+            busy = (
+                bool(self._lost)
+                or any(h.surplus_since is not None for h in self._held.values())
+                or not self._targets <= self._held.keys()
+            )
+        interval = self.settings.renew_interval
+        return min(interval, _FAST_TICK_S) if busy else interval
+
+    def _tick(self) -> None:
+        with self._lock:
+            if self._leaving:
+                return
+        try:
+            # Renew before the heartbeat: our heartbeat then expires a moment after
+            # our leases, so whoever sees us gone finds the leases free already.
+            self._renew_held()
+            self._join()
+            self._hand_over()
+            self._forget_lost()
+            self._acquire_targets()
+        except redis.RedisError as exc:
+            self._redis_state(False, exc)
+        else:
+            self._redis_state(True)
+        self._check_deadlines()
+        self._set_owned_gauge()
+
+    def _set_owned_gauge(self) -> None:
+        if self.metrics.owned is None:
+            return
+        with self._lock:
+            self.metrics.owned.set(sum(1 for h in self._held.values() if not h.unproven))
+
+    def _join(self) -> tuple[str, ...]:
+        raw = self._heartbeat(keys=[self._members_key], args=[self.node_id, self._ttl_ms, "1"])
+        members = tuple(sorted(m.decode() if isinstance(m, bytes) else str(m) for m in raw))
+        if members != self._members:
+            targets = self._assignment(members).get(self.node_id, frozenset())
+            before = self._targets
+            self._members = members
+            with self._lock:
+                self._targets = targets
+                held = frozenset(self._held)
+            if targets != before:
+                self.metrics.rebalances.inc()
+                log_event(
+                    self.log,
+                    "rebalance",
+                    table=self.table,
+                    members=list(members),
+                    live=len(members),
+                    target=len(targets),
+                    held=len(held),
+                    to_acquire=len(targets - held),
+                    to_hand_over=len(held - targets),
+                )
+        return members
+
+    def _assignment(self, members: tuple[str, ...]) -> dict[str, frozenset[int]]:
+        cached = self._assignment_cache
+        if cached is not None and cached[0] == members:
+            return cached[1]
+        assignment = assign_shards(self.shard_count, members)
+        self._assignment_cache = (members, assignment)
+        return assignment
+
+    def _renew_held(self) -> None:
+        with self._lock:
+            held = {s: h.value for s, h in self._held.items()}
+        if not held:
+            return
+        sent = time.monotonic()
+        results = self._call_cas(self._renew, held)
+        with self._lock:
+            for shard, result in results.items():
+                h = self._held.get(shard)
+                if h is None or h.value != held[shard]:
+                    continue
+                if result == 1:
+                    h.valid_until = sent + self.settings.ttl - self.settings.safety_margin
+                    if h.unproven:
+                        h.unproven = False
+                        log_event(
+                            self.log,
+                            "shard-acquired",
+                            table=self.table,
+                            shard=shard,
+                            reason="renewed-after-outage",
+                        )
+                else:
+                    self._lose(shard, h, "taken" if result == -1 else "expired")
+
+    def _lose(self, shard: int, h: _Held, reason: str) -> None:
+        # Caller holds the lock.
+        del self._held[shard]
+        self._lost[shard] = _Lost(since=time.monotonic())
+        if not h.unproven:  # already counted and logged when its deadline passed
+            self.metrics.lost.inc()
+        log_event(
+            self.log, "shard-lost", level=logging.WARNING, table=self.table, shard=shard,
+            reason=reason,
+        )  # fmt: skip
+
+    def _quiet(self, since: float) -> bool:
+        """Has the loop asked for claimable shards since ``since``, i.e. is any
+        claim that could still include a shard given up at ``since`` over?"""
+        with self._lock:
+            return self._last_claimable_call > since
+
+    def _hand_over(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for shard, h in self._held.items():
+                if shard not in self._targets and h.surplus_since is None:
+                    h.surplus_since = now
+                elif shard in self._targets and h.surplus_since is not None:
+                    h.surplus_since = None  # the split changed back before we let go
+            surplus = {s: h for s, h in self._held.items() if h.surplus_since is not None}
+        if not surplus:
+            return
+        inflight = self._inflight()
+        ready = {
+            s: h.value
+            for s, h in surplus.items()
+            if h.surplus_since is not None and self._quiet(h.surplus_since) and s not in inflight
+        }
+        if not ready:
+            return
+        results = self._call_cas(self._release, ready)
+        with self._lock:
+            for shard, result in results.items():
+                h2 = self._held.pop(shard, None)
+                if result == 1:
+                    self.metrics.handovers.inc()
+                    log_event(
+                        self.log, "shard-released", table=self.table, shard=shard,
+                        reason="handover",
+                    )  # fmt: skip
+                elif h2 is not None:
+                    self.metrics.lost.inc()
+                    log_event(
+                        self.log, "shard-lost", level=logging.WARNING, table=self.table,
+                        shard=shard, reason="taken" if result == -1 else "expired",
+                    )  # fmt: skip
+
+    def _forget_lost(self) -> None:
+        with self._lock:
+            lost = dict(self._lost)
+        if not lost:
+            return
+        inflight = self._inflight()
+        with self._lock:
+            for shard, entry in lost.items():
+                if shard not in inflight and self._last_claimable_call > entry.since:
+                    self._lost.pop(shard, None)
+
+    def _acquire_targets(self) -> None:
+        with self._lock:
+            if self._leaving:
+                return
+            wanted = sorted(self._targets - self._held.keys() - self._lost.keys())
+        if not wanted:
+            return
+        values = {s: f"{self.node_id}:{secrets.token_hex(8)}" for s in wanted}
+        sent = time.monotonic()
+        results = self._call_cas(self._acquire, values)
+        with self._lock:
+            for shard, result in results.items():
+                if result != 1:
+                    continue
+                self._held[shard] = _Held(
+                    value=values[shard],
+                    valid_until=sent + self.settings.ttl - self.settings.safety_margin,
+                )
+                self.metrics.acquired.inc()
+                log_event(self.log, "shard-acquired", table=self.table, shard=shard)
+
+    def _call_cas(self, script: Script, values: dict[int, str]) -> dict[int, int]:
+        shards = sorted(values)
+        keys = [lease_key(self.settings.prefix, self.table, s) for s in shards]
+        args: list[str | int] = [self._ttl_ms, *(values[s] for s in shards)]
+        raw = script(keys=keys, args=args)
+        return {s: int(r) for s, r in zip(shards, raw, strict=True)}
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for shard, h in self._held.items():
+                if not h.unproven and now >= h.valid_until:
+                    h.unproven = True
+                    self.metrics.lost.inc()
+                    log_event(
+                        self.log, "shard-lost", level=logging.WARNING, table=self.table,
+                        shard=shard, reason="lease-unproven",
+                    )  # fmt: skip
+
+    def _redis_state(self, ok: bool, exc: Exception | None = None) -> None:
+        if ok == self._redis_ok:
+            return
+        first = self._redis_ok is None
+        self._redis_ok = ok
+        if ok and first:
+            return
+        if ok:
+            log_event(self.log, "redis-reachable", table=self.table, component="shard-leases")
+        else:
+            log_event(
+                self.log,
+                "redis-unreachable",
+                level=logging.WARNING,
+                table=self.table,
+                component="shard-leases",
+                error=f"{type(exc).__name__}: {exc}",
+                note="claiming stops for each shard once its lease can no longer be proven",
+            )
+
+
+# -- two relays without Redis ---------------------------------------------------
+
+
+def detect_foreign_relays(conn: Connection, table: str, node_id: str) -> dict[str, dt.datetime]:
+    """Other relays holding live row leases on ``table``: owner -> latest lease expiry.
+
+    Cheap: it reads only ``delivering`` rows (the claim index starts with
+    ``status``), which are a batch or two per relay.
+    """
+    t = outbox_table(validate_identifier(table))
+    latest = sa.func.max(t.c.lease_expires_at)
+    rows = conn.execute(
+        sa.select(t.c.lease_owner, latest)
+        .where(
+            t.c.status == Status.DELIVERING.value,
+            t.c.lease_owner.is_not(None),
+            t.c.lease_owner != node_id,
+            t.c.lease_expires_at > db_now(),
+        )
+        .group_by(t.c.lease_owner)
+        .limit(50)
+    ).all()
+    return {str(owner): expires for owner, expires in rows if expires is not None}
+
+
+class ForeignRelayMonitor:
+    """Warns once, loudly, when another relay works the same table without Redis.
+
+    Call :meth:`check` at start and with each backlog sample. A relay counts as
+    live when its latest row lease moved forward between two checks, i.e. it
+    claimed since; a crashed predecessor's leftover leases (which never move)
+    do not trigger the warning.
+    """
+
+    def __init__(self, table: str, node_id: str, logger: logging.Logger | None = None) -> None:
+        self.table = table
+        self.node_id = node_id
+        self.log = logger or _log
+        self._seen: dict[str, dt.datetime] = {}
+        self._warned = False
+
+    def check(self, conn: Connection) -> set[str]:
+        """Return the relays seen claiming since the previous check."""
+        current = detect_foreign_relays(conn, self.table, self.node_id)
+        active = {o for o, exp in current.items() if o in self._seen and exp > self._seen[o]}
+        self._seen = current
+        if active and not self._warned:
+            self._warned = True
+            log_event(
+                self.log,
+                "multiple-relays-without-redis",
+                level=logging.WARNING,
+                table=self.table,
+                others=sorted(active),
+                detail=(
+                    "another relay is claiming rows of this table and no Redis is configured: "
+                    "rows are never claimed twice, but per-key order across the relays is no "
+                    "longer guaranteed; set OUTBOXKIT_REDIS_URL on every relay"
+                ),
+            )
+        return active

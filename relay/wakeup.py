@@ -1,0 +1,180 @@
+"""How the relay waits between claims: the poll interval, cut short by wake-up hints.
+
+:class:`RedisWaker` subscribes to the table's wake-up channel (see
+:mod:`outboxkit.wakeup`) in a background thread; a hint sets an event, and
+:meth:`RedisWaker.wait` returns as soon as it is set. A burst of hints
+coalesces into one early return. When Redis drops, the thread reconnects on
+its own (with backoff) and wakes the loop once after reconnecting, since hints
+sent meanwhile were lost; until then the relay simply polls. Without Redis the
+relay uses :class:`~outboxkit.relay.shards.PollWaker`.
+
+It returns at once when the process starts draining: the relay calls
+:meth:`RedisWaker.wake` when the drain begins, and a ``Lifecycle`` or
+``threading.Event`` passed in is watched as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from outboxkit.runtime.lifecycle import Lifecycle
+from outboxkit.runtime.logs import log_event, redact_url
+
+__all__ = ["RedisWaker"]
+
+_log = logging.getLogger("outboxkit.relay.wakeup")
+
+# How often the subscriber thread looks at its stop flag, and the cap of the
+# reconnect backoff.
+_READ_SLICE_S = 0.5
+_RECONNECT_MIN_S = 0.1
+_RECONNECT_MAX_S = 5.0
+# A plain Event cannot call us back when it is set: poll it at this pace.
+_EVENT_SLICE_S = 0.05
+
+
+class _DrainAware:
+    def __init__(self, lifecycle_or_event: Lifecycle | threading.Event | None) -> None:
+        self._wake = threading.Event()
+        self._draining: threading.Event | None = None
+        self._watch_draining = False
+        if isinstance(lifecycle_or_event, Lifecycle):
+            self._draining = lifecycle_or_event.draining
+            lifecycle_or_event.on_drain(self._wake.set)
+        elif lifecycle_or_event is not None:
+            # A bare Event cannot call us back when it is set: watch it.
+            self._draining = lifecycle_or_event
+            self._watch_draining = True
+
+    _woken_for_good = False
+
+    def _is_draining(self) -> bool:
+        return self._woken_for_good or (self._draining is not None and self._draining.is_set())
+
+    def _sleep(self, timeout: float) -> None:
+        if timeout <= 0 or self._is_draining():
+            return
+        if not self._watch_draining:
+            self._wake.wait(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while not self._is_draining():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._wake.wait(min(left, _EVENT_SLICE_S)):
+                return
+
+
+class RedisWaker(_DrainAware):
+    """Waits the poll interval, or less when a wake-up hint arrives."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        channel: str,
+        lifecycle_or_event: Lifecycle | threading.Event | None = None,
+        *,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        super().__init__(lifecycle_or_event)
+        self.redis_url = redis_url
+        self.channel = channel
+        self.log = logger or _log
+        self.hints = 0
+        self._subscribed = threading.Event()
+        self._stop = threading.Event()
+        self._down = False
+        self._backoff = _RECONNECT_MIN_S
+        self._thread = threading.Thread(
+            target=self._run, name="outboxkit-wakeup-subscriber", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def subscribed(self) -> threading.Event:
+        """Set while the subscription is live."""
+        return self._subscribed
+
+    def wait(self, timeout: float) -> None:
+        self._sleep(timeout)
+        if not self._is_draining():
+            # Clear before the caller claims: a hint for a row committed after this
+            # point wakes the next wait; a row committed before is seen by the claim.
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """The drain began: this and every later :meth:`wait` return at once."""
+        self._woken_for_good = True
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.wake()
+        self._thread.join(timeout=_READ_SLICE_S * 4 + 1)
+
+    # -- subscriber thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._listen()
+            except Exception as exc:  # Redis gone or unhealthy: reconnect
+                self._subscribed.clear()
+                if not self._down:
+                    self._down = True
+                    log_event(
+                        self.log,
+                        "wakeup-unsubscribed",
+                        level=logging.WARNING,
+                        channel=self.channel,
+                        redis=redact_url(self.redis_url),
+                        error=f"{type(exc).__name__}: {exc}",
+                        note="the relay polls until the subscription is back",
+                    )
+                if self._stop.wait(self._backoff):
+                    return
+                self._backoff = min(self._backoff * 2, _RECONNECT_MAX_S)
+
+    def _listen(self) -> None:
+        """Subscribe and relay hints until stopped; raise when the connection fails."""
+        client: redis.Redis[Any] = redis.Redis.from_url(
+            self.redis_url,
+            socket_connect_timeout=2.0,
+            socket_timeout=5.0,
+            health_check_interval=5,
+            retry=Retry(backoff=NoBackoff(), retries=0),
+        )
+        pubsub = client.pubsub()
+        try:
+            pubsub.subscribe(self.channel)
+            while not self._stop.is_set():
+                msg = pubsub.get_message(timeout=_READ_SLICE_S)
+                if msg is None:
+                    continue
+                if msg.get("type") == "subscribe":
+                    self._on_subscribed()
+                elif msg.get("type") == "message":
+                    self.hints += 1
+                    self._wake.set()
+        finally:
+            self._subscribed.clear()
+            try:
+                pubsub.close()
+                client.close()
+            except Exception as exc:  # closing a dead connection may fail too
+                self.log.debug("closing the wake-up subscription failed: %s", exc)
+
+    def _on_subscribed(self) -> None:
+        self._subscribed.set()
+        self._backoff = _RECONNECT_MIN_S
+        if self._down:
+            self._down = False
+            log_event(self.log, "wakeup-subscribed", channel=self.channel)
+        # Hints sent while we were away are lost: look once, then wait for more.
+        self._wake.set()

@@ -1,0 +1,247 @@
+"""Wake-up hints against real MariaDB and Redis: sent after commit only; wake the relay."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from outboxkit import enable_wakeups, enqueue, notify_relays
+from outboxkit.relay.wakeup import RedisWaker
+from outboxkit.wakeup import wakeup_channel
+
+pytestmark = pytest.mark.integration
+
+
+class Listener:
+    """A raw subscriber that records hints as they arrive."""
+
+    def __init__(self, url: str, channel: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.subscribe(channel)
+        # Wait for the subscription to be live before anything is published.
+        while (msg := self.pubsub.get_message(timeout=1)) is None or msg["type"] != "subscribe":
+            pass
+
+    def count(self, within: float) -> int:
+        n = 0
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.pubsub.get_message(timeout=left)
+            if msg is not None and msg["type"] == "message":
+                n += 1
+        return n
+
+    def close(self) -> None:
+        self.pubsub.close()
+        self.client.close()
+
+
+@pytest.fixture
+def listener(redis_url: str, redis_prefix: str, outbox: str) -> Iterator[Listener]:
+    lst = Listener(redis_url, wakeup_channel(outbox, redis_prefix))
+    yield lst
+    lst.close()
+
+
+def _enqueue(target: Any, outbox: str) -> None:
+    enqueue(target, topic="orders", payload={"n": 1}, key="k1", table=outbox)
+
+
+def test_session_hint_after_commit_only(
+    engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str, listener: Listener
+) -> None:
+    factory = sessionmaker(engine)
+    hook = enable_wakeups(factory, redis_url, prefix=redis_prefix)
+    try:
+        with factory() as session:
+            _enqueue(session, outbox)
+            assert listener.count(0.3) == 0, "a hint before the commit"
+            session.commit()
+        assert listener.count(1.0) == 1
+
+        with factory() as session:
+            _enqueue(session, outbox)
+            session.rollback()
+        with factory() as session:  # a transaction that enqueued nothing
+            session.execute(sa.text("SELECT 1"))
+            session.commit()
+        with factory() as session:  # the rollback of the failed one must not leak
+            session.execute(sa.text("SELECT 1"))
+            session.commit()
+        assert listener.count(0.5) == 0
+
+        with pytest.raises(RuntimeError), factory.begin() as session:
+            _enqueue(session, outbox)
+            raise RuntimeError("business logic failed")
+        assert listener.count(0.5) == 0
+    finally:
+        hook.disable()
+
+
+def test_engine_hint_after_commit_only(
+    engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str, listener: Listener
+) -> None:
+    hook = enable_wakeups(engine, redis_url, prefix=redis_prefix)
+    try:
+        with engine.begin() as conn:
+            _enqueue(conn, outbox)
+            assert listener.count(0.3) == 0, "a hint before the commit"
+        assert listener.count(1.0) == 1
+
+        with engine.connect() as conn:  # commit, then keep using the connection
+            _enqueue(conn, outbox)
+            conn.commit()
+            conn.execute(sa.text("SELECT 1"))
+            assert listener.count(1.0) == 1
+            conn.rollback()
+
+        with pytest.raises(RuntimeError), engine.begin() as conn:
+            _enqueue(conn, outbox)
+            raise RuntimeError("business logic failed")
+        with engine.connect() as conn:  # enqueued, never committed, returned to the pool
+            _enqueue(conn, outbox)
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        assert listener.count(0.5) == 0
+
+        with Session(engine) as session:  # a session on the same engine is covered too
+            _enqueue(session, outbox)
+            session.commit()
+        assert listener.count(1.0) == 1
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT COUNT(*) FROM {outbox}")).scalar_one()
+        assert rows == 3
+    finally:
+        hook.disable()
+
+
+def test_without_enable_no_hint_and_explicit_notify(
+    engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str, listener: Listener
+) -> None:
+    with engine.begin() as conn:
+        _enqueue(conn, outbox)
+    assert listener.count(0.3) == 0
+    client = redis.Redis.from_url(redis_url)
+    assert notify_relays(client, outbox, prefix=redis_prefix)
+    assert listener.count(1.0) == 1
+    client.close()
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    assert notify_relays(dead, outbox) is False, "a hint that cannot be sent never raises"
+
+
+def _subscribed_waker(url: str, channel: str, draining: Any = None) -> RedisWaker:
+    waker = RedisWaker(url, channel, draining)
+    assert waker.subscribed.wait(5)
+    waker.wait(0.5)  # consume the wake-up given on (re)subscription
+    return waker
+
+
+def test_waker_returns_early_on_a_hint(redis_url: str, redis_prefix: str, outbox: str) -> None:
+    channel = wakeup_channel(outbox, redis_prefix)
+    waker = _subscribed_waker(redis_url, channel)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        t0 = time.monotonic()
+        waker.wait(0.3)
+        assert time.monotonic() - t0 >= 0.29, "no hint: waits the whole poll interval"
+
+        threading.Timer(0.2, lambda: client.publish(channel, b"1")).start()
+        t0 = time.monotonic()
+        waker.wait(10)
+        assert 0.15 < time.monotonic() - t0 < 1.0
+
+        for _ in range(100):  # a burst coalesces into one early return
+            client.publish(channel, b"1")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        waker.wait(10)
+        assert time.monotonic() - t0 < 0.1
+        t0 = time.monotonic()
+        waker.wait(0.3)
+        assert time.monotonic() - t0 >= 0.29
+        assert waker.hints >= 101
+    finally:
+        waker.close()
+        client.close()
+
+
+def test_waker_returns_at_once_when_draining(redis_url: str, redis_prefix: str) -> None:
+    channel = wakeup_channel("outbox_events", redis_prefix)
+    draining = threading.Event()
+    watched = _subscribed_waker(redis_url, channel, draining)
+    called = _subscribed_waker(redis_url, channel)
+    try:
+        threading.Timer(0.2, draining.set).start()
+        threading.Timer(0.2, called.wake).start()
+        for waker in (watched, called):
+            t0 = time.monotonic()
+            waker.wait(10)
+            assert time.monotonic() - t0 < 1.0
+            t0 = time.monotonic()
+            waker.wait(10)
+            waker.wait(10)
+            assert time.monotonic() - t0 < 0.1, "every wait after the drain returns at once"
+    finally:
+        watched.close()
+        called.close()
+
+
+def test_commit_wakes_a_waiting_relay(
+    engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str
+) -> None:
+    hook = enable_wakeups(engine, redis_url, prefix=redis_prefix)
+    waker = _subscribed_waker(redis_url, wakeup_channel(outbox, redis_prefix))
+    try:
+        latencies = []
+        committed: list[float] = []
+
+        def write() -> None:
+            with engine.begin() as conn:
+                _enqueue(conn, outbox)
+            committed.append(time.monotonic())
+
+        for i in range(5):
+            timer = threading.Timer(0.1, write)
+            timer.start()
+            waker.wait(5)
+            woke = time.monotonic()
+            timer.join()
+            # (The writer thread may record its commit a moment after the hint landed.)
+            latencies.append(woke - committed[i])
+        assert max(latencies) < 0.5, latencies
+    finally:
+        waker.close()
+        hook.disable()
+
+
+@pytest.mark.fault
+def test_waker_resubscribes_after_redis_restarts(outbox: str) -> None:
+    from support.services import RedisInstance, free_port
+
+    with RedisInstance("wakeup-fault", free_port()) as instance:
+        channel = wakeup_channel(outbox)
+        waker = _subscribed_waker(instance.url, channel)
+        try:
+            instance.kill()
+            t0 = time.monotonic()
+            waker.wait(1.0)  # polling goes on while Redis is away
+            assert time.monotonic() - t0 >= 0.9
+            instance.start()
+            assert waker.subscribed.wait(15), "did not resubscribe on its own"
+            waker.wait(0.5)
+            client = redis.Redis.from_url(instance.url)
+            threading.Timer(0.2, lambda: client.publish(channel, b"1")).start()
+            t0 = time.monotonic()
+            waker.wait(10)
+            assert time.monotonic() - t0 < 1.0
+            client.close()
+        finally:
+            waker.close()
