@@ -300,7 +300,13 @@ def _status_json(
             ],
         },
         "relays": [
-            {"url": r.url, "state": r.state, "paused_topics": r.paused_topics, "error": r.error}
+            {
+                "url": r.url,
+                "state": r.state,
+                "ready": r.ready,
+                "paused_topics": r.paused_topics,
+                "error": r.error,
+            }
             for r in relays
         ],
         "shards": None
@@ -353,7 +359,7 @@ def _status_text(
         if r.error:
             print(f"relay {r.url}: unreachable ({r.error})")
             continue
-        print(f"relay {r.url}: {r.state or 'unknown state'}")
+        print(f"relay {r.url}: {r.state or 'unknown state'}, {'ready' if r.ready else 'not ready'}")
         if not r.paused_topics:
             print("  no paused topics")
         for topic, reason in r.paused_topics.items():

@@ -63,6 +63,7 @@ class RelayView:
     url: str
     state: str | None
     paused_topics: dict[str, str]
+    ready: bool | None = None
     error: str | None = None
 
 
@@ -146,9 +147,9 @@ def read_relay(url: str, *, timeout_s: float = 3.0) -> RelayView:
         return RelayView(url=shown, state=None, paused_topics={}, error="not an http(s) URL")
     try:
         with urllib.request.urlopen(ready, timeout=timeout_s) as resp:  # noqa: S310 - http(s) checked above
-            body = resp.read()
+            body, code = resp.read(), resp.status
     except urllib.error.HTTPError as exc:
-        body = exc.read()
+        body, code = exc.read(), exc.code
     except (OSError, ValueError) as exc:
         return RelayView(url=shown, state=None, paused_topics={}, error=redact(str(exc)))
     try:
@@ -164,6 +165,7 @@ def read_relay(url: str, *, timeout_s: float = 3.0) -> RelayView:
         url=shown,
         state=str(state) if state is not None else None,
         paused_topics=_paused(data.get("paused_topics")),
+        ready=code == 200,
     )
 
 

@@ -127,6 +127,12 @@ def admin(db_url: str, outbox: str) -> AdminCli:
     return run
 
 
+@pytest.fixture
+def cli() -> Callable[[list[str]], Result]:
+    """Run ``outboxkit ARGV`` in this process (no database prepared)."""
+    return run_cli
+
+
 def run_cli(argv: list[str]) -> Result:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
