@@ -1,0 +1,73 @@
+"""The runtime shared by the relay and the consumer.
+
+Lifecycle and signals, the health/metrics HTTP server, the worker supervisor,
+settings from flags and environment, structured logging with redaction, exit
+codes and the exception tree. See ``docs/runtime.md``.
+"""
+
+from __future__ import annotations
+
+from outboxkit.runtime.errors import (
+    ConfigError,
+    DependencyError,
+    OutboxError,
+    PermanentError,
+    TransientError,
+)
+from outboxkit.runtime.exitcodes import (
+    EXIT_CONFIG,
+    EXIT_DEPENDENCY,
+    EXIT_FAILURE,
+    EXIT_FORCED,
+    EXIT_OK,
+)
+from outboxkit.runtime.health import HealthServer
+from outboxkit.runtime.lifecycle import HurryEvent, Lifecycle, State
+from outboxkit.runtime.logs import (
+    configure_logging,
+    log_event,
+    redact,
+    redact_url,
+    register_secret,
+)
+from outboxkit.runtime.metrics import ServiceMetrics, push_metrics
+from outboxkit.runtime.settings import (
+    MISSING,
+    RuntimeSettings,
+    add_arguments,
+    describe,
+    load,
+    setting,
+)
+from outboxkit.runtime.supervisor import Supervisor
+
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_DEPENDENCY",
+    "EXIT_FAILURE",
+    "EXIT_FORCED",
+    "EXIT_OK",
+    "MISSING",
+    "ConfigError",
+    "DependencyError",
+    "HealthServer",
+    "HurryEvent",
+    "Lifecycle",
+    "OutboxError",
+    "PermanentError",
+    "RuntimeSettings",
+    "ServiceMetrics",
+    "State",
+    "Supervisor",
+    "TransientError",
+    "add_arguments",
+    "configure_logging",
+    "describe",
+    "load",
+    "log_event",
+    "push_metrics",
+    "redact",
+    "redact_url",
+    "register_secret",
+    "setting",
+]

@@ -1,27 +1,48 @@
 """The exception tree shared by every outboxkit component.
 
-Transient errors are worth retrying, permanent ones are not; tenacity policies are
-driven by ``retry_if_exception_type(TransientError)``.
+``TransientError`` means "retrying may help" and ``PermanentError`` means it
+will not, so retry policies can be written as
+``retry_if_exception_type(TransientError)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+__all__ = [
+    "ConfigError",
+    "DependencyError",
+    "OutboxError",
+    "PermanentError",
+    "TransientError",
+]
+
 
 class OutboxError(Exception):
-    """Root of every error raised by outboxkit."""
+    """Root of every exception outboxkit raises on purpose."""
 
 
 class TransientError(OutboxError):
-    """A retry may help (a dependency was briefly unreachable, a timeout)."""
+    """A failure that a later retry may not see (timeouts, broker failover)."""
 
 
 class PermanentError(OutboxError):
-    """A retry will not help (bad data, a bug, a refused request)."""
+    """A failure that retrying cannot fix (bad input, a row that cannot be sent)."""
 
 
 class ConfigError(OutboxError, ValueError):
-    """A setting or CLI argument is invalid; the CLI exits with EXIT_CONFIG."""
+    """Bad settings or CLI input; entry points exit with ``EXIT_CONFIG``.
+
+    ``errors`` holds one message per bad setting, each naming the flag and the
+    environment variable, so all problems are reported in one go.
+    """
+
+    def __init__(self, *args: object, errors: Sequence[str] | None = None) -> None:
+        if not args and errors:
+            args = ("\n".join(errors),)
+        super().__init__(*args)
+        self.errors: list[str] = list(errors) if errors else [str(args[0]) if args else ""]
 
 
 class DependencyError(TransientError):
-    """A dependency (DB, Kafka, Redis, the health port) is unreachable."""
+    """A dependency is unreachable: database, Kafka, Redis, or a port already in use."""

@@ -1,0 +1,199 @@
+"""The small HTTP port every process serves: liveness, readiness and metrics.
+
+* ``GET /healthz/live``: 200 while the process is up (also while draining), 503
+  once stopped. A failing live probe makes Kubernetes restart the pod, so it
+  only fails when the process really is finished.
+* ``GET /healthz/ready``: 200 only while ``running`` and ``details()`` does not
+  say ``"ready": false``; 503 otherwise. The lifecycle state is read on every
+  request, so readiness turns 503 the instant the drain starts.
+* ``GET /metrics``: Prometheus text exposition of the given registry.
+
+Requests are not logged (probes every few seconds would be chatter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from outboxkit.runtime.errors import DependencyError
+from outboxkit.runtime.lifecycle import Lifecycle, State
+from outboxkit.runtime.logs import log_event, redact, sanitize
+
+__all__ = ["HealthServer"]
+
+_log = logging.getLogger("outboxkit.runtime.health")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # Rebind at once after a restart (sockets in TIME_WAIT); on Linux a second
+    # listener on the same port is still refused, so "port in use" is detected.
+    allow_reuse_address = True
+    health: HealthServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "outboxkit"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: no per-request lines
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def _serve(self, *, head: bool) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        health = self.server.health
+        try:
+            if path == "/healthz/live":
+                status, body = health.live()
+                self._send_json(status, body, head=head)
+            elif path == "/healthz/ready":
+                status, body = health.ready()
+                self._send_json(status, body, head=head)
+            elif path == "/metrics":
+                payload = generate_latest(health.registry)
+                self._send(HTTPStatus.OK, payload, CONTENT_TYPE_LATEST, head=head)
+            else:
+                self._send_json(HTTPStatus.NOT_FOUND, {"error": "not found"}, head=head)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as exc:  # never let one request take the server down
+            health._note_error(exc)
+            with contextlib.suppress(OSError):
+                self._send_json(
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    {"error": redact(f"{type(exc).__name__}: {exc}")},
+                    head=head,
+                )
+
+    def _send_json(self, status: int, body: dict[str, object], *, head: bool) -> None:
+        payload = (json.dumps(body, default=str) + "\n").encode()
+        self._send(status, payload, "application/json", head=head)
+
+    def _send(self, status: int, payload: bytes, content_type: str, *, head: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if not head:
+            self.wfile.write(payload)
+
+
+class HealthServer:
+    """Serves the probes and ``/metrics`` from a daemon thread."""
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        registry: CollectorRegistry,
+        details: Callable[[], dict[str, object]] | None = None,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.host = host
+        self._port = port
+        self.registry = registry
+        self.details = details
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._last_error: str | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (``port=0`` picks a free one)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host  # noqa: S104
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self._port}"
+
+    def start(self) -> None:
+        """Bind and serve. Raises :class:`DependencyError` if the port cannot be bound."""
+        if self._server is not None:
+            return
+        try:
+            server = _Server((self.host, self._port), _Handler)
+        except OSError as exc:
+            raise DependencyError(
+                f"health server cannot listen on {self.host}:{self._port} "
+                f"(--health-host/--health-port): {exc.strerror or exc}"
+            ) from exc
+        server.health = self
+        self._server = server
+        self._port = int(server.server_address[1])
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="outboxkit-health",
+            daemon=True,
+        )
+        self._thread.start()
+        log_event(_log, "health-server-started", host=self.host, port=self._port)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket. Idempotent."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    # -- probe logic (also usable without HTTP) -------------------------------
+
+    def live(self) -> tuple[int, dict[str, object]]:
+        state = self.lifecycle.state
+        status = HTTPStatus.SERVICE_UNAVAILABLE if state is State.STOPPED else HTTPStatus.OK
+        return int(status), {"state": state.value}
+
+    def ready(self) -> tuple[int, dict[str, object]]:
+        state = self.lifecycle.state
+        body: dict[str, object] = {"state": state.value}
+        ok = state is State.RUNNING
+        if self.details is not None:
+            try:
+                extra = self.details()
+                vetoed = extra.get("ready") is False
+            except Exception as exc:
+                self._note_error(exc)
+                body["error"] = redact(f"{type(exc).__name__}: {exc}")
+                return int(HTTPStatus.SERVICE_UNAVAILABLE), body
+            cleaned = sanitize(extra)
+            if isinstance(cleaned, dict):
+                for key, value in cleaned.items():
+                    if key != "state":
+                        body[key] = value
+            if vetoed:
+                ok = False
+        status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+        return int(status), body
+
+    def _note_error(self, exc: BaseException) -> None:
+        # Log a failing details() once per distinct error, not once per probe.
+        text = redact(f"{type(exc).__name__}: {exc}")
+        if text != self._last_error:
+            self._last_error = text
+            log_event(_log, "health-details-failed", level=logging.WARNING, error=text)

@@ -1,0 +1,293 @@
+"""Structured JSON logging with redaction of secrets.
+
+Every line written by the handler that :func:`configure_logging` installs is
+one JSON object::
+
+    {"ts": "2024-05-01T12:00:00.123Z", "level": "INFO", "logger": "outboxkit.relay",
+     "service": "relay", "node_id": "pod-1-4242-a1b2", "event": "state-changed",
+     "from": "running", "to": "draining", "reason": "SIGTERM"}
+
+Records made with :func:`log_event` carry an event name and fields; plain
+``logger.info("text")`` records get ``"event": "log"`` and ``"msg"``.
+
+Secrets never reach the output: every string (message, field values, field
+names, formatted tracebacks) passes through :func:`redact`, which hides URL
+passwords, ``password=...``-style pairs, bearer tokens, and every literal
+registered with :func:`register_secret`. Redaction is applied to values before
+JSON encoding, so the output always stays valid JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import logging
+import math
+import re
+import sys
+import threading
+import traceback
+from collections.abc import Mapping
+from typing import TextIO
+from urllib.parse import quote, unquote, urlsplit
+
+__all__ = [
+    "JsonFormatter",
+    "configure_logging",
+    "flush_logging",
+    "log_event",
+    "redact",
+    "redact_url",
+    "register_secret",
+]
+
+MASK = "***"
+
+# Field or key names whose values are secrets as a whole, wherever they appear:
+# password, passwd, sasl.password, ssl.key.password, sasl.oauthbearer.client.secret,
+# api_key, token, authorization, credentials, private_key ...
+_SENSITIVE_NAME = (
+    r"[A-Za-z0-9_.\-]*?"
+    r"(?:pass(?:word|wd)|secret|token|api[_.\-]?key|authorization|credentials?|private[_.\-]?key)"
+    r"[A-Za-z0-9_.\-]*"
+)
+_SENSITIVE_NAME_RE = re.compile(rf"^{_SENSITIVE_NAME}$", re.IGNORECASE)
+
+# scheme://user:password@host  (the password may itself contain '@'; the host part
+# after the last '@' must end at '/', '?', '#', whitespace, a quote or the end).
+_URL_CRED_RE = re.compile(
+    r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@'\"]*):(?P<pw>[^\s'\"]*?)@"
+    r"(?=[^\s@/?#'\"]*(?:[/?#\s'\",;)\]}]|$))"
+)
+
+# key=value, key: value, "key": "value", 'key': 'value'
+_PAIR_RE = re.compile(
+    rf"(?P<key>\b{_SENSITIVE_NAME})(?P<kq>[\"']?)(?P<sep>\s*[:=]\s*)"
+    r"(?:(?P<q>[\"'])(?P<qv>(?:\\.|(?!(?P=q)).)*)(?P=q)|(?P<v>[^\s,;&)}\]'\"]+))",
+    re.IGNORECASE,
+)
+
+# Authorization: Bearer <token> / Basic <b64>
+_AUTH_SCHEME_RE = re.compile(r"\b(?P<scheme>Bearer|Basic)\s+(?!\*\*\*)[A-Za-z0-9._~+/=\-]+")
+
+_secrets_lock = threading.Lock()
+_secrets: frozenset[str] = frozenset()
+_secret_re: re.Pattern[str] | None = None
+
+
+def register_secret(value: str) -> None:
+    """Hide ``value`` (and its URL-encoded form) in every log line from now on.
+
+    Settings call this at load time for DSN passwords and SASL secrets.
+    Empty values are ignored.
+    """
+    global _secrets, _secret_re
+    if not value or value == MASK:
+        return
+    forms = {value, quote(value, safe=""), quote(value, safe="~!$&'()*+,;=:"), unquote(value)}
+    forms.discard("")
+    forms.discard(MASK)
+    with _secrets_lock:
+        new = _secrets | forms
+        if new == _secrets:
+            return
+        _secrets = frozenset(new)
+        # Longest first so a secret that contains another is replaced whole.
+        ordered = sorted(_secrets, key=len, reverse=True)
+        _secret_re = re.compile("|".join(re.escape(s) for s in ordered))
+
+
+def _clear_secrets_for_tests() -> None:
+    global _secrets, _secret_re
+    with _secrets_lock:
+        _secrets = frozenset()
+        _secret_re = None
+
+
+def _pair_sub(m: re.Match[str]) -> str:
+    key, kq, sep = m.group("key"), m.group("kq"), m.group("sep")
+    if m.group("q") is not None:
+        q = m.group("q")
+        return f"{key}{kq}{sep}{q}{MASK}{q}"
+    return f"{key}{kq}{sep}{MASK}"
+
+
+def redact(text: str) -> str:
+    """Hide passwords, tokens and registered secrets in ``text``. Idempotent."""
+    if not text:
+        return text
+    pattern = _secret_re
+    if pattern is not None:
+        text = pattern.sub(MASK, text)
+    text = _URL_CRED_RE.sub(lambda m: f"{m.group('pre')}:{MASK}@", text)
+    # Before key=value pairs: "Authorization: Bearer abc" must lose "abc", not "Bearer".
+    text = _AUTH_SCHEME_RE.sub(lambda m: f"{m.group('scheme')} {MASK}", text)
+    text = _PAIR_RE.sub(_pair_sub, text)
+    return text
+
+
+def redact_url(url: str) -> str:
+    """``mysql+pymysql://u:pw@h:3306/db`` -> ``mysql+pymysql://u:***@h:3306/db``.
+
+    A URL without a password is returned unchanged (apart from registered
+    secrets, which are always hidden).
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact(url)
+    if parts.password is None:
+        return redact(url)
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    netloc = f"{user}:{MASK}@{host}"
+    return redact(parts._replace(netloc=netloc).geturl())
+
+
+def is_secret_key(name: str) -> bool:
+    """True when a field or property name denotes a secret (``sasl.password``, ``token``...)."""
+    return bool(_SENSITIVE_NAME_RE.match(name))
+
+
+def sanitize(value: object, *, _depth: int = 0) -> object:
+    """Return a JSON-serialisable, redacted copy of ``value``.
+
+    Mapping entries whose key names a secret are replaced by ``***`` whatever
+    their type; anything that is not a JSON type is ``str()``-ed.
+    """
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        return redact(value)
+    if _depth > 8:
+        return redact(str(value))
+    if isinstance(value, Mapping):
+        out: dict[str, object] = {}
+        for k, v in value.items():
+            key = redact(str(k))
+            out[key] = (
+                MASK if is_secret_key(str(k)) and v is not None else sanitize(v, _depth=_depth + 1)
+            )
+        return out
+    if isinstance(value, list | tuple | set | frozenset):
+        return [sanitize(v, _depth=_depth + 1) for v in value]
+    if isinstance(value, BaseException):
+        return redact(f"{type(value).__name__}: {value}")
+    return redact(str(value))
+
+
+_RESERVED = frozenset({"ts", "level", "logger", "service", "node_id", "event", "exc"})
+_EVENT_ATTR = "outboxkit_event"
+_FIELDS_ATTR = "outboxkit_fields"
+
+
+def log_event(
+    logger: logging.Logger, event: str, *, level: int = logging.INFO, **fields: object
+) -> None:
+    """Log a structured record: an event name plus fields, all redacted.
+
+    Pass ``exc_info=True`` (or an exception) to attach a traceback, which is
+    redacted too. Field names that collide with the envelope (``ts``, ``level``,
+    ``logger``, ``service``, ``node_id``, ``event``, ``exc``) get a trailing ``_``.
+    """
+    exc_info = fields.pop("exc_info", None)
+    if not logger.isEnabledFor(level):
+        return
+    clean: dict[str, object] = {}
+    for name, value in fields.items():
+        key = f"{name}_" if name in _RESERVED else name
+        clean[key] = MASK if is_secret_key(name) and value is not None else sanitize(value)
+    # The plain message keeps the record readable under handlers that are not ours
+    # (pytest's caplog, an embedding application's own formatter).
+    rendered = " ".join([event, *(f"{k}={v}" for k, v in clean.items())])
+    logger.log(
+        level,
+        "%s",
+        rendered,
+        exc_info=exc_info,  # type: ignore[arg-type]
+        extra={_EVENT_ATTR: event, _FIELDS_ATTR: clean},
+        stacklevel=2,
+    )
+
+
+def _utc_ts(created: float) -> str:
+    dt = _dt.datetime.fromtimestamp(created, tz=_dt.UTC)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats records as one redacted JSON object per line."""
+
+    def __init__(self, *, service: str, node_id: str) -> None:
+        super().__init__()
+        self.service = service
+        self.node_id = node_id
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": _utc_ts(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "service": self.service,
+            "node_id": self.node_id,
+        }
+        event = getattr(record, _EVENT_ATTR, None)
+        fields = getattr(record, _FIELDS_ATTR, None)
+        if isinstance(event, str):
+            out["event"] = event
+            if isinstance(fields, dict):
+                for key, value in fields.items():
+                    out[key] = sanitize(value)
+        else:
+            out["event"] = "log"
+            try:
+                msg = record.getMessage()
+            except Exception:  # a bad %-format in someone else's log call
+                msg = f"{record.msg!r} {record.args!r}"
+            out["msg"] = redact(msg)
+        if record.exc_info and record.exc_info[1] is not None:
+            out["exc"] = redact("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        elif record.exc_text:
+            out["exc"] = redact(record.exc_text)
+        if record.stack_info:
+            out["stack"] = redact(record.stack_info)
+        return json.dumps(out, ensure_ascii=False, default=lambda o: redact(str(o)))
+
+
+class _OutboxkitHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Marker subclass so :func:`configure_logging` can find and replace its own handler."""
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configure_logging(
+    *, level: str = "INFO", service: str, node_id: str, stream: TextIO | None = None
+) -> None:
+    """Install the JSON handler on the root logger (stderr unless ``stream`` is given).
+
+    Idempotent: a previous handler installed by this function is replaced;
+    handlers installed by others are left alone.
+    """
+    name = level.upper()
+    if name not in _LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(_LEVELS)} (got {level!r})")
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, _OutboxkitHandler):
+            root.removeHandler(handler)
+            handler.close()
+    handler = _OutboxkitHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter(service=service, node_id=node_id))
+    root.addHandler(handler)
+    root.setLevel(name)
+
+
+def flush_logging() -> None:
+    """Flush every handler of the root logger; used right before ``os._exit``."""
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):  # nothing left to report a failure to
+            handler.flush()

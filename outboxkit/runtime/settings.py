@@ -1,0 +1,639 @@
+"""Settings: frozen dataclasses filled from CLI flags and ``OUTBOXKIT_*`` variables.
+
+One rule for every component: a field ``lease_ttl`` is set by the flag
+``--lease-ttl`` or the environment variable ``OUTBOXKIT_LEASE_TTL``;
+precedence is flag > environment > default. Values are parsed from the field's
+annotation and validated once, at start, and every problem is reported with
+both names::
+
+    invalid --lease-ttl / OUTBOXKIT_LEASE_TTL: must be > 0 (got '-1')
+
+Parsers by annotation:
+
+* ``int``; ``float`` (seconds; fractions and ``500ms``, ``2s``, ``1m``, ``1h``);
+* ``bool`` (``1/0 true/false yes/no on/off``; flags ``--x`` / ``--no-x``);
+* ``str``; ``X | None`` (an empty value means unset);
+* ``dict[str, str]`` (librdkafka properties: repeated ``--kafka-config k=v``, or
+  ``OUTBOXKIT_KAFKA_CONFIG="k=v,k2=v2"``; flag entries override environment
+  entries key by key);
+* ``tuple[str, ...]`` (comma-separated).
+
+An empty environment variable counts as unset. Secrets (fields marked
+``secret=True``, the password of any URL value, ``kafka_config`` values whose
+key contains ``password`` or ``secret``) are registered with
+:func:`outboxkit.runtime.logs.register_secret` when loaded, so they never appear
+in a log line, and :func:`describe` masks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import re
+import secrets
+import socket
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
+from urllib.parse import unquote, urlsplit
+
+from outboxkit.runtime.errors import ConfigError
+from outboxkit.runtime.logs import (
+    MASK,
+    is_secret_key,
+    redact,
+    redact_url,
+    register_secret,
+    sanitize,
+)
+
+__all__ = [
+    "ENV_PREFIX",
+    "MISSING",
+    "RuntimeSettings",
+    "SettingSpec",
+    "add_arguments",
+    "default_node_id",
+    "describe",
+    "env_name",
+    "flag_name",
+    "load",
+    "non_negative",
+    "parse_bool",
+    "parse_duration",
+    "port_number",
+    "positive",
+    "setting",
+]
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+MISSING: Any = dataclasses.MISSING
+ENV_PREFIX = "OUTBOXKIT_"
+_META = "outboxkit.setting"
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingSpec:
+    """What :func:`setting` stores in the dataclass field's metadata."""
+
+    help: str
+    env: str | None = None
+    secret: bool = False
+    parse: Callable[[str], Any] | None = None
+    validate: Callable[[Any], str | None] | None = None
+    choices: tuple[str, ...] | None = None
+    default_help: str | None = None
+
+
+@overload
+def setting(
+    default: T,
+    *,
+    help: str,
+    env: str | None = ...,
+    secret: bool = ...,
+    parse: Callable[[str], T] | None = ...,
+    validate: Callable[[T], str | None] | None = ...,
+    choices: Sequence[str] | None = ...,
+    default_help: str | None = ...,
+) -> T: ...
+@overload
+def setting(
+    *,
+    default_factory: Callable[[], T],
+    help: str,
+    env: str | None = ...,
+    secret: bool = ...,
+    parse: Callable[[str], T] | None = ...,
+    validate: Callable[[T], str | None] | None = ...,
+    choices: Sequence[str] | None = ...,
+    default_help: str | None = ...,
+) -> T: ...
+@overload
+def setting(
+    *,
+    help: str,
+    env: str | None = ...,
+    secret: bool = ...,
+    parse: Callable[[str], Any] | None = ...,
+    validate: Callable[[Any], str | None] | None = ...,
+    choices: Sequence[str] | None = ...,
+    default_help: str | None = ...,
+) -> Any: ...
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    env: str | None = None,
+    secret: bool = False,
+    parse: Callable[[str], Any] | None = None,
+    validate: Callable[[Any], str | None] | None = None,
+    choices: Sequence[str] | None = None,
+    default_factory: Any = MISSING,
+    default_help: str | None = None,
+) -> Any:
+    """A dataclass field that is also a CLI flag and an environment variable.
+
+    Without ``default`` or ``default_factory`` the setting is required.
+    ``env`` overrides the derived variable name. ``validate`` returns an error
+    message (e.g. ``"must be > 0"``) or None. ``choices`` are checked after
+    ``parse``. ``default_help`` is what ``--help`` shows for a computed default.
+    """
+    spec = SettingSpec(
+        help=help,
+        env=env,
+        secret=secret,
+        parse=parse,
+        validate=validate,
+        choices=tuple(choices) if choices is not None else None,
+        default_help=default_help,
+    )
+    metadata = {_META: spec}
+    if default is not MISSING and default_factory is not MISSING:
+        raise TypeError("give either default or default_factory, not both")
+    if isinstance(default, dict | list | set):
+        template = default
+        default_factory = lambda: copy.copy(template)  # noqa: E731
+        default = MISSING
+    if default_factory is not MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# -- names -----------------------------------------------------------------
+
+
+def flag_name(field_name: str) -> str:
+    """``lease_ttl`` -> ``--lease-ttl``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    """``lease_ttl`` -> ``OUTBOXKIT_LEASE_TTL``."""
+    return ENV_PREFIX + field_name.upper()
+
+
+# -- parsers ---------------------------------------------------------------
+
+_DURATION_RE = re.compile(
+    r"^\s*(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>ms|s|m|h)?\s*$"
+)
+_UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
+_TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
+_FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
+
+
+def parse_duration(text: str) -> float:
+    """Seconds as float: ``"1.5"``, ``"500ms"``, ``"2s"``, ``"1m"``, ``"1h"``."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ValueError("must be a number of seconds or a duration like 500ms, 2s, 1m")
+    return float(m.group("num")) * _UNIT_SECONDS[m.group("unit")]
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError("must be an integer") from None
+
+
+def _parse_str(text: str) -> str:
+    return text
+
+
+def _parse_csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _parse_pair(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError("must be key=value")
+    return key, value.strip()
+
+
+def _parse_pairs_env(text: str) -> dict[str, str]:
+    """``"k=v,k2=v2"``. A piece without ``=`` continues the previous value, so
+    ``bootstrap.servers=a:9092,b:9092,acks=all`` keeps both brokers.
+    """
+    out: dict[str, str] = {}
+    last: str | None = None
+    for piece in text.split(","):
+        if not piece.strip():
+            continue
+        if "=" not in piece and last is not None:
+            out[last] = f"{out[last]},{piece.strip()}"
+            continue
+        key, value = _parse_pair(piece)
+        out[key] = value
+        last = key
+    return out
+
+
+# -- validators --------------------------------------------------------------
+
+
+def positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def port_number(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a port number between 0 and 65535"
+
+
+def _url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    parts = urlsplit(value)
+    if not parts.scheme or not parts.netloc:
+        return "must be a URL like scheme://user:password@host:port/path"
+    return None
+
+
+# -- field analysis ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    flag: str
+    env: str
+    spec: SettingSpec
+    kind: str  # "scalar" | "bool" | "dict" | "tuple"
+    parse: Callable[[str], Any]
+    optional: bool
+    field: dataclasses.Field[Any]
+
+    def has_default(self) -> bool:
+        return (
+            self.field.default is not dataclasses.MISSING
+            or self.field.default_factory is not dataclasses.MISSING
+        )
+
+    def default(self) -> Any:
+        if self.field.default is not dataclasses.MISSING:
+            return self.field.default
+        if self.field.default_factory is not dataclasses.MISSING:
+            return self.field.default_factory()
+        return MISSING
+
+
+def _analyse(name: str, tp: Any, spec: SettingSpec) -> tuple[str, Callable[[str], Any], bool]:
+    optional = False
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        rest = [a for a in args if a is not type(None)]
+        optional = len(rest) != len(args)
+        if len(rest) != 1:
+            if spec.parse is None:
+                raise TypeError(f"setting {name}: cannot infer a parser for {tp!r}; pass parse=")
+            return "scalar", spec.parse, optional
+        tp = rest[0]
+        origin = get_origin(tp)
+    if spec.parse is not None:
+        return "scalar", spec.parse, optional
+    if tp is bool:
+        return "bool", parse_bool, optional
+    if tp is int:
+        return "scalar", _parse_int, optional
+    if tp is float:
+        return "scalar", parse_duration, optional
+    if tp is str:
+        return "scalar", _parse_str, optional
+    if origin is dict and get_args(tp) == (str, str):
+        return "dict", _parse_pairs_env, optional
+    if origin is tuple and get_args(tp) == (str, ...):
+        return "tuple", _parse_csv, optional
+    raise TypeError(f"setting {name}: cannot infer a parser for {tp!r}; pass parse=")
+
+
+def _fields(cls: type[Any]) -> list[_Field]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = get_type_hints(cls)
+    out: list[_Field] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        spec = f.metadata.get(_META) or SettingSpec(help="")
+        kind, parse, optional = _analyse(f.name, hints[f.name], spec)
+        out.append(
+            _Field(
+                name=f.name,
+                flag=flag_name(f.name),
+                env=spec.env or env_name(f.name),
+                spec=spec,
+                kind=kind,
+                parse=parse,
+                optional=optional,
+                field=f,
+            )
+        )
+    return out
+
+
+# -- argparse ----------------------------------------------------------------
+
+
+def _show_default(f: _Field) -> str:
+    if f.spec.default_help is not None:
+        return f.spec.default_help
+    value = f.default()
+    if value is None or value == {} or value == ():
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}={MASK if is_secret_key(k) else v}" for k, v in value.items())
+    return redact(str(value))
+
+
+def _help_text(f: _Field) -> str:
+    parts = [f"env {f.env}"]
+    if f.spec.choices:
+        parts.append("one of " + ", ".join(f.spec.choices))
+    if f.spec.secret:
+        parts.insert(0, "secret")
+    if not f.has_default():
+        parts.append("required")
+    elif not f.spec.secret:
+        parts.append(f"default: {_show_default(f)}")
+    text = f"{f.spec.help} ({'; '.join(parts)})" if f.spec.help else f"({'; '.join(parts)})"
+    return text.replace("%", "%%")
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any, cls: type[Any]) -> None:
+    """Add one option per settings field to ``parser`` (or an argument group).
+
+    Options default to "absent" (``argparse.SUPPRESS``) so that :func:`load`
+    can tell a given flag from a default and apply flag > env > default.
+    """
+    for f in _fields(cls):
+        common: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": _help_text(f),
+        }
+        if f.kind == "bool":
+            parser.add_argument(f.flag, action=argparse.BooleanOptionalAction, **common)
+        elif f.kind == "dict":
+            parser.add_argument(f.flag, action="append", metavar="KEY=VALUE", **common)
+        elif f.kind == "tuple":
+            parser.add_argument(f.flag, metavar="A,B,...", **common)
+        else:
+            metavar = "{" + ",".join(f.spec.choices) + "}" if f.spec.choices else f.name.upper()
+            parser.add_argument(f.flag, metavar=metavar, **common)
+
+
+# -- load --------------------------------------------------------------------
+
+
+def _shown(f: _Field, raw: object) -> str:
+    if f.spec.secret:
+        return MASK
+    return redact(str(raw))
+
+
+def _register_url_password(value: str) -> None:
+    if "://" not in value:
+        return
+    try:
+        password = urlsplit(value).password
+    except ValueError:
+        return
+    if password:
+        register_secret(password)
+        register_secret(unquote(password))
+
+
+def _register_secrets(f: _Field, value: object) -> None:
+    if value is None:
+        return
+    if f.spec.secret:
+        if isinstance(value, Mapping):
+            for v in value.values():
+                register_secret(str(v))
+        elif isinstance(value, tuple | list):
+            for v in value:
+                register_secret(str(v))
+        else:
+            register_secret(str(value))
+        return
+    if isinstance(value, str):
+        _register_url_password(value)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            key = str(k).lower()
+            if "password" in key or "secret" in key or is_secret_key(str(k)):
+                register_secret(str(v))
+            elif isinstance(v, str):
+                _register_url_password(v)
+    elif isinstance(value, tuple | list):
+        for v in value:
+            if isinstance(v, str):
+                _register_url_password(v)
+
+
+def _check(f: _Field, value: Any) -> None:
+    if f.spec.choices is not None and value is not None and value not in f.spec.choices:
+        raise ValueError("must be one of " + ", ".join(f.spec.choices))
+    if f.spec.validate is not None and value is not None:
+        message = f.spec.validate(value)
+        if message:
+            raise ValueError(message)
+
+
+def _load_field(
+    f: _Field, flag_raw: object, env_raw: str | None, values: dict[str, Any], errors: list[str]
+) -> None:
+    where = f"{f.flag} / {f.env}"
+    if f.kind == "dict":
+        if flag_raw is None and env_raw is None:
+            return
+        merged: dict[str, str] = dict(f.default() or {})
+        raw: object = env_raw
+        try:
+            if env_raw is not None:
+                merged.update(_parse_pairs_env(env_raw))
+            if flag_raw is not None:
+                items = [flag_raw] if isinstance(flag_raw, str) else list(flag_raw)  # type: ignore[call-overload]
+                for item in items:
+                    raw = item
+                    k, v = _parse_pair(str(item))
+                    merged[k] = v
+            _check(f, merged)
+        except ValueError as exc:
+            errors.append(f"invalid {where}: {exc} (got '{_shown(f, raw)}')")
+            return
+        _register_secrets(f, merged)
+        values[f.name] = merged
+        return
+
+    raw = flag_raw if flag_raw is not None else env_raw
+    if raw is None:
+        if not f.has_default():
+            help_ = f" ({f.spec.help})" if f.spec.help else ""
+            errors.append(f"missing {where}: required{help_}")
+        return
+    if f.spec.secret and isinstance(raw, str):
+        register_secret(raw)
+    try:
+        if isinstance(raw, bool) and f.kind == "bool":
+            value: Any = raw
+        elif isinstance(raw, str):
+            value = None if (f.optional and raw.strip() == "") else f.parse(raw)
+        else:
+            value = raw  # a Namespace built in code with a typed value
+        _check(f, value)
+    except ValueError as exc:
+        errors.append(f"invalid {where}: {exc} (got '{_shown(f, raw)}')")
+        return
+    _register_secrets(f, value)
+    values[f.name] = value
+
+
+def load(
+    cls: type[S],
+    *,
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> S:
+    """Build ``cls`` from flags (``args``), then ``environ`` (default: ``os.environ``),
+    then defaults.
+
+    Raises :class:`ConfigError` listing every bad or missing setting, and then
+    every message returned by ``instance.validate()`` (cross-field checks).
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    for f in _fields(cls):
+        flag_raw = getattr(args, f.name, None) if args is not None else None
+        env_raw = env.get(f.env)
+        if env_raw is not None and env_raw.strip() == "":
+            env_raw = None
+        _load_field(f, flag_raw, env_raw, values, errors)
+    if errors:
+        raise ConfigError(errors=errors)
+    try:
+        instance = cls(**values)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(redact(str(exc))) from exc
+    for f in _fields(cls):
+        _register_secrets(f, getattr(instance, f.name))
+    check = getattr(instance, "validate", None)
+    if callable(check):
+        problems = check()
+        if problems:
+            raise ConfigError(errors=[redact(str(p)) for p in problems])
+    return instance
+
+
+def describe(settings: object) -> dict[str, object]:
+    """A redacted, JSON-friendly view of ``settings`` for the start-up log line."""
+    if not dataclasses.is_dataclass(settings) or isinstance(settings, type):
+        raise TypeError("describe() expects a settings dataclass instance")
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        spec = f.metadata.get(_META)
+        if (spec is not None and spec.secret) or is_secret_key(f.name):
+            out[f.name] = None if value is None else MASK
+        elif isinstance(value, str) and "://" in value:
+            out[f.name] = redact_url(value)
+        else:
+            out[f.name] = sanitize(value)
+    return out
+
+
+# -- common settings ---------------------------------------------------------
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def default_node_id() -> str:
+    """``<hostname>-<pid>-<4 hex>``: unique per process, readable in logs and leases."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def _non_empty(value: str) -> str | None:
+    return None if value.strip() else "must not be empty"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeSettings:
+    """Settings every outboxkit process has; components inherit and add their own.
+
+    ``health_host`` defaults to 127.0.0.1 (safe on a laptop and in tests);
+    container deployments set ``OUTBOXKIT_HEALTH_HOST=0.0.0.0`` so the kubelet
+    and Prometheus can reach the port.
+    """
+
+    service: str = setting(
+        "outboxkit", help="service name in logs, metrics and the exit record", validate=_non_empty
+    )
+    node_id: str = setting(
+        default_factory=default_node_id,
+        help="identity of this process in logs, leases and metrics",
+        default_help="<hostname>-<pid>-<4 hex>",
+        validate=_non_empty,
+    )
+    health_host: str = setting("127.0.0.1", help="address of the health/metrics HTTP server")
+    health_port: int = setting(
+        8080,
+        help="port of the health/metrics HTTP server (0 = any free port)",
+        validate=port_number,
+    )
+    log_level: str = setting("INFO", help="log level", parse=str.upper, choices=LOG_LEVELS)
+    shutdown_timeout: float = setting(
+        30.0,
+        help="seconds from the first signal to a forced exit (exit code 4)",
+        validate=positive,
+    )
+    pushgateway_url: str | None = setting(
+        None, help="Prometheus Pushgateway that receives the final metrics at exit"
+    )
+    kafka_bootstrap: str | None = setting(None, help="Kafka bootstrap servers, host:port,...")
+    # RUF009 cannot know that setting() returns a dataclasses.field.
+    kafka_config: dict[str, str] = setting(  # noqa: RUF009
+        default_factory=dict,
+        help="extra librdkafka property, repeatable: --kafka-config security.protocol=SASL_SSL",
+    )
+    db_url: str | None = setting(
+        None,
+        help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db",
+        validate=_url,
+    )
+    redis_url: str | None = setting(
+        None,
+        help="Redis URL for shard leases and wake-ups, e.g. redis://host:6379/0",
+        validate=_url,
+    )
+
+    def validate(self) -> list[str]:
+        """Cross-field checks; subclasses extend with ``[*super().validate(), ...]``."""
+        return []
