@@ -17,7 +17,12 @@ from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG
 
 #: Modules that contribute a subcommand, in the order ``--help`` lists them.
-COMMAND_MODULES = ("outboxkit.schema.cli", "outboxkit.consumer.cli", "outboxkit.admin.cli")
+COMMAND_MODULES = (
+    "outboxkit.schema.cli",
+    "outboxkit.consumer.cli",
+    "outboxkit.admin.cli",
+    "outboxkit.demo.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
