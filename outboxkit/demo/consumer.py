@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 
+import sqlalchemy as sa
+
 from outboxkit.consumer import Consumer, InvalidMessageError, Message
-from outboxkit.demo.tables import shipments
+from outboxkit.demo.tables import create_tables, shipments
 from outboxkit.schema.table import db_now
 
 __all__ = ["OrderConsumer"]
@@ -23,6 +25,15 @@ _log = logging.getLogger("outboxkit.demo.consumer")
 class OrderConsumer(Consumer):
     topics = ("orders",)
     group_id = "outboxkit-demo"
+
+    def on_start(self) -> None:
+        """With the inbox on, make sure the shipments table exists (idempotent)."""
+        if self.settings.inbox and self.settings.db_url:
+            engine = sa.create_engine(self.settings.db_url)
+            try:
+                create_tables(engine)
+            finally:
+                engine.dispose()
 
     def handle(self, message: Message) -> None:
         event = message.json()
