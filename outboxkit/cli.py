@@ -21,6 +21,8 @@ COMMAND_MODULES = (
     "outboxkit.schema.cli",
     "outboxkit.relay.cli",
     "outboxkit.consumer.cli",
+    "outboxkit.admin.cli",
+    "outboxkit.demo.cli",
 )
 
 

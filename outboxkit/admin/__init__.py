@@ -1,0 +1,61 @@
+"""Operator tools: status, the failed list, requeue, purge and the recovery log.
+
+``outboxkit admin`` is the command line over these functions; the relay reuses
+:func:`purge_delivered` / :func:`run_retention` for its periodic retention.
+See ``docs/admin.md``.
+"""
+
+from outboxkit.admin._parse import parse_retention, parse_time
+from outboxkit.admin.purge import (
+    PurgeResult,
+    count_purgeable,
+    purge,
+    purge_delivered,
+    run_retention,
+)
+from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, UnknownRowError, requeue
+from outboxkit.admin.rows import (
+    FailedRow,
+    RecoveryEvent,
+    UnknownEventError,
+    list_failed,
+    read_recovery,
+    show_row,
+)
+from outboxkit.admin.status import (
+    RelayView,
+    ShardView,
+    TableStatus,
+    read_relay,
+    read_shards,
+    read_table_status,
+    shard_key,
+)
+
+__all__ = [
+    "FailedRow",
+    "PurgeResult",
+    "RecoveryEvent",
+    "RelayView",
+    "RequeueResult",
+    "Selection",
+    "ShardView",
+    "Skipped",
+    "TableStatus",
+    "UnknownEventError",
+    "UnknownRowError",
+    "count_purgeable",
+    "list_failed",
+    "parse_retention",
+    "parse_time",
+    "purge",
+    "purge_delivered",
+    "read_recovery",
+    "read_relay",
+    "read_shards",
+    "read_table_status",
+    "requeue",
+    "run_retention",
+    "shard_key",
+    "show_row",
+]

@@ -1,0 +1,307 @@
+"""Retention: delete ``delivered`` rows older than a cutoff, gently.
+
+Used by ``outboxkit admin purge`` and meant for the relay's periodic retention.
+
+Guarantees:
+
+* only rows with ``status = 'delivered'`` and ``delivered_at`` before the cutoff
+  are deleted; the DELETE re-checks both, so a row that changed after it was
+  selected is left alone. Pending, delivering, retryable and failed rows are
+  never touched;
+* the cutoff is computed once, from the database clock, when the run starts;
+  rows that age past it during the run wait for the next run, so a run is finite;
+* each batch is its own short transaction that deletes by primary key (record
+  locks only, no gap locks in front of the service's inserts), followed by a
+  pause, so the service's own writes keep flowing;
+* ``stop()`` is checked before every batch and during every pause: once it is
+  true no further batch starts (the relay passes "draining", so retention never
+  runs during shutdown). A batch already running commits or rolls back as a
+  whole; nothing is left half done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import random
+import socket
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from outboxkit.admin._db import gentle_connection
+from outboxkit.runtime.logs import log_event
+from outboxkit.schema.recovery import record_recovery
+from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+
+__all__ = [
+    "PurgeResult",
+    "count_purgeable",
+    "purge",
+    "purge_delivered",
+    "run_retention",
+]
+
+_log = logging.getLogger("outboxkit.admin.purge")
+
+#: MySQL/MariaDB errors after which the same batch may simply be tried again.
+_LOCK_WAIT_TIMEOUT, _DEADLOCK = 1205, 1213
+_BATCH_RETRIES = 3
+#: How often a pause looks at ``stop()``.
+_STOP_POLL_S = 0.05
+
+
+def _admin_node_id() -> str:
+    return f"admin@{socket.gethostname()}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PurgeResult:
+    """What one purge run did."""
+
+    deleted: int
+    batches: int
+    cutoff: dt.datetime
+    stopped: bool
+
+
+def purge_delivered(
+    engine: Engine,
+    table: str,
+    older_than_s: float,
+    batch_size: int = 1000,
+    pause_s: float = 0.2,
+    stop: Callable[[], bool] = lambda: False,
+    *,
+    node_id: str | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> int:
+    """Delete ``delivered`` rows whose ``delivered_at`` is older than ``older_than_s``.
+
+    Returns the number of rows deleted. See the module docstring for guarantees;
+    :func:`purge` returns the full :class:`PurgeResult`.
+    """
+    return purge(
+        engine,
+        table=table,
+        older_than_s=older_than_s,
+        batch_size=batch_size,
+        pause_s=pause_s,
+        stop=stop,
+        node_id=node_id,
+        on_batch=on_batch,
+    ).deleted
+
+
+def purge(
+    engine: Engine,
+    *,
+    table: str,
+    older_than_s: float,
+    batch_size: int = 1000,
+    pause_s: float = 0.2,
+    stop: Callable[[], bool] = lambda: False,
+    node_id: str | None = None,
+    on_batch: Callable[[int], None] | None = None,
+    record_empty: bool = False,
+) -> PurgeResult:
+    """Run one purge; record a ``purge`` recovery event when rows were deleted.
+
+    ``on_batch(n)`` is called after each committed batch with the rows it deleted.
+    ``record_empty`` also records a run that deleted nothing (the CLI does, as an
+    audit trail of the operator's action; the periodic retention does not, so it
+    does not fill the recovery log with empty runs).
+    """
+    validate_identifier(table)
+    if older_than_s <= 0:
+        raise ValueError("older_than_s must be > 0")
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    if pause_s < 0:
+        raise ValueError("pause_s must be >= 0")
+    t = outbox_table(table)
+    started = time.monotonic()
+    cutoff = _cutoff(engine, older_than_s)
+    deleted = batches = 0
+    last_id = 0
+    stopped = False
+    with gentle_connection(engine) as conn:
+        while True:
+            if stop():
+                stopped = True
+                break
+            ids = (
+                conn.execute(
+                    sa.select(t.c.id)
+                    .where(
+                        t.c.status == Status.DELIVERED.value,
+                        t.c.delivered_at < cutoff,
+                        t.c.id > last_id,
+                    )
+                    .order_by(t.c.id)
+                    .limit(batch_size)
+                )
+                .scalars()
+                .all()
+            )
+            conn.commit()  # end the read's snapshot; the DELETE is its own transaction
+            if not ids:
+                break
+            last_id = ids[-1]
+            n = _delete_batch(conn, t, list(ids), cutoff)
+            deleted += n
+            batches += 1
+            if on_batch is not None:
+                on_batch(n)
+            if len(ids) < batch_size:
+                break
+            if _pause(pause_s, stop):
+                stopped = True
+                break
+    result = PurgeResult(deleted=deleted, batches=batches, cutoff=cutoff, stopped=stopped)
+    if deleted or record_empty:
+        with engine.begin() as conn:
+            record_recovery(
+                conn,
+                kind="purge",
+                node_id=node_id or _admin_node_id(),
+                table=table,
+                detail={
+                    "deleted": deleted,
+                    "batches": batches,
+                    "older_than_s": older_than_s,
+                    "cutoff": cutoff.isoformat() + "Z",
+                    "stopped": stopped,
+                },
+            )
+    log_event(
+        _log,
+        "purge-finished",
+        table=table,
+        deleted=deleted,
+        batches=batches,
+        stopped=stopped,
+        duration_ms=round((time.monotonic() - started) * 1000),
+    )
+    return result
+
+
+def count_purgeable(engine: Engine, *, table: str, older_than_s: float) -> tuple[int, dt.datetime]:
+    """How many rows a purge started now would delete, and its cutoff (for ``--dry-run``)."""
+    t = outbox_table(validate_identifier(table))
+    cutoff = _cutoff(engine, older_than_s)
+    with engine.connect() as conn:
+        n = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(t)
+            .where(t.c.status == Status.DELIVERED.value, t.c.delivered_at < cutoff)
+        ).scalar_one()
+    return int(n), cutoff
+
+
+def run_retention(
+    engine: Engine,
+    *,
+    table: str,
+    retention_s: float,
+    interval_s: float,
+    stop: Callable[[], bool],
+    batch_size: int = 1000,
+    pause_s: float = 0.2,
+    node_id: str | None = None,
+) -> None:
+    """The relay's periodic retention loop: purge every ``interval_s`` until ``stop()``.
+
+    Meant to run in its own worker thread under the relay's supervisor, off the
+    claim/publish path. The first run waits a random part of one interval, so
+    relays started together do not purge together; on MySQL/MariaDB a named
+    lock lets only one relay per table purge at a time (the others skip that
+    round). Returns as soon as ``stop()`` is true, including in the middle of a
+    run; an exception (database gone) propagates to the supervisor.
+    """
+    wait = random.uniform(0.0, interval_s)
+    while not _pause(wait, stop):
+        with _retention_lock(engine, table) as acquired:
+            if acquired:
+                purge(
+                    engine,
+                    table=table,
+                    older_than_s=retention_s,
+                    batch_size=batch_size,
+                    pause_s=pause_s,
+                    stop=stop,
+                    node_id=node_id,
+                )
+        wait = interval_s
+
+
+def _cutoff(engine: Engine, older_than_s: float) -> dt.datetime:
+    with engine.connect() as conn:
+        now: dt.datetime = conn.execute(sa.select(db_now())).scalar_one()
+    if isinstance(now, str):  # SQLite returns the text it was given
+        now = dt.datetime.fromisoformat(now)
+    return now - dt.timedelta(seconds=older_than_s)
+
+
+def _delete_batch(conn: Connection, t: sa.Table, ids: list[int], cutoff: dt.datetime) -> int:
+    stmt = t.delete().where(
+        t.c.id.in_(ids),
+        t.c.status == Status.DELIVERED.value,
+        t.c.delivered_at < cutoff,
+    )
+    for attempt in range(1, _BATCH_RETRIES + 1):
+        try:
+            n = conn.execute(stmt).rowcount
+            conn.commit()
+            return int(n)
+        except sa.exc.OperationalError as exc:
+            conn.rollback()
+            code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
+            if code not in (_LOCK_WAIT_TIMEOUT, _DEADLOCK) or attempt == _BATCH_RETRIES:
+                raise
+            log_event(
+                _log,
+                "purge-batch-retry",
+                level=logging.WARNING,
+                code=code,
+                attempts_left=_BATCH_RETRIES - attempt,
+            )
+            time.sleep(0.1 * attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _pause(seconds: float, stop: Callable[[], bool]) -> bool:
+    """Sleep up to ``seconds``; True (at once) when ``stop()`` becomes true."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if stop():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(_STOP_POLL_S, left))
+
+
+@contextmanager
+def _retention_lock(engine: Engine, table: str) -> Iterator[bool]:
+    """Try a database-wide named lock per table; yields whether this process got it."""
+    with engine.connect() as conn:
+        if conn.dialect.name not in ("mysql", "mariadb"):
+            yield True
+            return
+        name = f"outboxkit_retention_{table}"
+        if len(name) > 64:  # MySQL's limit on lock names
+            name = f"outboxkit_retention_{zlib.crc32(table.encode()):08x}"
+        got = conn.execute(sa.text("SELECT GET_LOCK(:n, 0)"), {"n": name}).scalar()
+        conn.commit()
+        try:
+            yield got == 1
+        finally:
+            if got == 1:
+                conn.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": name})
+                conn.commit()

@@ -1,0 +1,80 @@
+"""``outboxkit demo``: the whole outbox flow on this machine; see ``docs/demo.md``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_OK
+from outboxkit.runtime.logs import redact
+from outboxkit.runtime.settings import parse_duration
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run an order service, two relays and a consumer end to end, with live counts",
+        description=(
+            "Start MariaDB, Kafka and Redis (deploy/local/up.sh) unless their URLs are "
+            "given, apply the schema, start two relays and the example consumer, write "
+            "orders and their events for --duration seconds, show written / delivered / "
+            "consumed, then drain everything and print a summary. Ctrl-C stops writing "
+            "and drains; a second Ctrl-C drains at once. Exit 0 when delivered = consumed "
+            "= written and every process exited cleanly. Settings come from these flags "
+            "only (never from OUTBOXKIT_* variables, so the demo cannot write into a "
+            "database configured for something else)."
+        ),
+    )
+    p.add_argument("--duration", default="20", help="seconds of writing orders [20]")
+    p.add_argument("--rate", type=float, default=200.0, help="orders per second [200]")
+    p.add_argument("--relays", type=int, default=2, help="relay processes [2]")
+    p.add_argument("--topic", default="orders", help="topic of the order events [orders]")
+    p.add_argument(
+        "--settle-timeout",
+        default="60",
+        help="after writing, how long to wait for delivery and consumption [60]",
+    )
+    p.add_argument("--db-url", help="use this database server instead of the local one")
+    p.add_argument("--kafka-bootstrap", help="use this Kafka instead of the local one")
+    p.add_argument("--redis-url", help="use this Redis instead of the local one")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where the processes' logs go [./.outboxkit-demo/<run id>]",
+    )
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from outboxkit.demo.runner import DemoOptions, run_demo
+
+    try:
+        duration = parse_duration(args.duration)
+        settle = parse_duration(args.settle_timeout)
+    except ValueError as exc:
+        raise ConfigError(f"invalid --duration or --settle-timeout: {exc}") from None
+    if duration <= 0 or args.rate <= 0 or args.relays < 1 or settle <= 0:
+        raise ConfigError("--duration, --rate, --settle-timeout must be > 0 and --relays >= 1")
+    try:
+        summary = run_demo(
+            DemoOptions(
+                db_url=args.db_url,
+                kafka_bootstrap=args.kafka_bootstrap,
+                redis_url=args.redis_url,
+                duration=duration,
+                rate=args.rate,
+                relays=args.relays,
+                topic=args.topic,
+                settle_timeout=settle,
+                state_dir=args.state_dir,
+            )
+        )
+    except DependencyError as exc:
+        print(f"outboxkit demo: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_DEPENDENCY
+    return EXIT_OK if summary.ok else EXIT_FAILURE

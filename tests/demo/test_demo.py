@@ -1,0 +1,112 @@
+"""``outboxkit demo`` end to end: a short run on the real services, and Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+pytestmark = pytest.mark.integration
+
+
+def demo_command(
+    db_url: str, kafka_bootstrap: str, redis_url: str, tmp_path: Path, *args: str
+) -> list[str]:
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "outboxkit",
+        "demo",
+        "--db-url",
+        db_url,
+        "--kafka-bootstrap",
+        kafka_bootstrap,
+        "--redis-url",
+        redis_url,
+        # Its own topic: the demo creates it (and its .dlq); the fixture cannot see it.
+        "--topic",
+        f"okt_demo_{uuid.uuid4().hex[:10]}",
+        "--state-dir",
+        str(tmp_path / "state"),
+        *args,
+    ]
+
+
+def counts(out: str) -> dict[str, int]:
+    return {
+        name: int(m.group(1))
+        for name in ("written", "delivered", "consumed")
+        if (m := re.search(rf"^  {name}\s+(\d+)", out, re.MULTILINE))
+    }
+
+
+def topics_cleanup(kafka_bootstrap: str, out: str) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    m = re.search(r"topics (\S+), (\S+)", out)
+    if m:
+        AdminClient({"bootstrap.servers": kafka_bootstrap}).delete_topics(list(m.groups()))
+
+
+def test_a_short_demo_delivers_and_consumes_everything_it_wrote(
+    db_url: str, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    cmd = demo_command(
+        db_url, kafka_bootstrap, redis_url, tmp_path, "--duration", "3", "--rate", "50"
+    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = proc.stdout
+        n = counts(out)
+        assert n["written"] >= 100, out
+        assert n["written"] == n["delivered"] == n["consumed"], out
+        assert "result    OK: delivered = consumed = written" in out
+        assert re.search(r"relay-1 0, relay-2 0, consumer 0", out), out
+        assert len(re.findall(r"http://127\.0\.0\.1:\d+/metrics", out)) >= 6  # start + summary
+        assert re.search(r"written +\d+ +delivered +\d+ +consumed +\d+ +\| +per second", out)
+        password = sa.make_url(db_url).password
+        assert f":{password}@" not in out + proc.stderr
+    finally:
+        topics_cleanup(kafka_bootstrap, proc.stdout)
+
+
+def test_ctrl_c_stops_writing_and_drains_cleanly(
+    db_url: str, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    cmd = demo_command(
+        db_url, kafka_bootstrap, redis_url, tmp_path, "--duration", "120", "--rate", "50"
+    )
+    out_path = tmp_path / "out.txt"
+    with out_path.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "written" not in out_path.read_text() or "per second" not in out_path.read_text():
+            assert proc.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.2)
+        time.sleep(1.5)
+        os.kill(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
+        code = proc.wait(timeout=90)
+        out = out_path.read_text()
+        assert code == 0, out
+        assert "interrupted: stopped writing" in out
+        assert "(interrupted)" in out
+        n = counts(out)
+        assert 0 < n["written"] < 120 * 50
+        assert n["written"] == n["delivered"] == n["consumed"], out
+        assert "relay-1 0, relay-2 0, consumer 0" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        topics_cleanup(kafka_bootstrap, out_path.read_text())
