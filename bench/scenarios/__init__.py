@@ -1,0 +1,41 @@
+"""The scenarios, in the order a full run measures them.
+
+Ceilings come first so the outboxkit figures that follow can be divided by
+ceilings taken minutes earlier on the same machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.context import BenchContext
+from bench.report import ScenarioResult
+
+
+class Unavailable(Exception):
+    """The code a scenario measures is not there (e.g. not merged yet)."""
+
+
+Results = dict[str, ScenarioResult]
+Runner = Callable[[BenchContext, Results], ScenarioResult]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    run: Runner
+
+
+def all_scenarios() -> list[Scenario]:
+    from bench.scenarios import consumer, producer
+
+    return [
+        Scenario("producer-ceiling", "confluent-kafka alone, from memory", producer.run),
+        Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),
+    ]
+
+
+def names() -> list[str]:
+    return [s.name for s in all_scenarios()]
