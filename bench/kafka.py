@@ -7,7 +7,6 @@ rows delivered or deletes them.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import threading
 import time
@@ -27,18 +26,27 @@ DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
     "acks": "all",
     "compression.type": "lz4",
     "linger.ms": 5,
+    "partitioner": "murmur2_random",
+    "message.timeout.ms": 30_000,
 }
 
 
 def relay_producer_config(bootstrap: str) -> dict[str, Any]:
     """The producer settings the relay really uses, so the ceiling is like for like."""
     config = dict(DEFAULT_PRODUCER_CONFIG)
-    build: Callable[..., dict[str, Any]] | None = None
-    with contextlib.suppress(ImportError):
+    try:
         publish = importlib.import_module("outboxkit.relay.publish")
-        build = getattr(publish, "producer_config", None)
-    if build is not None:
-        config = dict(build())
+        settings = importlib.import_module("outboxkit.relay.settings")
+    except ImportError:
+        pass
+    else:
+        relay_settings = settings.RelaySettings(
+            db_url="mysql+pymysql://unused@127.0.0.1/unused", kafka_bootstrap=bootstrap
+        )
+        config = dict(publish.producer_config(relay_settings, error_cb=lambda _err: None))
+        # Hooks into the relay's logging; they do not change what is sent.
+        config.pop("logger", None)
+        config.pop("client.id", None)
     config["bootstrap.servers"] = bootstrap
     return config
 

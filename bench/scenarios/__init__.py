@@ -29,9 +29,10 @@ class Scenario:
 
 
 def all_scenarios() -> list[Scenario]:
-    from bench.scenarios import consumer, producer
+    from bench.scenarios import consumer, db_ceiling, producer
 
     return [
+        Scenario("db-ceiling", "the relay's claim + finalize SQL, no Kafka", db_ceiling.run),
         Scenario("producer-ceiling", "confluent-kafka alone, from memory", producer.run),
         Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),
     ]
