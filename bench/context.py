@@ -62,6 +62,7 @@ class BenchContext:
     services: Services
     run_id: str = field(default_factory=new_run_id)
     keep: bool = False
+    results_dir: Path = REPO_ROOT / "bench" / "results"
     engine: sa.Engine = field(init=False)
     db_url: str = field(init=False)
     #: Things scenarios build once per run and share (e.g. the backlog template).
@@ -72,6 +73,11 @@ class BenchContext:
     @property
     def database(self) -> str:
         return f"outboxkit_bench_{self.run_id}"
+
+    @property
+    def log_dir(self) -> Path:
+        """Logs of the processes under test (kept after the run, for a look when one fails)."""
+        return self.results_dir / "logs" / self.run_id
 
     @property
     def redis_prefix(self) -> str:

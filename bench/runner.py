@@ -37,7 +37,7 @@ def run(
         raise ValueError(f"unknown scenarios: {', '.join(sorted(unknown))}")
     started = time.time()
     results: Results = {}
-    with BenchContext(config, services, keep=keep) as ctx:
+    with BenchContext(config, services, keep=keep, results_dir=results_dir) as ctx:
         path = results_dir / f"{ctx.run_id}.json"
         report: dict[str, Any] = {
             "run_id": ctx.run_id,

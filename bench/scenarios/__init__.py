@@ -29,11 +29,14 @@ class Scenario:
 
 
 def all_scenarios() -> list[Scenario]:
-    from bench.scenarios import consumer, db_ceiling, producer
+    from bench.scenarios import consumer, db_ceiling, producer, throughput
 
     return [
         Scenario("db-ceiling", "the relay's claim + finalize SQL, no Kafka", db_ceiling.run),
         Scenario("producer-ceiling", "confluent-kafka alone, from memory", producer.run),
+        Scenario(
+            "relay-throughput", "a pre-filled backlog drained by 1, 2, 3 relays", throughput.run
+        ),
         Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),
     ]
 

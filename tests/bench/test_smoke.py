@@ -24,6 +24,7 @@ pytestmark = pytest.mark.integration
 #: Modules a scenario measures; it may only be skipped while one is missing.
 NEEDS = {
     "db-ceiling": ("outboxkit.relay.claim", "outboxkit.relay.finalize"),
+    "relay-throughput": ("outboxkit.relay.relay",),
 }
 
 
