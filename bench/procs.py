@@ -87,6 +87,18 @@ class Proc:
     def cpu(self) -> float | None:
         return cpu_seconds(self.pid)
 
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        """Wait until the process logged ``text`` (e.g. its started event)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if text in self.log_path.read_text(errors="replace"):
+                    return
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not log {text!r} in {timeout}s:\n{self.log_tail()}")
+
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM, wait for the exit; return the exit code and record how long it took."""
         last_cpu = self.cpu()

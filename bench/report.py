@@ -25,6 +25,8 @@ class ScenarioResult:
     name: str
     title: str
     rows: list[Row] = field(default_factory=list)
+    #: Further tables, by title, when one scenario measures two different things.
+    tables: dict[str, list[Row]] = field(default_factory=dict)
     figures: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -103,6 +105,9 @@ def print_scenario(result: ScenarioResult) -> None:
         print(f"   FAILED: {result.error}")
     if result.rows:
         print(text_table(result.rows))
+    for title, rows in result.tables.items():
+        print(f"\n   {title}")
+        print(text_table(rows))
     for note in result.notes:
         print(f"   note: {note}")
 
@@ -139,6 +144,8 @@ def markdown_report(report: dict[str, Any]) -> str:
             out += [f"Failed: `{result['error']}`", ""]
         if result["rows"]:
             out += [markdown_table(result["rows"]), ""]
+        for title, rows in result.get("tables", {}).items():
+            out += [f"_{title}_", "", markdown_table(rows), ""]
         for note in result.get("notes", []):
             out.append(f"- {note}")
         if result.get("notes"):

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.integration
 NEEDS = {
     "db-ceiling": ("outboxkit.relay.claim", "outboxkit.relay.finalize"),
     "relay-throughput": ("outboxkit.relay.relay",),
+    "latency": ("outboxkit.relay.relay",),
+    "drain": ("outboxkit.relay.relay",),
 }
 
 
