@@ -29,7 +29,15 @@ class Scenario:
 
 
 def all_scenarios() -> list[Scenario]:
-    from bench.scenarios import consumer, db_ceiling, drain, latency, producer, throughput
+    from bench.scenarios import (
+        consumer,
+        db_ceiling,
+        drain,
+        latency,
+        producer,
+        scaling,
+        throughput,
+    )
 
     return [
         Scenario("db-ceiling", "the relay's claim + finalize SQL, no Kafka", db_ceiling.run),
@@ -37,6 +45,7 @@ def all_scenarios() -> list[Scenario]:
         Scenario(
             "relay-throughput", "a pre-filled backlog drained by 1, 2, 3 relays", throughput.run
         ),
+        Scenario("backlog-scaling", "first 10% vs last 10% of a large backlog", scaling.run),
         Scenario("latency", "commit→ack latency at steady writer rates; writer rate", latency.run),
         Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),
         Scenario("drain", "SIGTERM → exit under load", drain.run),

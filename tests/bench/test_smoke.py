@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 NEEDS = {
     "db-ceiling": ("outboxkit.relay.claim", "outboxkit.relay.finalize"),
     "relay-throughput": ("outboxkit.relay.relay",),
+    "backlog-scaling": ("outboxkit.relay.relay",),
     "latency": ("outboxkit.relay.relay",),
     "drain": ("outboxkit.relay.relay",),
 }
