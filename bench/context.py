@@ -116,10 +116,13 @@ class BenchContext:
         if self._admin is None:
             from confluent_kafka.admin import AdminClient
 
-            self._admin = AdminClient({"bootstrap.servers": self.services.kafka_bootstrap})
+            # log_level 4: no notices about the run's own topics being deleted.
+            self._admin = AdminClient(
+                {"bootstrap.servers": self.services.kafka_bootstrap, "log_level": 4}
+            )
         return self._admin
 
-    def topic(self, suffix: str, *, partitions: int | None = None) -> str:
+    def topic(self, suffix: str, *, partitions: int | None = None, name: str | None = None) -> str:
         """Create a topic for this run (Kafka's auto-create is off).
 
         Broker append time is the message timestamp, so a message's timestamp is
@@ -127,7 +130,7 @@ class BenchContext:
         """
         from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
-        name = f"bench-{self.run_id.replace('_', '-')}-{suffix}"
+        name = name or f"bench-{self.run_id.replace('_', '-')}-{suffix}"
         spec = NewTopic(
             name,
             num_partitions=partitions or self.config.partitions,

@@ -15,6 +15,8 @@ import importlib
 import time
 from typing import Any
 
+import sqlalchemy as sa
+
 from bench import data
 from bench.context import BenchContext
 from bench.report import ScenarioResult
@@ -31,10 +33,40 @@ def relay_modules() -> tuple[Any, Any]:
     return claim, finalize
 
 
+def relay_engine(ctx: BenchContext) -> sa.Engine:
+    """An engine configured as the relay configures its own (isolation, pool, timeouts)."""
+    try:
+        relay = importlib.import_module("outboxkit.relay.relay")
+        settings = importlib.import_module("outboxkit.relay.settings")
+        create: Any = relay._create_engine
+    except (ImportError, AttributeError):
+        return sa.create_engine(
+            ctx.db_url, pool_pre_ping=True, pool_size=2, isolation_level="READ COMMITTED"
+        )
+    engine: sa.Engine = create(settings.RelaySettings(db_url=ctx.db_url, kafka_bootstrap="-"))
+    return engine
+
+
 def drain_without_kafka(
     ctx: BenchContext, table: str, *, batch: int, delete_on_deliver: bool = False
 ) -> dict[str, float]:
     claim, finalize = relay_modules()
+    engine = relay_engine(ctx)
+    try:
+        return _drain(ctx, engine, claim, finalize, table, batch, delete_on_deliver)
+    finally:
+        engine.dispose()
+
+
+def _drain(
+    ctx: BenchContext,
+    engine: sa.Engine,
+    claim: Any,
+    finalize: Any,
+    table: str,
+    batch: int,
+    delete_on_deliver: bool,
+) -> dict[str, float]:
     shards = range(ctx.config.shards)
     rows = 0
     batches = 0
@@ -43,7 +75,7 @@ def drain_without_kafka(
     while True:
         t0 = time.perf_counter()
         claimed = claim.claim_batch(
-            ctx.engine, table, owner="bench-db-ceiling", shards=shards, limit=batch, lease_ttl=60.0
+            engine, table, owner="bench-db-ceiling", shards=shards, limit=batch, lease_ttl=60.0
         )
         t1 = time.perf_counter()
         claim_s += t1 - t0
@@ -54,7 +86,7 @@ def drain_without_kafka(
             for row in claimed.rows
         ]
         finalize.finalize(
-            ctx.engine,
+            engine,
             table,
             claimed,
             decisions,

@@ -28,6 +28,7 @@ NEEDS = {
     "backlog-scaling": ("outboxkit.relay.relay",),
     "latency": ("outboxkit.relay.relay",),
     "drain": ("outboxkit.relay.relay",),
+    "consumer": ("outboxkit.consumer",),
 }
 
 
