@@ -17,7 +17,7 @@ from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG
 
 #: Modules that contribute a subcommand, in the order ``--help`` lists them.
-COMMAND_MODULES = ("outboxkit.schema.cli",)
+COMMAND_MODULES = ("outboxkit.schema.cli", "outboxkit.consumer.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

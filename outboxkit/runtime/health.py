@@ -176,6 +176,7 @@ class HealthServer:
         if self.details is not None:
             try:
                 extra = self.details()
+                vetoed = extra.get("ready") is False
             except Exception as exc:
                 self._note_error(exc)
                 body["error"] = redact(f"{type(exc).__name__}: {exc}")
@@ -185,7 +186,7 @@ class HealthServer:
                 for key, value in cleaned.items():
                     if key != "state":
                         body[key] = value
-            if extra.get("ready") is False:
+            if vetoed:
                 ok = False
         status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
         return int(status), body

@@ -295,7 +295,7 @@ class Lifecycle:
             fcntl.fcntl(wfd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
             self._rfd, self._wfd = rfd, wfd
             self._watcher = threading.Thread(
-                target=self._watch_signals, name="outboxkit-signals", daemon=True
+                target=self._watch_signals, args=(rfd,), name="outboxkit-signals", daemon=True
             )
             self._watcher.start()
         assert self._wfd is not None
@@ -322,27 +322,40 @@ class Lifecycle:
         if self._old_wakeup_fd is not None:
             signal.set_wakeup_fd(self._old_wakeup_fd)
             self._old_wakeup_fd = None
+        # Closing the write end ends the watcher thread, which closes the read end.
+        wfd, self._wfd = self._wfd, None
+        self._rfd, self._watcher = None, None
+        if wfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(wfd)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread between two bytecodes of whatever it was doing:
         # no locks, no logging. The wakeup fd already carried the signal number to
         # the watcher; write it ourselves only if another library owns that fd.
-        if self._handler_writes and self._wfd is not None:
+        wfd = self._wfd
+        if self._handler_writes and wfd is not None:
             with contextlib.suppress(OSError):
-                os.write(self._wfd, bytes([signum]))
+                os.write(wfd, bytes([signum]))
 
-    def _watch_signals(self) -> None:
-        assert self._rfd is not None
-        while True:
-            try:
-                data = os.read(self._rfd, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            for signum in data:
-                if signum in _HANDLED_SIGNALS and self._old_handlers:
-                    self._handle_signal(signal.Signals(signum).name)
+    def _watch_signals(self, rfd: int) -> None:
+        try:
+            while True:
+                try:
+                    data = os.read(rfd, 64)
+                except InterruptedError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                for signum in data:
+                    # Other signals with Python handlers also show up on the wakeup fd.
+                    if signum in _HANDLED_SIGNALS:
+                        self._handle_signal(signal.Signals(signum).name)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(rfd)
 
     def _handle_signal(self, name: str) -> None:
         self._signals_seen += 1

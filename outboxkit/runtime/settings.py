@@ -619,7 +619,7 @@ class RuntimeSettings:
     )
     kafka_bootstrap: str | None = setting(None, help="Kafka bootstrap servers, host:port,...")
     # RUF009 cannot know that setting() returns a dataclasses.field.
-    kafka_config: dict[str, str] = setting(  # noqa: RUF009
+    kafka_config: dict[str, str] = setting(
         default_factory=dict,
         help="extra librdkafka property, repeatable: --kafka-config security.protocol=SASL_SSL",
     )

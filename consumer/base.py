@@ -1,0 +1,602 @@
+"""The ``Consumer`` base class services subclass.
+
+::
+
+    class OrderConsumer(Consumer):
+        topics = ("orders",)
+        group_id = "billing"
+
+        def handle(self, message: Message) -> None:
+            order = message.json()
+            ...
+
+    OrderConsumer(ConsumerSettings(kafka_bootstrap="kafka:9092")).run()
+    # or: outboxkit consume mypkg.consumers:OrderConsumer
+
+Guarantees (details in ``docs/consumer.md``): an offset is committed only
+after its message was handled, or dead-lettered and acknowledged; a crash or a
+redeploy redelivers what was not finished; one message never runs on two
+workers at once; order is kept per partition (per key with ``concurrency > 1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from confluent_kafka import Consumer as KafkaConsumer
+from confluent_kafka import KafkaException
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from outboxkit.consumer.dlq import DeadLetters
+from outboxkit.consumer.errors import Classification, classify
+from outboxkit.consumer.handling import Handling, Outcome, Result
+from outboxkit.consumer.inbox import Inbox
+from outboxkit.consumer.loop import Completion, DrainReport, PollLoop
+from outboxkit.consumer.message import Message
+from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.retry import RetryPolicy
+from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.consumer.workers import Dispatcher, WorkItem
+from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
+from outboxkit.runtime.health import HealthServer
+from outboxkit.runtime.lifecycle import Lifecycle
+from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.metrics import ServiceMetrics, push_metrics
+from outboxkit.runtime.settings import describe
+from outboxkit.runtime.supervisor import Supervisor
+
+__all__ = ["Consumer"]
+
+_log = logging.getLogger("outboxkit.consumer")
+
+_kafka_log = logging.getLogger("outboxkit.consumer.kafka")
+
+_CONNECT_TIMEOUT = 10.0
+# Consumer properties a user may pass in kafka_config; the dead-letter producer
+# shares the rest (bootstrap, security) and would warn about these.
+_CONSUMER_ONLY_PREFIXES = (
+    "group.",
+    "auto.",
+    "enable.auto.",
+    "fetch.",
+    "session.",
+    "heartbeat.",
+    "max.poll.",
+    "partition.assignment.",
+    "queued.",
+    "isolation.",
+    "check.crcs",
+    "enable.partition.eof",
+    "coordinator.",
+    "consume.",
+)
+
+
+def _consumer_only(key: str) -> bool:
+    return key.startswith(_CONSUMER_ONLY_PREFIXES)
+
+
+_FORCED_CONFIG = {"enable.auto.offset.store": "false"}
+
+
+class Consumer:
+    """Base class: declare ``topics`` and ``group_id``, implement :meth:`handle`.
+
+    Class attributes (settings of the same name win when set):
+
+    * ``topics``, ``group_id``: what to consume, as which group (required);
+    * ``dlq_topic``: one dead-letter topic for all topics (default ``<topic>.dlq``);
+    * ``concurrency``: worker threads (default 1: one message at a time, in order);
+    * ``transient_errors`` / ``permanent_errors``: your own exception classes,
+      retried or dead-lettered at once (see ``outboxkit.consumer.errors``).
+    """
+
+    topics: ClassVar[Sequence[str]] = ()
+    group_id: ClassVar[str | None] = None
+    dlq_topic: ClassVar[str | None] = None
+    concurrency: ClassVar[int] = 1
+    transient_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    permanent_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    def __init__(
+        self, settings: ConsumerSettings | None = None, *, engine: Engine | None = None
+    ) -> None:
+        """Check the configuration (``ConfigError`` naming the setting); connect nothing yet.
+
+        ``engine``: a SQLAlchemy engine for the inbox (default: one built from
+        ``db_url``); an engine passed in is not disposed at exit.
+        """
+        self.settings = s = settings if settings is not None else ConsumerSettings()
+        self.group = s.group_id or self.group_id
+        self.subscribed = tuple(s.topics or self.topics)
+        self.workers = s.concurrency or self.concurrency
+        self._check(engine)
+        self.registry = CollectorRegistry()
+        self.service_metrics = ServiceMetrics(self.registry, service=s.service)
+        self.metrics = ConsumerMetrics(self.registry)
+        self.lifecycle = Lifecycle(
+            service=s.service,
+            node_id=s.node_id,
+            shutdown_timeout=s.shutdown_timeout,
+            logger=_log,
+            metrics=self.service_metrics,
+        )
+        self.health = HealthServer(
+            self.lifecycle,
+            host=s.health_host,
+            port=s.health_port,
+            registry=self.registry,
+            details=self._details,
+        )
+        self.supervisor = Supervisor(self.lifecycle, logger=_log, metrics=self.service_metrics)
+        self.lifecycle.on_hurry(self._on_hurry)
+        self.report: DrainReport | None = None
+        self._engine = engine
+        self._owns_engine = False
+        self._dispatcher = Dispatcher()
+        self._completions: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._kafka: Any = None
+        self._loop: PollLoop | None = None
+        self._dead_letters: DeadLetters | None = None
+        self._closed = False
+        self._error_logged: dict[int, float] = {}
+
+    # -- what subclasses implement ------------------------------------------------
+
+    def handle(self, message: Message) -> None:
+        """Process one message. Return normally when done; raise to retry or dead-letter.
+
+        With the inbox on, write through ``message.tx``: your writes commit together
+        with the inbox row. Called from a worker thread.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement handle(message)")
+
+    def on_start(self) -> None:
+        """Called once connected, before the first message. An exception aborts the start."""
+
+    def on_stop(self) -> None:
+        """Called once at exit, after the final commit and close."""
+
+    def on_failure(self, message: Message, error: BaseException) -> None:
+        """Called when the handler gave up on ``message``, before it is dead-lettered."""
+
+    def classify(self, error: BaseException) -> Classification:
+        """Transient (retry) or permanent (dead-letter); see ``outboxkit.consumer.errors``."""
+        return classify(error, transient=self.transient_errors, permanent=self.permanent_errors)
+
+    # -- running ---------------------------------------------------------------------
+
+    def run(self, *, handle_signals: bool = True) -> int:
+        """Consume until drained; return the process exit code.
+
+        ``handle_signals=True`` (entry points): SIGTERM/SIGINT drain, a second
+        one hurries, and a watchdog forces the exit past ``shutdown_timeout``.
+        Embedded in a larger program pass ``False`` and call :meth:`stop`.
+        """
+        lc = self.lifecycle
+        if handle_signals:
+            lc.install_signal_handlers()
+            lc.start_watchdog(cut=self._cut, on_forced=self._on_forced)
+        try:
+            if self._start():
+                lc.set_running()
+                self.supervisor.run("consumer-poll", self._poll_until_draining)
+            lc.drain("stopped")
+            self._shutdown()
+        finally:
+            if handle_signals:
+                lc.uninstall_signal_handlers()
+        return lc.exit_code()
+
+    def stop(self) -> None:
+        """Start the drain (thread-safe); :meth:`run` returns once it is done."""
+        self.lifecycle.drain("api")
+
+    @property
+    def closed_cleanly(self) -> bool:
+        """False if the final commit/close did not finish within ``close_timeout``."""
+        return self._closed
+
+    # -- start ---------------------------------------------------------------------
+
+    def _check(self, engine: Engine | None) -> None:
+        s = self.settings
+        problems = list(s.validate())
+        if not self.group:
+            problems.append("missing --group-id / OUTBOXKIT_GROUP_ID (or class attribute group_id)")
+        if not self.subscribed:
+            problems.append("missing --topics / OUTBOXKIT_TOPICS (or class attribute topics)")
+        if not (s.kafka_bootstrap or s.kafka_config.get("bootstrap.servers")):
+            problems.append("missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP")
+        if s.inbox and engine is None and not s.db_url:
+            problems.append("invalid --inbox / OUTBOXKIT_INBOX: needs --db-url / OUTBOXKIT_DB_URL")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            problems.append(f"invalid concurrency {self.workers!r}: must be an integer >= 1")
+        store = str(s.kafka_config.get("enable.auto.offset.store", "false")).lower()
+        if store not in ("false", "0"):
+            problems.append(
+                "invalid --kafka-config enable.auto.offset.store: offsets are stored only after "
+                "processing; it must stay false"
+            )
+        if problems:
+            raise ConfigError(errors=problems)
+
+    def _start(self) -> bool:
+        """Health server, Kafka, inbox, workers, subscription. False: the start failed."""
+        lc = self.lifecycle
+        log_event(
+            _log,
+            "consumer-starting",
+            consumer=type(self).__qualname__,
+            group_id=self.group,
+            topics=list(self.subscribed),
+            settings=describe(self.settings),
+        )
+        try:
+            self.health.start()
+            self._connect()
+            self._open_inbox()
+        except DependencyError as exc:
+            lc.fatal("start", exc, exit_code=EXIT_DEPENDENCY)
+            return False
+        except ConfigError as exc:
+            lc.fatal("start", exc, exit_code=EXIT_CONFIG)
+            return False
+        try:
+            self.on_start()
+        except Exception as exc:
+            lc.fatal("on_start failed", exc, exit_code=EXIT_FAILURE)
+            return False
+        for n in range(self.workers):
+            name = f"consumer-worker-{n}"
+            # Daemon threads: a handler still running at the deadline must not hold the exit.
+            threading.Thread(
+                target=self.supervisor.run, args=(name, self._work), name=name, daemon=True
+            ).start()
+        assert self._loop is not None
+        self._kafka.subscribe(
+            list(self.subscribed),
+            on_assign=self._loop.on_assign,
+            on_revoke=self._loop.on_revoke,
+            on_lost=self._loop.on_lost,
+        )
+        return True
+
+    def _kafka_config(self) -> dict[str, Any]:
+        s = self.settings
+        config: dict[str, Any] = {"client.id": s.node_id, "logger": _kafka_log}
+        if s.kafka_bootstrap:
+            config["bootstrap.servers"] = s.kafka_bootstrap
+        config.update(s.kafka_config)
+        return config
+
+    def _connect(self) -> None:
+        s = self.settings
+        base = self._kafka_config()
+        self._loop = None
+        config: dict[str, Any] = {
+            "group.id": self.group,
+            "partition.assignment.strategy": "cooperative-sticky",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": True,
+            "auto.commit.interval.ms": int(s.commit_interval * 1000),
+            "statistics.interval.ms": int(s.stats_interval * 1000),
+            "error_cb": self._on_kafka_error,
+            "stats_cb": self.metrics.on_stats,
+            "on_commit": self._on_commit,
+            **base,
+            **_FORCED_CONFIG,
+        }
+        self._kafka = KafkaConsumer(config)
+        self._loop = PollLoop(
+            kafka=self._kafka,
+            dispatcher=self._dispatcher,
+            completions=self._completions,
+            metrics=self.metrics,
+            lane_of=self._lane_of,
+            max_buffered=s.max_buffered,
+            revoke_timeout=s.revoke_timeout,
+        )
+        try:
+            metadata = self._kafka.list_topics(timeout=_CONNECT_TIMEOUT)
+        except KafkaException as exc:
+            raise DependencyError(f"Kafka unreachable: {exc}") from None
+        self._dead_letters = DeadLetters(
+            {k: v for k, v in base.items() if not _consumer_only(k)},
+            group_id=str(self.group),
+            timeout=s.dlq_timeout,
+            topic_override=s.dlq_topic or self.dlq_topic,
+            suffix=s.dlq_suffix,
+        )
+        for topic in self.subscribed:
+            for name, role in ((topic, "topic"), (self._dead_letters.topic_for(topic), "dlq")):
+                if name not in metadata.topics:
+                    log_event(
+                        _log,
+                        "topic-missing",
+                        level=logging.WARNING,
+                        topic=name,
+                        role=role,
+                        effect="consumed once it exists"
+                        if role == "topic"
+                        else "a message that fails pauses its partition until the topic exists",
+                    )
+        self._handling = Handling(
+            handler=self.handle,
+            classify=self.classify,
+            on_failure=self._on_failure,
+            policy=RetryPolicy(
+                max_attempts=s.max_attempts,
+                base=s.retry_backoff_base,
+                cap=s.retry_backoff_cap,
+                max_time=s.retry_max_time,
+            ),
+            dead_letters=self._dead_letters,
+            inbox=None,
+            metrics=self.metrics,
+        )
+
+    def _open_inbox(self) -> None:
+        s = self.settings
+        if not s.inbox:
+            return
+        if self._engine is None:
+            assert s.db_url is not None
+            self._engine = sa.create_engine(
+                s.db_url, pool_pre_ping=True, pool_size=self.workers + 1, max_overflow=2
+            )
+            self._owns_engine = True
+        try:
+            with self._engine.connect() as conn:
+                present = sa.inspect(conn).has_table(s.inbox_table)
+        except sa.exc.OperationalError as exc:
+            raise DependencyError(f"database unreachable: {type(exc.orig).__name__}") from None
+        if not present:
+            raise ConfigError(
+                f"inbox table {s.inbox_table} does not exist: run outboxkit schema apply"
+            )
+        self._handling.inbox = Inbox(self._engine, group_id=str(self.group), table=s.inbox_table)
+
+    def _lane_of(self, message: Message) -> Hashable:
+        if self.workers == 1:
+            return (message.topic, message.partition)
+        return (message.topic, message.partition, message.key)
+
+    # -- the two kinds of threads ----------------------------------------------------------
+
+    def _poll_until_draining(self) -> None:
+        assert self._loop is not None
+        while not self.lifecycle.draining.is_set():
+            try:
+                self._loop.step()
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if err is not None and getattr(err, "fatal", lambda: False)():
+                    self.lifecycle.fatal("kafka", exc, exit_code=EXIT_DEPENDENCY)
+                    return
+                raise
+
+    def _work(self) -> None:
+        while True:
+            item = self._dispatcher.take(timeout=0.5)
+            if item is None:
+                if self._dispatcher.stopped:
+                    return
+                continue
+            try:
+                result = self._handling.process(item)
+            except BaseException:
+                # A bug outside the handler: keep the message (nothing is skipped) and
+                # let the supervisor log and restart this worker.
+                self._settle(item, Result(Outcome.RETRY, delay=1.0))
+                raise
+            self._settle(item, result)
+
+    def _settle(self, item: WorkItem, result: Result) -> None:
+        outcome = result.outcome
+        if result.delay is not None:
+            if self._dispatcher.defer(item, result.delay):
+                if outcome is Outcome.RETRY:
+                    self.metrics.messages.labels(result="retry").inc()
+                else:
+                    self._completions.put(Completion(item, outcome, result.error))
+                return
+            outcome = Outcome.RELEASED
+        self._dispatcher.finish(item)
+        self._completions.put(Completion(item, outcome, result.error))
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        """Shutdown, in this order, and why:
+
+        1. drain: pause every partition and release what has not started, then let
+           running handlers finish within ``worker_drain_timeout`` (a second
+           signal cuts it short), still serving Kafka callbacks so a rebalance
+           meanwhile is answered;
+        2. stop the workers: a handler still running is *unknown*, its offset is
+           never stored, Kafka redelivers it;
+        3. commit synchronously what is done, then close the consumer (leaving the
+           group moves the partitions at once instead of after
+           ``session.timeout.ms``); both bounded by ``close_timeout`` so a sick
+           cluster cannot hang the exit;
+        4. close the dead-letter producer (nothing is pending: every write was
+           awaited) and the inbox engine;
+        5. ``on_stop``, the exit record, the metrics push, the health server.
+        """
+        lc = self.lifecycle
+        s = self.settings
+        loop = self._loop
+        report = DrainReport()
+        if loop is not None and self._kafka is not None:
+            loop.begin_drain()
+            started = lc.drain_started_at or time.monotonic()
+            loop.wait_drained(started + s.worker_drain_timeout, lc.hurry.is_set)
+            report = loop.end_drain()
+            committed = self._commit_and_close()
+            report.committed = committed
+        self.report = report
+        if self._dead_letters is not None:
+            self._dead_letters.close(1.0)
+        if self._owns_engine and self._engine is not None:
+            self._engine.dispose()
+        self._call_hook("on_stop")
+        self.metrics.shutdown_released.set(report.released + report.unknown)
+        self.metrics.shutdown_committed.set(report.committed_messages)
+        self._exit_record(report, result=self._result(report))
+        self._push_metrics()
+        self.health.stop()
+        lc.set_stopped()
+
+    def _commit_and_close(self) -> dict[str, int]:
+        assert self._loop is not None
+        loop = self._loop
+        box: dict[str, int] = {}
+
+        def commit_and_close() -> None:
+            loop.commit()
+            # What the group holds now for the partitions this process had, whether
+            # the periodic commit or this one wrote it.
+            box.update(loop.committed_offsets())
+            loop.closing = True
+            self._kafka.close()
+            self._closed = True
+
+        thread = threading.Thread(target=commit_and_close, name="consumer-close", daemon=True)
+        thread.start()
+        thread.join(self.settings.close_timeout)
+        if thread.is_alive():
+            log_event(
+                _log,
+                "close-timed-out",
+                level=logging.ERROR,
+                close_timeout_s=self.settings.close_timeout,
+                note="the group notices this member is gone after session.timeout.ms",
+            )
+        return dict(box)
+
+    def _result(self, report: DrainReport) -> str:
+        if self.lifecycle.exit_code() != 0:
+            return "failed"
+        if report.unknown:
+            return "unknown-left"
+        if not self._closed or report.commit_error:
+            return "commit-incomplete"
+        return "ok"
+
+    def _exit_record(self, report: DrainReport, *, result: str) -> None:
+        lc = self.lifecycle
+        started = lc.drain_started_at or time.monotonic()
+        totals = dict(self._loop.totals) if self._loop is not None else {}
+        log_event(
+            _log,
+            "consumer-exit",  # service and node_id are in every line's envelope
+            signal=lc.signal_name,
+            state=lc.state.value,
+            batch_size=report.batch_size,
+            succeeded=report.succeeded + report.duplicate,
+            duplicate=report.duplicate,
+            failed=report.failed,
+            unknown=report.unknown,
+            released=report.released,
+            committed=report.committed,
+            committed_messages=report.committed_messages,
+            totals=totals,
+            duration_ms=round((time.monotonic() - started) * 1000),
+            result=result,
+            exit_code=lc.exit_code(),
+        )
+
+    def _push_metrics(self) -> None:
+        url = self.settings.pushgateway_url
+        if url:
+            push_metrics(
+                url,
+                job="outboxkit-consumer",
+                grouping_key={"service": self.settings.service, "node_id": self.settings.node_id},
+                registry=self.registry,
+            )
+
+    def _cut(self) -> list[str]:
+        cut = []
+        running = len(self._dispatcher.running())
+        if running:
+            cut.append(f"handlers ({running} running)")
+        if self._kafka is not None and not self._closed:
+            cut.append("kafka consumer (not closed)")
+        return cut
+
+    def _on_forced(self) -> None:
+        report = self.report or DrainReport(unknown=len(self._dispatcher.running()))
+        self.metrics.shutdown_released.set(report.released + report.unknown)
+        self._exit_record(report, result="forced")
+        self._push_metrics()
+
+    # -- hooks and callbacks --------------------------------------------------------------
+
+    def _on_failure(self, message: Message, error: BaseException, attempts: int) -> None:
+        self.on_failure(message, error)
+
+    def _call_hook(self, name: str) -> None:
+        try:
+            getattr(self, name)()
+        except Exception as exc:  # a hook never breaks the shutdown
+            log_event(
+                _log,
+                "hook-failed",
+                level=logging.ERROR,
+                hook=name,
+                error=redact(f"{type(exc).__name__}: {exc}"),
+            )
+
+    def _on_hurry(self) -> None:
+        running = len(self._dispatcher.running())
+        log_event(
+            _log,
+            "drain-hurried",
+            level=logging.WARNING,
+            unfinished=running,
+            note="handlers still running are left unknown: not committed, redelivered",
+        )
+
+    def _on_commit(self, err: Any, partitions: list[Any]) -> None:
+        if self._loop is not None:
+            self._loop.on_commit(err, partitions)
+
+    def _on_kafka_error(self, err: Any) -> None:
+        # librdkafka repeats transport errors while a broker is down: log a code
+        # once per minute, not once per retry.
+        now = time.monotonic()
+        if not err.fatal() and now - self._error_logged.get(err.code(), -1e9) < 60:
+            return
+        self._error_logged[err.code()] = now
+        log_event(
+            _log,
+            "kafka-error",
+            level=logging.ERROR if err.fatal() else logging.WARNING,
+            code=err.name(),
+            error=err.str(),
+            fatal=err.fatal(),
+        )
+        if err.fatal():
+            self.lifecycle.fatal("kafka", KafkaException(err), exit_code=EXIT_DEPENDENCY)
+
+    def _details(self) -> dict[str, object]:
+        loop = self._loop
+        if loop is None:
+            return {}
+        running, waiting, queued = self._dispatcher.counts()
+        return {
+            "assigned": len(loop.offsets),
+            "inflight": running + waiting,
+            "buffered": queued,
+            "dlq_blocked": sorted(f"{t}/{p}" for t, p in list(loop.dlq_blocked)),
+        }

@@ -1,0 +1,61 @@
+"""``outboxkit consume package.module:ConsumerClass [settings]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from typing import Any
+
+from outboxkit.consumer.base import Consumer
+from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.runtime.errors import ConfigError
+from outboxkit.runtime.logs import configure_logging, flush_logging
+from outboxkit.runtime.settings import add_arguments, load
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "consume",
+        help="run a Consumer subclass until SIGTERM",
+        description="Run a Consumer subclass. Settings come from flags or OUTBOXKIT_* "
+        "variables; SIGTERM/SIGINT drain, a second signal hurries.",
+    )
+    p.add_argument(
+        "target", metavar="MODULE:CLASS", help="the consumer class, e.g. app.events:Orders"
+    )
+    add_arguments(p, ConsumerSettings)
+    p.set_defaults(func=_consume)
+
+
+def load_consumer_class(target: str) -> type[Consumer]:
+    """Import ``package.module:Class``; ConfigError if it is missing or not a Consumer."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"invalid consumer {target!r}: expected package.module:ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for consumer {target!r}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{module_name!r} has no attribute {attr!r}") from None
+    if not (isinstance(obj, type) and issubclass(obj, Consumer)) or obj is Consumer:
+        raise ConfigError(f"{target!r} is not a subclass of outboxkit.consumer.Consumer")
+    return obj
+
+
+def _consume(args: argparse.Namespace) -> int:
+    cls = load_consumer_class(args.target)
+    settings = load(ConsumerSettings, args=args)
+    consumer = cls(settings)
+    configure_logging(level=settings.log_level, service=settings.service, node_id=settings.node_id)
+    code = consumer.run(handle_signals=True)
+    if not consumer.closed_cleanly:
+        # A close stuck inside librdkafka would also hang interpreter exit.
+        flush_logging()
+        os._exit(code)
+    return code

@@ -1,0 +1,175 @@
+"""What a worker does with one message: handle it, retry it later, or dead-letter it.
+
+:meth:`Handling.process` never raises for a handler's exception and never
+sleeps for a retry. It returns a :class:`Result`:
+
+* ``SUCCESS`` / ``DUPLICATE`` (inbox: seen before, handler skipped): done;
+* ``RETRY`` with a delay: a transient failure with attempts and time left;
+* ``DEAD_LETTERED``: the handler gave up (permanent, or retries exhausted) and
+  the dead-letter write was acknowledged: done;
+* ``DLQ_BLOCKED`` with a delay: the handler gave up but the dead-letter write
+  failed; the message is kept and only the write is tried again later.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from outboxkit.consumer.dlq import DeadLetters, DeadLetterUnavailable, Failure
+from outboxkit.consumer.errors import Classification
+from outboxkit.consumer.inbox import Inbox
+from outboxkit.consumer.message import Message
+from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.retry import RetryPolicy
+from outboxkit.consumer.workers import WorkItem
+from outboxkit.runtime.logs import log_event, redact
+
+__all__ = ["Handling", "Outcome", "Result"]
+
+_log = logging.getLogger("outboxkit.consumer")
+
+
+class Outcome(enum.Enum):
+    SUCCESS = "success"
+    DUPLICATE = "duplicate"
+    DEAD_LETTERED = "dlq"
+    RETRY = "retry"
+    DLQ_BLOCKED = "dlq-blocked"
+    RELEASED = "released"  # not finished here; Kafka redelivers it
+
+    @property
+    def final(self) -> bool:
+        return self in (Outcome.SUCCESS, Outcome.DUPLICATE, Outcome.DEAD_LETTERED)
+
+
+@dataclass(frozen=True)
+class Result:
+    outcome: Outcome
+    delay: float | None = None
+    error: str | None = None
+
+
+class Handling:
+    def __init__(
+        self,
+        *,
+        handler: Callable[[Message], None],
+        classify: Callable[[BaseException], Classification],
+        on_failure: Callable[[Message, BaseException, int], None],
+        policy: RetryPolicy,
+        dead_letters: DeadLetters,
+        inbox: Inbox | None,
+        metrics: ConsumerMetrics,
+    ) -> None:
+        self.handler = handler
+        self.classify = classify
+        self.on_failure = on_failure
+        self.policy = policy
+        self.dead_letters = dead_letters
+        self.inbox = inbox
+        self.metrics = metrics
+
+    def process(self, item: WorkItem) -> Result:
+        if item.failure is None:
+            result = self._attempt(item)
+            if result is not None:
+                return result
+        return self._dead_letter(item)
+
+    def _attempt(self, item: WorkItem) -> Result | None:
+        """Run the handler once; None means "gave up": dead-letter it."""
+        started = time.monotonic()
+        item.first_attempt_at = item.first_attempt_at or started
+        item.attempts += 1
+        try:
+            with self.metrics.handle_seconds.time():
+                duplicate = self._run(item.message)
+        except Exception as exc:
+            error = exc
+        else:
+            return Result(Outcome.DUPLICATE if duplicate else Outcome.SUCCESS)
+
+        kind = self.classify(error)
+        text = redact(f"{type(error).__name__}: {error}")
+        if kind is Classification.TRANSIENT:
+            delay = self.policy.next_delay(
+                attempts=item.attempts, started_at=item.first_attempt_at, now=time.monotonic()
+            )
+            if delay is not None:
+                log_event(
+                    _log,
+                    "handler-retry",
+                    level=logging.WARNING,
+                    **_where(item.message),
+                    attempt=item.attempts,
+                    attempts_left=self.policy.max_attempts - item.attempts,
+                    retry_in_s=round(delay, 3),
+                    error=text,
+                )
+                return Result(Outcome.RETRY, delay=delay, error=text)
+        item.failure = Failure.of(
+            error, attempts=item.attempts, permanent=kind is Classification.PERMANENT
+        )
+        log_event(
+            _log,
+            "handler-gave-up",
+            level=logging.ERROR,
+            **_where(item.message),
+            attempts=item.attempts,
+            classification=kind.value,
+            error=text,
+            exc_info=error,
+        )
+        self._call_on_failure(item.message, error, item.attempts)
+        return None
+
+    def _run(self, message: Message) -> bool:
+        if self.inbox is None:
+            self.handler(message)
+            return False
+        return self.inbox.run(message, self.handler)
+
+    def _dead_letter(self, item: WorkItem) -> Result:
+        assert isinstance(item.failure, Failure)
+        try:
+            topic = self.dead_letters.send(item.message, item.failure)
+        except DeadLetterUnavailable as exc:
+            item.dlq_attempts += 1
+            self.metrics.dlq_unavailable.inc()
+            delay = self.policy.backoff(item.dlq_attempts)
+            return Result(Outcome.DLQ_BLOCKED, delay=delay, error=str(exc))
+        log_event(
+            _log,
+            "dead-lettered",
+            level=logging.WARNING,
+            **_where(item.message),
+            dlq_topic=topic,
+            attempts=item.failure.attempts,
+            error_class=item.failure.error_class,
+        )
+        return Result(Outcome.DEAD_LETTERED)
+
+    def _call_on_failure(self, message: Message, exc: BaseException, attempts: int) -> None:
+        try:
+            self.on_failure(message, exc, attempts)
+        except Exception as hook_exc:  # a hook never breaks the loop
+            log_event(
+                _log,
+                "hook-failed",
+                level=logging.ERROR,
+                hook="on_failure",
+                error=redact(f"{type(hook_exc).__name__}: {hook_exc}"),
+            )
+
+
+def _where(message: Message) -> dict[str, object]:
+    return {
+        "topic": message.topic,
+        "partition": message.partition,
+        "offset": message.offset,
+        "event_id": message.event_id,
+    }

@@ -1,0 +1,396 @@
+"""The poll loop: the one thread that talks to the Kafka consumer.
+
+Workers never touch the Kafka consumer; they report through a queue, and this
+loop turns finished messages into stored offsets (``store_offsets``, one past
+the last contiguous finished message of each partition). librdkafka commits
+stored offsets every ``commit_interval``; revocations and the exit commit
+synchronously. It keeps polling even when every partition is paused (full, or
+its dead-letter topic is down), so a slow handler never exceeds
+``max.poll.interval.ms``.
+
+Rebalances (cooperative-sticky) arrive as callbacks inside ``consume()``:
+
+* assigned: the partitions are opened for work;
+* revoked: queued messages of those partitions are released, running ones get
+  up to ``revoke_timeout`` to finish, the finished offsets are committed
+  synchronously, then the partitions are unassigned. A handler still running
+  after that is abandoned: its result is dropped and the new owner gets the
+  message again;
+* lost: nothing is committed (the partitions may already have a new owner).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import TopicPartition as KafkaTopicPartition
+
+from outboxkit.consumer.handling import Outcome
+from outboxkit.consumer.message import Message
+from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.offsets import PartitionOffsets
+from outboxkit.consumer.workers import Dispatcher, TopicPartition, WorkItem
+from outboxkit.runtime.logs import log_event
+
+__all__ = ["Completion", "DrainReport", "PollLoop"]
+
+_log = logging.getLogger("outboxkit.consumer")
+
+_FETCH_BATCH = 500
+_POLL_TIMEOUT = 0.1
+
+
+@dataclass(frozen=True)
+class Completion:
+    item: WorkItem
+    outcome: Outcome
+    error: str | None = None
+
+
+@dataclass
+class DrainReport:
+    batch_size: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    duplicate: int = 0
+    unknown: int = 0
+    released: int = 0
+    committed: dict[str, int] = field(default_factory=dict)
+    committed_messages: int = 0
+    commit_error: str | None = None
+
+
+class PollLoop:
+    def __init__(
+        self,
+        *,
+        kafka: Any,
+        dispatcher: Dispatcher,
+        completions: queue.SimpleQueue[Completion],
+        metrics: ConsumerMetrics,
+        lane_of: Callable[[Message], Hashable],
+        max_buffered: int,
+        revoke_timeout: float,
+    ) -> None:
+        self.kafka = kafka
+        self.dispatcher = dispatcher
+        self.completions = completions
+        self.metrics = metrics
+        self.lane_of = lane_of
+        self.max_buffered = max_buffered
+        self.revoke_timeout = revoke_timeout
+        self.offsets: dict[TopicPartition, PartitionOffsets] = {}
+        self.paused: dict[TopicPartition, set[str]] = {}
+        self.dlq_blocked: dict[TopicPartition, int] = defaultdict(int)
+        self.totals: dict[str, int] = defaultdict(int)
+        self.last_batch = 0
+        self.draining = False
+        self.closing = False
+        self._watch: set[WorkItem] | None = None  # the drain batch
+        self._report = DrainReport()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def step(self) -> None:
+        """One round: fetch, hand out, collect what finished, store offsets."""
+        records = self.kafka.consume(num_messages=_FETCH_BATCH, timeout=_POLL_TIMEOUT)
+        if records:
+            self.last_batch = len(records)
+        for record in records:
+            self._accept(record)
+        self.collect()
+
+    def _accept(self, record: Any) -> None:
+        err = record.error()
+        if err is not None:
+            self._kafka_error(err)
+            return
+        tp = (record.topic(), record.partition())
+        tracker = self.offsets.get(tp)
+        if tracker is None or self.draining:
+            return  # not ours any more, or draining: Kafka redelivers it
+        message = Message.from_kafka(record)
+        tracker.received(message.offset)
+        self.dispatcher.submit(WorkItem(message=message, lane=self.lane_of(message)))
+        if tracker.unfinished >= self.max_buffered:
+            self._pause(tp, "full")
+
+    def collect(self) -> None:
+        """Apply what the workers reported; store the offsets that moved."""
+        to_store: dict[TopicPartition, int] = {}
+        while True:
+            try:
+                done = self.completions.get_nowait()
+            except queue.Empty:
+                break
+            self._apply(done, to_store)
+        if to_store:
+            self._store(to_store)
+        running, waiting, queued = self.dispatcher.counts()
+        self.metrics.inflight.set(running + waiting)
+        self.metrics.buffered.set(queued)
+
+    def _apply(self, done: Completion, to_store: dict[TopicPartition, int]) -> None:
+        item, outcome = done.item, done.outcome
+        tp = item.tp
+        live = self.dispatcher.is_live(item)
+        if outcome is Outcome.DLQ_BLOCKED:
+            if live and not item.dlq_blocked:
+                item.dlq_blocked = True
+                self.dlq_blocked[tp] += 1
+                self._pause(tp, "dlq", error=done.error)
+            return
+        if item.dlq_blocked:
+            item.dlq_blocked = False
+            self.dlq_blocked[tp] -= 1
+            if self.dlq_blocked[tp] <= 0:
+                del self.dlq_blocked[tp]
+                self._resume(tp, "dlq")
+        if outcome.final:
+            self.metrics.messages.labels(result=outcome.value).inc()
+            self.totals[outcome.value] += 1
+        if self._watch is not None and item in self._watch:
+            self._watch.discard(item)
+            self._count_drained(outcome)
+        tracker = self.offsets.get(tp)
+        if not live or tracker is None or not outcome.final:
+            return  # revoked meanwhile: the new owner handles the message again
+        stored = tracker.finished(item.message.offset)
+        if stored is not None:
+            to_store[tp] = stored
+        if tracker.unfinished < max(1, self.max_buffered // 2):
+            self._resume(tp, "full")
+
+    def _store(self, offsets: dict[TopicPartition, int]) -> None:
+        try:
+            self.kafka.store_offsets(
+                offsets=[KafkaTopicPartition(t, p, o) for (t, p), o in offsets.items()]
+            )
+        except KafkaException as exc:
+            # Only on a partition just revoked; its offsets are the new owner's business.
+            log_event(_log, "store-offsets-failed", level=logging.WARNING, error=str(exc))
+
+    def _kafka_error(self, err: Any) -> None:
+        if err.code() == KafkaError._PARTITION_EOF:
+            return
+        log_event(
+            _log,
+            "kafka-error",
+            level=logging.ERROR if err.fatal() else logging.WARNING,
+            code=err.name(),
+            error=err.str(),
+            fatal=err.fatal(),
+        )
+        if err.fatal():
+            raise KafkaException(err)
+
+    # -- pausing ----------------------------------------------------------------
+
+    def _pause(self, tp: TopicPartition, reason: str, **fields: object) -> None:
+        reasons = self.paused.setdefault(tp, set())
+        if reason in reasons:
+            return
+        if not reasons:
+            try:
+                self.kafka.pause([KafkaTopicPartition(*tp)])
+            except KafkaException as exc:
+                log_event(_log, "pause-failed", level=logging.WARNING, error=str(exc))
+        reasons.add(reason)
+        self.metrics.paused.labels(reason=reason).inc()
+        if reason != "full":
+            log_event(
+                _log,
+                "partition-paused",
+                level=logging.WARNING if reason == "dlq" else logging.INFO,
+                topic=tp[0],
+                partition=tp[1],
+                reason=reason,
+                **fields,
+            )
+
+    def _resume(self, tp: TopicPartition, reason: str) -> None:
+        reasons = self.paused.get(tp)
+        if not reasons or reason not in reasons:
+            return
+        reasons.discard(reason)
+        self.metrics.paused.labels(reason=reason).dec()
+        if reason != "full":
+            log_event(_log, "partition-resumed", topic=tp[0], partition=tp[1], reason=reason)
+        if not reasons and not self.draining:
+            del self.paused[tp]
+            try:
+                self.kafka.resume([KafkaTopicPartition(*tp)])
+            except KafkaException as exc:
+                log_event(_log, "resume-failed", level=logging.WARNING, error=str(exc))
+
+    def _forget(self, tps: Iterable[TopicPartition]) -> None:
+        for tp in tps:
+            self.offsets.pop(tp, None)
+            for reason in self.paused.pop(tp, set()):
+                self.metrics.paused.labels(reason=reason).dec()
+            self.dlq_blocked.pop(tp, None)
+            self.metrics.forget_partition(*tp)
+
+    # -- rebalances (called inside consume(), or close()) -------------------------
+
+    def on_assign(self, kafka: Any, partitions: list[Any]) -> None:
+        kafka.incremental_assign(partitions)
+        tps = [(p.topic, p.partition) for p in partitions]
+        for tp in tps:
+            self.dispatcher.open(tp)
+            self.offsets[tp] = PartitionOffsets()
+            if self.draining:
+                self._pause(tp, "draining")
+        if tps:
+            log_event(_log, "partitions-assigned", partitions=_names(tps))
+
+    def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        released = self.dispatcher.release(tps)
+        self._count_released(released)
+        if not self.closing:
+            deadline = time.monotonic() + self.revoke_timeout
+            while self.dispatcher.running(lambda i: i.tp in tps) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                self.collect()
+        self.collect()
+        abandoned = len(self.dispatcher.running(lambda i: i.tp in tps))
+        committed = self.commit(tps)
+        self.dispatcher.close(tps)
+        self._forget(tps)
+        kafka.incremental_unassign(partitions)
+        log_event(
+            _log,
+            "partitions-revoked",
+            partitions=_names(tps),
+            committed=committed,
+            released=len(released),
+            abandoned=abandoned,
+        )
+
+    def on_lost(self, kafka: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        released = self.dispatcher.close(tps)
+        self._count_released(released)
+        self._forget(tps)
+        kafka.incremental_unassign(partitions)
+        log_event(
+            _log,
+            "partitions-lost",
+            level=logging.WARNING,
+            partitions=_names(tps),
+            released=len(released),
+            note="nothing committed: the partitions may have a new owner",
+        )
+
+    def on_commit(self, err: Any, partitions: list[Any]) -> None:
+        """Commit callback (periodic commits): count what the broker confirmed."""
+        if err is not None and err.code() != KafkaError._NO_OFFSET:
+            log_event(_log, "commit-failed", level=logging.WARNING, error=str(err))
+            return
+        for p in partitions or ():
+            tracker = self.offsets.get((p.topic, p.partition))
+            if tracker is not None and p.error is None and p.offset >= 0:
+                tracker.confirmed(p.offset)
+
+    # -- commits -----------------------------------------------------------------
+
+    def commit(self, tps: Iterable[TopicPartition] | None = None) -> dict[str, int]:
+        """Synchronously commit the stored offsets of ``tps`` (default: all assigned).
+
+        Returns ``{"topic/partition": offset}`` of what the broker confirmed.
+        Nothing to commit (``_NO_OFFSET``) is not an error.
+        """
+        wanted = []
+        for tp in self.offsets if tps is None else tps:
+            tracker = self.offsets.get(tp)
+            if tracker is None or tracker.stored is None:
+                continue
+            if tracker.committed is not None and tracker.stored <= tracker.committed:
+                continue
+            wanted.append(KafkaTopicPartition(tp[0], tp[1], tracker.stored))
+        if not wanted:
+            return {}
+        try:
+            result = self.kafka.commit(offsets=wanted, asynchronous=False)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
+                return {}
+            log_event(_log, "commit-failed", level=logging.ERROR, error=str(exc))
+            self._report.commit_error = str(exc)
+            return {}
+        confirmed: dict[str, int] = {}
+        for p in result or ():
+            if p.error is not None:
+                log_event(_log, "commit-failed", level=logging.ERROR, error=str(p.error))
+                continue
+            tracker = self.offsets.get((p.topic, p.partition))
+            if tracker is not None:
+                self._report.committed_messages += tracker.confirmed(p.offset)
+            confirmed[f"{p.topic}/{p.partition}"] = p.offset
+        return confirmed
+
+    def committed_offsets(self) -> dict[str, int]:
+        """``{"topic/partition": offset}`` confirmed committed, for assigned partitions."""
+        return {
+            f"{t}/{p}": tracker.committed
+            for (t, p), tracker in sorted(self.offsets.items())
+            if tracker.committed is not None
+        }
+
+    # -- drain ---------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Stop taking work: pause everything, release what has not started."""
+        self.collect()
+        self.draining = True
+        for tp in list(self.offsets):
+            self._pause(tp, "draining")
+        released = self.dispatcher.drain()
+        self._watch = set(self.dispatcher.running())
+        self._report.batch_size = len(self._watch) + len(released)
+        self._count_released(released)
+
+    def wait_drained(self, deadline: float, hurry: Callable[[], bool]) -> None:
+        """Serve callbacks and collect results until the drain batch is done."""
+        while self._watch and time.monotonic() < deadline and not hurry():
+            # Every partition is paused: consume() serves callbacks; a record it
+            # still returns is dropped and redelivered later.
+            self.kafka.consume(num_messages=_FETCH_BATCH, timeout=0.05)
+            self.collect()
+        self.collect()
+
+    def end_drain(self) -> DrainReport:
+        """Whatever still runs is unknown: not committed, redelivered."""
+        self.dispatcher.stop()
+        self.collect()
+        report = self._report
+        report.unknown = len(self._watch or ())
+        self._watch = set()
+        return report
+
+    def _count_released(self, items: list[WorkItem]) -> None:
+        if self._watch is not None or self.draining:
+            self._report.released += len(items)
+
+    def _count_drained(self, outcome: Outcome) -> None:
+        if outcome is Outcome.SUCCESS:
+            self._report.succeeded += 1
+        elif outcome is Outcome.DUPLICATE:
+            self._report.duplicate += 1
+        elif outcome is Outcome.DEAD_LETTERED:
+            self._report.failed += 1
+        else:
+            self._report.released += 1
+
+
+def _names(tps: Iterable[TopicPartition]) -> list[str]:
+    return sorted(f"{t}/{p}" for t, p in tps)

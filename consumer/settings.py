@@ -1,0 +1,132 @@
+"""``ConsumerSettings``: what a consumer process is configured with.
+
+Every field is a flag and an ``OUTBOXKIT_*`` variable (``worker_drain_timeout``
+is ``--worker-drain-timeout`` / ``OUTBOXKIT_WORKER_DRAIN_TIMEOUT``); see
+``outboxkit.runtime.settings``. ``topics``, ``group_id``, ``dlq_topic`` and
+``concurrency`` default to the consumer class's attributes when unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from outboxkit.runtime.settings import RuntimeSettings, non_negative, positive, setting
+from outboxkit.schema.table import DEFAULT_INBOX_TABLE, validate_identifier
+
+__all__ = ["ConsumerSettings"]
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+def _optional_at_least_one(value: int | None) -> str | None:
+    return None if value is None else _at_least_one(value)
+
+
+def _identifier(value: str) -> str | None:
+    try:
+        validate_identifier(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConsumerSettings(RuntimeSettings):
+    """Settings of one consumer process (see ``docs/consumer.md``)."""
+
+    # The drain gets worker_drain_timeout, then the commit and close get
+    # close_timeout; the forced exit must come after both.
+    shutdown_timeout: float = setting(
+        45.0,
+        help="seconds from the first signal to a forced exit (exit code 4); must exceed "
+        "worker-drain-timeout + close-timeout",
+        validate=positive,
+    )
+    group_id: str | None = setting(None, help="consumer group (default: the class's group_id)")
+    topics: tuple[str, ...] = setting((), help="topics to consume (default: the class's topics)")
+    worker_drain_timeout: float = setting(
+        30.0,
+        help="on drain, how long in-flight handlers may run before they count as unknown",
+        validate=positive,
+    )
+    max_attempts: int = setting(
+        5,
+        help="handler attempts for a transient error before dead-lettering",
+        validate=_at_least_one,
+    )
+    retry_backoff_base: float = setting(
+        0.5, help="first retry delay in seconds (exponential, full jitter)", validate=positive
+    )
+    retry_backoff_cap: float = setting(
+        30.0, help="longest retry delay in seconds", validate=positive
+    )
+    retry_max_time: float = setting(
+        300.0,
+        help="give up retrying (and dead-letter) once the next retry would start later than "
+        "this many seconds after the first attempt",
+        validate=positive,
+    )
+    dlq_topic: str | None = setting(
+        None, help="dead-letter topic (default: the class's dlq_topic, else <topic><dlq-suffix>)"
+    )
+    dlq_suffix: str = setting(".dlq", help="suffix of the default dead-letter topic")
+    dlq_timeout: float = setting(
+        15.0,
+        help="how long one dead-letter write may wait for Kafka's acknowledgement",
+        validate=positive,
+    )
+    concurrency: int | None = setting(
+        None,
+        help="worker threads; above 1, messages of one partition run in parallel "
+        "across keys, in order per key (default: the class's concurrency, else 1)",
+        validate=_optional_at_least_one,
+    )
+    max_buffered: int = setting(
+        200,
+        help="messages fetched but not finished per partition before the partition is paused",
+        validate=_at_least_one,
+    )
+    commit_interval: float = setting(
+        5.0, help="seconds between periodic commits of processed offsets", validate=positive
+    )
+    revoke_timeout: float = setting(
+        10.0,
+        help="on a rebalance, how long in-flight handlers of revoked partitions may finish "
+        "before their messages are left to the next owner",
+        validate=non_negative,
+    )
+    close_timeout: float = setting(
+        10.0,
+        help="bound on the final commit and leaving the group at exit",
+        validate=positive,
+    )
+    stats_interval: float = setting(
+        5.0,
+        help="seconds between librdkafka statistics (consumer lag metric); 0 = off",
+        validate=non_negative,
+    )
+    inbox: bool = setting(
+        False, help="run each handler in a DB transaction that records the event in the inbox"
+    )
+    inbox_table: str = setting(
+        DEFAULT_INBOX_TABLE,
+        help="inbox table (created by outboxkit schema apply)",
+        validate=_identifier,
+    )
+
+    def validate(self) -> list[str]:
+        problems = [*super().validate()]
+        if self.worker_drain_timeout + self.close_timeout >= self.shutdown_timeout:
+            problems.append(
+                "invalid --worker-drain-timeout / OUTBOXKIT_WORKER_DRAIN_TIMEOUT: "
+                f"worker_drain_timeout ({self.worker_drain_timeout:g}) + close_timeout "
+                f"({self.close_timeout:g}) must be < shutdown_timeout ({self.shutdown_timeout:g})"
+            )
+        if self.retry_backoff_base > self.retry_backoff_cap:
+            problems.append(
+                "invalid --retry-backoff-base / OUTBOXKIT_RETRY_BACKOFF_BASE: "
+                f"must be <= retry_backoff_cap ({self.retry_backoff_cap:g})"
+            )
+        return problems

@@ -1,0 +1,57 @@
+"""Consumer classes the subprocess tests run with ``python -m outboxkit consume``.
+
+Parameters come from ``APP_*`` environment variables so one class serves several tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import sqlalchemy as sa
+
+from outboxkit.consumer import Consumer, Message
+from outboxkit.runtime.logs import log_event
+
+log = logging.getLogger("consumer_apps")
+
+effects = sa.Table(
+    "effects",
+    sa.MetaData(),
+    sa.Column("id", sa.BigInteger, primary_key=True, autoincrement=True),
+    sa.Column("event_id", sa.String(64), nullable=False),
+    sa.Column("kafka_partition", sa.Integer, nullable=False),
+    sa.Column("kafka_offset", sa.BigInteger, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+)
+
+
+class RecordEffects(Consumer):
+    """Writes one ``effects`` row per message through ``message.tx`` (inbox on)."""
+
+    def handle(self, message: Message) -> None:
+        message.tx.execute(
+            effects.insert().values(
+                event_id=message.event_id or "",
+                kafka_partition=message.partition,
+                kafka_offset=message.offset,
+                pid=os.getpid(),
+            )
+        )
+
+
+class Sleepy(Consumer):
+    """A message whose value is ``sleep:<seconds>`` sleeps that long; logs start and end."""
+
+    def handle(self, message: Message) -> None:
+        text = (message.value or b"").decode()
+        where = {"partition": message.partition, "offset": message.offset}
+        log_event(log, "handler-started", **where)
+        if text.startswith("sleep:"):
+            time.sleep(float(text.split(":", 1)[1]))
+        log_event(log, "handler-finished", **where)
+
+
+class NotAConsumer:
+    pass

@@ -1,0 +1,179 @@
+"""Drain on SIGTERM, in a real child process: readiness, finish, commit, exit record."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafkahelp import FAST_GROUP, committed, http_get, produce, wait_for
+from procs import ConsumerProcess
+
+from outboxkit.consumer import Consumer, ConsumerSettings, Message
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def spawn(tmp_path: Path, kafka_bootstrap: str) -> Iterator[Callable[..., ConsumerProcess]]:
+    procs: list[ConsumerProcess] = []
+
+    def start(target: str, **env: str) -> ConsumerProcess:
+        base = {
+            "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            "OUTBOXKIT_HEALTH_PORT": "0",
+            "OUTBOXKIT_KAFKA_CONFIG": ",".join(f"{k}={v}" for k, v in FAST_GROUP.items()),
+            "OUTBOXKIT_COMMIT_INTERVAL": "0.5",
+            "OUTBOXKIT_CLOSE_TIMEOUT": "5",
+            "OUTBOXKIT_SHUTDOWN_TIMEOUT": "30",
+        }
+        p = ConsumerProcess(target, env={**base, **env}, cwd=tmp_path)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+
+
+def _adds_up(record: dict[str, Any]) -> bool:
+    parts = record["succeeded"] + record["failed"] + record["unknown"] + record["released"]
+    return bool(record["batch_size"] == parts)
+
+
+def test_sigterm_lets_the_slow_handler_finish_commits_and_exits_0(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
+) -> None:
+    topic = kafka_topics(1)
+    group = f"g-{topic}"
+    produce(kafka_bootstrap, topic, [(b"k", b"fast", "e0"), (b"k", b"sleep:3", "e1")])
+    proc = spawn(
+        "consumer_apps:Sleepy",
+        OUTBOXKIT_TOPICS=topic,
+        OUTBOXKIT_GROUP_ID=group,
+        OUTBOXKIT_WORKER_DRAIN_TIMEOUT="10",
+    )
+    url = proc.health_url()
+    proc.wait_event("handler-started", 20, lambda r: r["offset"] == 1)
+    assert http_get(f"{url}/healthz/ready")[0] == 200
+
+    signalled = time.monotonic()
+    proc.signal(signal.SIGTERM)
+    _, body = wait_for(
+        lambda: (r := http_get(f"{url}/healthz/ready"))[0] == 503 and r, 1.0, 0.02, "ready 503"
+    )
+    assert body["state"] == "draining"
+    assert time.monotonic() - signalled < 1.0
+    assert proc.events("handler-finished")[-1]["offset"] == 0  # the slow one still runs
+
+    assert proc.wait(20) == 0
+    took = time.monotonic() - signalled
+    assert took < 3 + 5 + 2  # handler + close_timeout + slack, well inside shutdown_timeout
+    assert proc.events("handler-finished")[-1]["offset"] == 1
+    record = proc.exit_record()
+    assert record["signal"] == "SIGTERM"
+    assert record["result"] == "ok"
+    assert record["batch_size"] == 1
+    assert record["succeeded"] == 1 and record["unknown"] == 0 and record["failed"] == 0
+    assert _adds_up(record)
+    assert record["committed"] == {f"{topic}/0": 2}, "".join(proc.raw)
+    assert committed(kafka_bootstrap, group, topic, 1) == {0: 2}
+
+
+class Recorder(Consumer):
+    def __init__(self, settings: ConsumerSettings) -> None:
+        super().__init__(settings)
+        self.offsets: list[int] = []
+        self.lock = threading.Lock()
+
+    def handle(self, message: Message) -> None:
+        with self.lock:
+            self.offsets.append(message.offset)
+
+
+def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    spawn: Any,
+    settings: Callable[..., ConsumerSettings],
+    run_consumer: Any,
+) -> None:
+    topic = kafka_topics(1)
+    group = f"g-{topic}"
+    produce(
+        kafka_bootstrap,
+        topic,
+        [(b"k", b"fast", "e0"), (b"k", b"sleep:60", "e1"), (b"k", b"fast", "e2")],
+    )
+    proc = spawn(
+        "consumer_apps:Sleepy",
+        OUTBOXKIT_TOPICS=topic,
+        OUTBOXKIT_GROUP_ID=group,
+        OUTBOXKIT_WORKER_DRAIN_TIMEOUT="1",
+    )
+    proc.wait_event("handler-started", 20, lambda r: r["offset"] == 1)
+    signalled = time.monotonic()
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    assert time.monotonic() - signalled < 1 + 5 + 2
+    record = proc.exit_record()
+    assert record["unknown"] == 1
+    assert record["result"] == "unknown-left"
+    assert _adds_up(record)
+    assert proc.events("consumer-exit")[0]["committed"] in ({}, {f"{topic}/0": 1})
+    # Offset 1 was never finished: the group's position stays on it.
+    assert committed(kafka_bootstrap, group, topic, 1) == {0: 1}
+
+    nxt = Recorder(settings(group_id=group, topics=(topic,)))
+    with run_consumer(nxt) as running:
+        wait_for(lambda: nxt.offsets == [1, 2], 20, what="redelivery of offset 1")
+        assert running.stop() == 0
+
+
+def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
+) -> None:
+    pushgateway = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
+    if not pushgateway:
+        reason = "OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    topic = kafka_topics(1)
+    produce(kafka_bootstrap, topic, [(b"k", b"sleep:60", "e0")])
+    proc = spawn(
+        "consumer_apps:Sleepy",
+        OUTBOXKIT_TOPICS=topic,
+        OUTBOXKIT_GROUP_ID=f"g-{topic}",
+        OUTBOXKIT_WORKER_DRAIN_TIMEOUT="20",
+        OUTBOXKIT_PUSHGATEWAY_URL=str(pushgateway),
+        OUTBOXKIT_SERVICE=f"svc-{topic}",
+    )
+    proc.wait_event("handler-started", 20)
+    proc.signal(signal.SIGTERM)
+    proc.wait_event("state-changed", 5, lambda r: r.get("to") == "draining")
+    time.sleep(0.3)
+    hurried = time.monotonic()
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert time.monotonic() - hurried < 5  # not the 20 s drain timeout
+    hurry = proc.wait_event("hurry", 1)
+    assert hurry["signal"] == "SIGTERM"
+    assert proc.wait_event("drain-hurried", 1)["unfinished"] == 1
+    record = proc.exit_record()
+    assert record["unknown"] == 1 and _adds_up(record)
+    # The process is gone; its last numbers are not.
+    with urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5) as resp:  # noqa: S310
+        text = resp.read().decode()
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith("worker_shutdown_released_messages{") and f"svc-{topic}" in line
+    ]
+    assert len(lines) == 1 and lines[0].endswith(" 1"), lines

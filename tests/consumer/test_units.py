@@ -1,0 +1,168 @@
+"""Unit tests: offset bookkeeping, lanes, message decoding, error classification."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy.exc as sa_exc
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outboxkit.consumer import InvalidMessageError, Message, PermanentError, TransientError
+from outboxkit.consumer.errors import Classification, classify
+from outboxkit.consumer.offsets import PartitionOffsets
+from outboxkit.consumer.retry import RetryPolicy
+from outboxkit.consumer.workers import Dispatcher, WorkItem
+
+pytestmark = pytest.mark.unit
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=60, unique=True), st.randoms())
+def test_stored_offset_never_passes_an_unfinished_message(offsets: list[int], rnd: object) -> None:
+    offsets.sort()
+    tracker = PartitionOffsets()
+    for o in offsets:
+        tracker.received(o)
+    order = list(offsets)
+    rnd.shuffle(order)  # type: ignore[attr-defined]
+    finished: set[int] = set()
+    for o in order:
+        stored = tracker.finished(o)
+        finished.add(o)
+        unfinished = [x for x in offsets if x not in finished]
+        if stored is not None:
+            assert all(x < stored for x in finished if x < (min(unfinished, default=10**9)))
+        if tracker.stored is not None:
+            assert all(u >= tracker.stored for u in unfinished)
+    assert tracker.stored == offsets[-1] + 1
+    assert tracker.unfinished == 0
+
+
+def test_confirmed_commit_counts_covered_messages() -> None:
+    tracker = PartitionOffsets()
+    for o in (3, 4, 7):  # gaps: compaction or transaction markers
+        tracker.received(o)
+    tracker.finished(4)
+    assert tracker.stored is None  # 3 is not finished
+    assert tracker.finished(3) == 5
+    assert tracker.confirmed(5) == 2
+    assert tracker.finished(7) == 8
+    assert tracker.confirmed(8) == 1
+
+
+def _item(tp: tuple[str, int], key: bytes, offset: int) -> WorkItem:
+    msg = Message(topic=tp[0], partition=tp[1], offset=offset, key=key, value=b"")
+    return WorkItem(message=msg, lane=(tp, key))
+
+
+def test_a_lane_runs_one_message_at_a_time_in_order() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o, key in enumerate([b"a", b"a", b"b"]):
+        d.submit(_item(tp, key, o))
+    first = d.take(0.1)
+    second = d.take(0.1)
+    assert first is not None and second is not None
+    assert (first.message.offset, second.message.offset) == (0, 2)  # lane a is busy
+    assert d.take(0.05) is None
+    d.finish(first)
+    third = d.take(0.1)
+    assert third is not None and third.message.offset == 1
+
+
+def test_a_deferred_retry_keeps_its_lane_and_frees_the_worker() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    d.submit(_item(tp, b"a", 0))
+    d.submit(_item(tp, b"a", 1))
+    d.submit(_item(tp, b"b", 2))
+    item = d.take(0.1)
+    assert item is not None and d.defer(item, 0.2)
+    other = d.take(0.1)
+    assert other is not None and other.message.offset == 2  # not offset 1: lane a waits
+    started = time.monotonic()
+    again = d.take(1.0)
+    assert again is item and time.monotonic() - started >= 0.15
+
+
+def test_released_partitions_hand_back_queued_work_and_refuse_retries() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o in range(3):
+        d.submit(_item(tp, b"a", o))
+    running = d.take(0.1)
+    assert running is not None
+    released = d.release([tp])
+    assert [i.message.offset for i in released] == [1, 2]
+    assert d.is_live(running)  # its offset may still be stored before the commit
+    assert not d.defer(running, 0.1)  # but it is not retried here
+    d.close([tp])
+    assert not d.is_live(running)
+
+
+def test_take_wakes_when_work_arrives() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    got: list[WorkItem | None] = []
+    t = threading.Thread(target=lambda: got.append(d.take(2.0)))
+    t.start()
+    time.sleep(0.05)
+    d.submit(_item(tp, b"a", 0))
+    t.join(1.0)
+    assert got and got[0] is not None
+
+
+def test_message_decoding() -> None:
+    m = Message(
+        topic="orders",
+        partition=1,
+        offset=7,
+        key=b"k",
+        value=b'{"id": 1}',
+        headers=(("event_id", b"01J"), ("x", b"1"), ("x", b"2")),
+    )
+    assert m.json() == {"id": 1}
+    assert m.event_id == "01J" and m.identity == "01J"
+    assert m.header("x") == b"2"
+    bad = Message(topic="orders", partition=1, offset=8, key=None, value=b"\xff")
+    with pytest.raises(InvalidMessageError, match=r"orders\[1\]@8: value is not UTF-8"):
+        bad.json()
+    tomb = Message(topic="orders", partition=1, offset=9, key=None, value=None)
+    with pytest.raises(InvalidMessageError, match="tombstone"):
+        tomb.json()
+    assert tomb.event_id is None and tomb.identity == "orders/1/9"
+    assert isinstance(InvalidMessageError("x"), PermanentError)
+
+
+class Mine(Exception):
+    pass
+
+
+def test_classification() -> None:
+    assert classify(TransientError()) is Classification.TRANSIENT
+    assert classify(PermanentError()) is Classification.PERMANENT
+    assert classify(ConnectionResetError()) is Classification.TRANSIENT
+    assert (
+        classify(sa_exc.OperationalError("SELECT 1", {}, Exception("gone")))
+        is Classification.TRANSIENT
+    )
+    assert classify(KeyError("customer")) is Classification.PERMANENT
+    assert classify(Mine(), transient=(Mine,)) is Classification.TRANSIENT
+    assert classify(ConnectionError(), permanent=(ConnectionError,)) is Classification.PERMANENT
+
+
+def test_retry_policy_is_bounded_by_attempts_and_time() -> None:
+    policy = RetryPolicy(max_attempts=3, base=0.1, cap=1.0, max_time=5.0)
+    now = time.monotonic()
+    assert policy.next_delay(attempts=1, started_at=now, now=now) is not None
+    assert policy.next_delay(attempts=3, started_at=now, now=now) is None
+    assert policy.next_delay(attempts=1, started_at=now - 10, now=now) is None
+    assert all(
+        0 <= policy.next_delay(attempts=2, started_at=now, now=now) <= 1.0 for _ in range(50)
+    )  # type: ignore[operator]

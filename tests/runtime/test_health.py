@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from outboxkit.runtime import DependencyError, HealthServer, Lifecycle, ServiceMetrics
+
+pytestmark = pytest.mark.unit
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - local test server
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.fixture
+def lifecycle() -> Lifecycle:
+    return Lifecycle(service="test", node_id="n", shutdown_timeout=5)
+
+
+@pytest.fixture
+def make_server(lifecycle: Lifecycle) -> Iterator[Callable[..., HealthServer]]:
+    servers: list[HealthServer] = []
+
+    def make(**kwargs: object) -> HealthServer:
+        registry = CollectorRegistry()
+        ServiceMetrics(registry, service="test")
+        server = HealthServer(lifecycle, port=0, registry=registry, **kwargs)  # type: ignore[arg-type]
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def test_ready_flips_to_503_the_moment_drain_starts(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    server = make_server()
+    assert server.port != 0
+    base = f"http://127.0.0.1:{server.port}"
+    status, body = get(base + "/healthz/ready")
+    assert (status, json.loads(body)) == (503, {"state": "starting"})
+    lifecycle.set_running()
+    assert get(base + "/healthz/ready") == (200, '{"state": "running"}\n')
+    lifecycle.drain()
+    status, body = get(base + "/healthz/ready")
+    assert (status, json.loads(body)["state"]) == (503, "draining")
+    status, body = get(base + "/healthz/live")
+    assert (status, json.loads(body)) == (200, {"state": "draining"})
+    lifecycle.set_stopped()
+    assert get(base + "/healthz/live")[0] == 503
+    assert get(base + "/healthz/ready")[0] == 503
+
+
+def test_details_are_merged_and_can_veto_readiness(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    details: dict[str, object] = {"paused_topics": [], "ready": True}
+    server = make_server(details=lambda: dict(details))
+    lifecycle.set_running()
+    url = f"http://127.0.0.1:{server.port}/healthz/ready"
+    status, body = get(url)
+    assert status == 200
+    assert json.loads(body) == {"state": "running", "paused_topics": [], "ready": True}
+    details.update(ready=False, reason="kafka auth failed, password=abc", state="bogus")
+    status, body = get(url)
+    assert status == 503
+    payload = json.loads(body)
+    assert payload["state"] == "running"  # details cannot override the lifecycle state
+    assert payload["reason"] == "kafka auth failed, password=***"
+
+
+def test_details_exception_is_503_with_redacted_error(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    def broken() -> dict[str, object]:
+        raise RuntimeError("lost redis://:pw@r:6379")
+
+    server = make_server(details=broken)
+    lifecycle.set_running()
+    base = f"http://127.0.0.1:{server.port}"
+    for _ in range(3):
+        status, body = get(base + "/healthz/ready")
+        assert status == 503
+        assert json.loads(body) == {
+            "state": "running",
+            "error": "RuntimeError: lost redis://:***@r:6379",
+        }
+    assert get(base + "/healthz/live")[0] == 200  # the server survived
+
+
+def test_details_returning_a_non_dict_is_503(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    server = make_server(details=lambda: None)
+    lifecycle.set_running()
+    status, body = get(f"http://127.0.0.1:{server.port}/healthz/ready")
+    assert status == 503
+    assert "AttributeError" in json.loads(body)["error"]
+
+
+def test_metrics_endpoint_and_unknown_path(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    server = make_server()
+    base = f"http://127.0.0.1:{server.port}"
+    status, text = get(base + "/metrics")
+    assert status == 200
+    assert "service_forced_shutdowns_total 0.0" in text
+    assert 'service_state{service_state="starting"} 1.0' in text
+    assert get(base + "/nope")[0] == 404
+
+
+def test_metrics_follow_the_lifecycle(lifecycle: Lifecycle) -> None:
+    registry = CollectorRegistry()
+    lifecycle.attach_metrics(ServiceMetrics(registry, service="test"))
+    lifecycle.set_running()
+    assert registry.get_sample_value("service_state", {"service_state": "running"}) == 1
+    assert registry.get_sample_value("service_draining") == 0
+    lifecycle.drain()
+    assert registry.get_sample_value("service_draining") == 1
+    assert registry.get_sample_value("service_state", {"service_state": "draining"}) == 1
+    assert registry.get_sample_value("service_state", {"service_state": "running"}) == 0
+    lifecycle.set_stopped()
+    duration = registry.get_sample_value("service_shutdown_duration_seconds")
+    assert duration is not None and 0 <= duration < 5
+
+
+def test_port_in_use_raises_dependency_error(lifecycle: Lifecycle) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        server = HealthServer(lifecycle, port=port, registry=CollectorRegistry())
+        with pytest.raises(
+            DependencyError, match=rf"health server cannot listen on 127.0.0.1:{port}"
+        ):
+            server.start()
+
+
+def test_stop_is_idempotent_and_frees_the_port(lifecycle: Lifecycle) -> None:
+    server = HealthServer(lifecycle, port=0, registry=CollectorRegistry())
+    server.start()
+    port = server.port
+    server.stop()
+    server.stop()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/live", timeout=2)

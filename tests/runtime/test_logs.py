@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+import pytest
+
+from outboxkit.runtime import configure_logging, log_event, redact, redact_url, register_secret
+from outboxkit.runtime.testing import capture_json_logs
+
+pytestmark = pytest.mark.unit
+
+log = logging.getLogger("outboxkit.test")
+
+
+def test_json_line_shape() -> None:
+    with capture_json_logs(service="relay", node_id="pod-1") as cap:
+        log_event(log, "batch-done", delivered=3, topics=("a", "b"), ratio=0.5, none=None)
+        log.warning("plain %s", "text")
+    first, second = cap.records
+    assert list(first)[:6] == ["ts", "level", "logger", "service", "node_id", "event"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", str(first["ts"]))
+    assert first["level"] == "INFO"
+    assert first["logger"] == "outboxkit.test"
+    assert (first["service"], first["node_id"], first["event"]) == ("relay", "pod-1", "batch-done")
+    assert first["delivered"] == 3
+    assert first["topics"] == ["a", "b"]
+    assert first["ratio"] == 0.5
+    assert first["none"] is None
+    assert "msg" not in first
+    assert second["event"] == "log"
+    assert second["msg"] == "plain text"
+    assert second["level"] == "WARNING"
+
+
+def test_non_serialisable_values_and_reserved_names() -> None:
+    class Thing:
+        def __str__(self) -> str:
+            return "thing!"
+
+    with capture_json_logs() as cap:
+        log_event(log, "odd", obj=Thing(), b=b"\x00", nan=float("nan"), ts="t", service="other")
+    (rec,) = cap.records
+    assert rec["obj"] == "thing!"
+    assert rec["nan"] == "nan"
+    assert rec["event"] == "odd"
+    assert rec["ts_"] == "t"
+    assert rec["service_"] == "other"
+    assert rec["service"] == "test"
+
+
+def test_configure_logging_is_idempotent() -> None:
+    a, b = io.StringIO(), io.StringIO()
+    configure_logging(service="s", node_id="n", stream=a)
+    configure_logging(service="s", node_id="n2", stream=b, level="warning")
+    log.warning("once")
+    log.info("filtered")
+    assert a.getvalue() == ""
+    lines = b.getvalue().splitlines()
+    assert len(lines) == 1
+    assert json.loads(lines[0])["node_id"] == "n2"
+
+
+def test_bad_level_is_rejected() -> None:
+    with pytest.raises(ValueError, match="log level"):
+        configure_logging(service="s", node_id="n", level="loud", stream=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mysql+pymysql://app:pw@db:3306/x", "mysql+pymysql://app:***@db:3306/x"),
+        ("redis://:pw@r:6379/0", "redis://:***@r:6379/0"),
+        ("mysql://u:p@ss@h/db and more", "mysql://u:***@h/db and more"),
+        ("see http://host:9091/metrics", "see http://host:9091/metrics"),
+        ("password=hunter2 user=app", "password=*** user=app"),
+        ("sasl.password=abc,acks=all", "sasl.password=***,acks=all"),
+        ("ssl.key.password: 'k3y'", "ssl.key.password: '***'"),
+        ('{"sasl.oauthbearer.client.secret": "s"}', '{"sasl.oauthbearer.client.secret": "***"}'),
+        ("{'password': 'p w'}", "{'password': '***'}"),
+        ("Authorization: Bearer abc.def-ghi", "Authorization: *** ***"),
+        ("header Basic dXNlcjpwdw==", "header Basic ***"),
+        ("api_key=123 token=xyz", "api_key=*** token=***"),
+        ("nothing secret here", "nothing secret here"),
+    ],
+)
+def test_redact(text: str, expected: str) -> None:
+    assert redact(text) == expected
+    assert redact(redact(text)) == expected  # idempotent
+
+
+def test_redact_url() -> None:
+    assert redact_url("mysql+pymysql://u:pw@h:3306/db") == "mysql+pymysql://u:***@h:3306/db"
+    assert redact_url("mysql+pymysql://u@h:3306/db") == "mysql+pymysql://u@h:3306/db"
+    assert redact_url("http://127.0.0.1:9091") == "http://127.0.0.1:9091"
+    assert redact_url(redact_url("redis://:x@r/0")) == "redis://:***@r/0"
+
+
+def test_registered_secret_never_reaches_the_output() -> None:
+    secret = "Zq9-s3cr3t/val"
+    register_secret(secret)
+    with capture_json_logs() as cap:
+        log_event(log, "connect", url=f"mysql://app:{secret}@db/x", cfg={"k": secret}, note=secret)
+        log.info("dsn is %s", f"user {secret} end")
+        try:
+            raise ConnectionError(f"cannot connect with {secret!r}")
+        except ConnectionError:
+            log.exception("failed")
+        try:
+            raise ValueError("wrapped")  # traceback context carries the secret
+        except ValueError as exc:
+            log_event(log, "crash", level=logging.ERROR, error=exc, exc_info=True, extra=[secret])
+    text = cap.text
+    assert secret not in text
+    # URL-encoded form (how it appears inside a DSN) is hidden too.
+    assert "Zq9-s3cr3t%2Fval" not in text
+    assert "***" in text
+    records = cap.records
+    assert records[0]["note"] == "***"
+    assert records[0]["cfg"] == {"k": "***"}
+    assert "Traceback" in str(records[2]["exc"])
+    assert "ConnectionError: cannot connect with '***'" in str(records[2]["exc"])
+
+
+def test_secret_in_traceback_frames_of_chained_exception() -> None:
+    register_secret("pa55word!")
+    with capture_json_logs() as cap:
+        try:
+            try:
+                raise OSError("auth failed for pa55word!")
+            except OSError as inner:
+                raise RuntimeError("outer") from inner
+        except RuntimeError:
+            log.exception("boom")
+    assert "pa55word!" not in cap.text
+    assert "auth failed for ***" in cap.text
+
+
+def test_secret_field_names_are_masked_whatever_the_value() -> None:
+    with capture_json_logs() as cap:
+        log_event(log, "cfg", password=12345, sasl_password="x", client_secret=None)
+    (rec,) = cap.records
+    assert rec["password"] == "***"
+    assert rec["sasl_password"] == "***"
+    assert rec["client_secret"] is None
+
+
+def test_log_event_redacts_even_without_our_handler(caplog: pytest.LogCaptureFixture) -> None:
+    register_secret("topsecret")
+    with caplog.at_level(logging.INFO, logger="outboxkit.test"):
+        log_event(log, "x", value="topsecret", url="redis://:pw@r/0")
+    assert "topsecret" not in caplog.text
+    assert ":pw@" not in caplog.text
+
+
+def test_log_event_respects_level() -> None:
+    with capture_json_logs(level="WARNING") as cap:
+        log_event(log, "debug-only", level=logging.DEBUG)
+        log_event(log, "warn", level=logging.WARNING)
+    assert [r["event"] for r in cap.records] == ["warn"]
