@@ -10,7 +10,6 @@ reported separately and does not blur the comparison.
 
 from __future__ import annotations
 
-import importlib
 import time
 import uuid
 from typing import Any
@@ -134,10 +133,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     batch = raw_batch_loop(bootstrap, topic, cfg.consumer_messages, cfg.timeout_seconds)
     res.rows.append(batch)
     res.figures["raw_batch_rate"] = batch["msgs/s"]
-    try:
-        base = importlib.import_module("bench.scenarios.consumer_base")
-    except ImportError as exc:
-        res.notes.append(f"consumer base class not available yet: {exc}")
-        return res
-    base.run_variants(ctx, res, topic)
+    from bench.scenarios import consumer_base  # needs outboxkit.consumer
+
+    consumer_base.run_variants(ctx, res, topic)
     return res
