@@ -45,6 +45,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--write-docs", action="store_true", help=f"put this run's tables into {DOCS.name}"
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample relay 0 of each drain with py-spy; hottest functions go in the tables",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run's database and topics")
     sizes = p.add_argument_group("sizes (defaults: the full run; --smoke: tiny)")
     for f in dataclasses.fields(BenchConfig):
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         results_dir=args.results_dir,
         smoke=args.smoke,
         keep=args.keep,
+        profile=args.profile,
     )
     print("\n== goals")
     for g in report["goals"]:

@@ -62,6 +62,8 @@ class BenchContext:
     services: Services
     run_id: str = field(default_factory=new_run_id)
     keep: bool = False
+    #: Attach py-spy to the first relay of each drain (see bench/profile.py).
+    profile: bool = False
     results_dir: Path = REPO_ROOT / "bench" / "results"
     engine: sa.Engine = field(init=False)
     db_url: str = field(init=False)

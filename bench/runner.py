@@ -25,6 +25,7 @@ def run(
     smoke: bool = False,
     keep: bool = False,
     quiet: bool = False,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Run the chosen scenarios (all by default); return the report also written as JSON.
 
@@ -37,7 +38,7 @@ def run(
         raise ValueError(f"unknown scenarios: {', '.join(sorted(unknown))}")
     started = time.time()
     results: Results = {}
-    with BenchContext(config, services, keep=keep, results_dir=results_dir) as ctx:
+    with BenchContext(config, services, keep=keep, results_dir=results_dir, profile=profile) as ctx:
         path = results_dir / f"{ctx.run_id}.json"
         report: dict[str, Any] = {
             "run_id": ctx.run_id,

@@ -9,10 +9,11 @@ the table holds what it should, and report rates, CPU and duplicates.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench import data
+from bench import data, profile
 from bench.context import BenchContext
 from bench.kafka import Progress
 from bench.procs import Proc, ServiceCpu, cpu_share, relay_settings
@@ -45,6 +46,8 @@ class DrainRun:
     messages: int
     table_after: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    #: Hottest functions of relay 0's loop (``--profile``).
+    profile: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def first(self) -> float:
@@ -87,6 +90,7 @@ def drain_backlog(
     progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
     services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap)
     procs: list[Proc] = []
+    spy: subprocess.Popen[bytes] | None = None
     log_dir = ctx.log_dir / label
     try:
         t0 = time.perf_counter()
@@ -102,6 +106,8 @@ def drain_backlog(
                 redis_prefix=ctx.redis_prefix,
             )
             procs.append(Proc.start(f"relay-{i}", ["relay"], settings, log_dir))
+        if ctx.profile:
+            spy = profile.attach(procs[0].pid, log_dir / "relay-0.pyspy")
         alive = lambda: all(p.alive() for p in procs)  # noqa: E731
         try:
             # CPU is counted from the first message on, leaving out interpreter start-up.
@@ -123,6 +129,8 @@ def drain_backlog(
         for p in procs:
             p.kill()
         progress.stop()
+        if spy is not None:
+            spy.wait(30)
     after = data.count_by_status(ctx.engine, table)
     run = DrainRun(
         relays=relays,
@@ -136,6 +144,8 @@ def drain_backlog(
         messages=progress.latest(),
         table_after=after,
     )
+    if spy is not None and (log_dir / "relay-0.pyspy").exists():
+        run.profile = profile.summary(log_dir / "relay-0.pyspy", within="Relay._loop")
     expected = {} if delete_on_deliver else {"delivered": rows}
     if after != expected:
         raise RuntimeError(f"{label}: table holds {after} after the drain, expected {expected}")

@@ -47,4 +47,9 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         res.figures[f"rate{suffix}"] = out.rate
         res.figures[f"last_vs_first{suffix}"] = last / first
         res.notes.extend(out.notes)
+        if out.profile:
+            mode = "delete" if delete else "mark delivered"
+            res.tables[f"profile of the relay ({mode}), share of its loop's wall time"] = (
+                out.profile
+            )
     return res

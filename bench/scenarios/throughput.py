@@ -57,4 +57,6 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         )
         res.figures[f"rate_{n}"] = out.rate
         res.notes.extend(out.notes)
+        if out.profile:
+            res.tables[f"profile of relay 0 of {n}, share of its loop's wall time"] = out.profile
     return res
