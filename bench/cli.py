@@ -28,7 +28,11 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmarks of outboxkit next to the machine's own limits "
+        "(docs/performance.md).",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes: proves the harness works")
     p.add_argument(
         "--scenario",
@@ -38,10 +42,22 @@ def parser() -> argparse.ArgumentParser:
         help=f"run only this scenario (repeatable): {', '.join(names())}",
     )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    p.add_argument("--db-url", default=os.environ.get("OUTBOXKIT_TEST_DB_URL"))
-    p.add_argument("--kafka-bootstrap", default=os.environ.get("OUTBOXKIT_TEST_KAFKA_BOOTSTRAP"))
-    p.add_argument("--redis-url", default=os.environ.get("OUTBOXKIT_TEST_REDIS_URL"))
-    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument(
+        "--db-url",
+        default=os.environ.get("OUTBOXKIT_TEST_DB_URL"),
+        help="DB server (each run creates its own database); default $OUTBOXKIT_TEST_DB_URL",
+    )
+    p.add_argument(
+        "--kafka-bootstrap",
+        default=os.environ.get("OUTBOXKIT_TEST_KAFKA_BOOTSTRAP"),
+        help="default $OUTBOXKIT_TEST_KAFKA_BOOTSTRAP",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("OUTBOXKIT_TEST_REDIS_URL"),
+        help="for several relays and wake-ups; default $OUTBOXKIT_TEST_REDIS_URL",
+    )
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="default bench/results")
     p.add_argument(
         "--write-docs", action="store_true", help=f"put this run's tables into {DOCS.name}"
     )
@@ -52,14 +68,22 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep", action="store_true", help="keep the run's database and topics")
     sizes = p.add_argument_group("sizes (defaults: the full run; --smoke: tiny)")
+    full, smoke = BenchConfig().as_dict(), BenchConfig.smoke().as_dict()
     for f in dataclasses.fields(BenchConfig):
         flag = "--" + f.name.replace("_", "-")
+        shown = {
+            k: ",".join(map(str, v)) if isinstance(v, tuple | list) else v
+            for k, v in (("full", full[f.name]), ("smoke", smoke[f.name]))
+        }
+        help_text = f"default {shown['full']} (smoke {shown['smoke']})"
         if f.type in ("tuple[int, ...]",):
-            sizes.add_argument(flag, type=_ints, metavar="N,N,...")
+            sizes.add_argument(flag, type=_ints, metavar="N,N,...", help=help_text)
         elif f.type in ("float",):
-            sizes.add_argument(flag, type=float, metavar="S")
+            sizes.add_argument(flag, type=float, metavar="S", help=help_text)
+        elif f.type in ("int | None",):
+            sizes.add_argument(flag, type=int, metavar="N", help="default: the relay's own")
         else:
-            sizes.add_argument(flag, type=int, metavar="N")
+            sizes.add_argument(flag, type=int, metavar="N", help=help_text)
     return p
 
 

@@ -7,7 +7,11 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
-if [[ -z "${OUTBOXKIT_TEST_DB_URL:-}" || -z "${OUTBOXKIT_TEST_KAFKA_BOOTSTRAP:-}" ]]; then
+needs_services=1
+for arg in "$@"; do
+    case "$arg" in -h | --help | --list) needs_services=0 ;; esac
+done
+if [[ $needs_services -eq 1 && (-z "${OUTBOXKIT_TEST_DB_URL:-}" || -z "${OUTBOXKIT_TEST_KAFKA_BOOTSTRAP:-}") ]]; then
     eval "$(deploy/local/up.sh)"
 fi
 export OUTBOXKIT_TEST_DB_URL OUTBOXKIT_TEST_KAFKA_BOOTSTRAP OUTBOXKIT_TEST_REDIS_URL
