@@ -23,6 +23,7 @@ for sub in relay consumer schema; do
 done
 
 targets=("$tree")
-# Test helpers are typed too.
+# Test helpers and the benchmark are typed too.
 [[ -d tests/support ]] && targets+=(tests/support)
+[[ -d bench ]] && targets+=(bench)
 exec "${PYTHON:-python3}" -m mypy "$@" "${targets[@]}"

@@ -1,0 +1,63 @@
+"""Consumer classes the benchmark runs, embedded or as ``outboxkit consume bench.apps:NAME``.
+
+``Trivial`` touches the value and counts; ``Sleepy`` sleeps ``BENCH_SLEEP_MS``
+(default 1 ms) per message, a stand-in for a handler waiting on I/O.  Both
+call ``on_message`` (set by the embedding benchmark) so it can time the first
+and the last message and stop the consumer when all arrived.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from outboxkit.consumer import Consumer, Message
+
+
+class Counting(Consumer):
+    on_message: ClassVar[Callable[[], None] | None] = None
+
+    def _count(self) -> None:
+        hook = type(self).on_message
+        if hook is not None:
+            hook()
+
+
+class Trivial(Counting):
+    def handle(self, message: Message) -> None:
+        _ = len(message.value or b"")
+        self._count()
+
+
+class Sleepy(Counting):
+    sleep_s: ClassVar[float] = float(os.environ.get("BENCH_SLEEP_MS", "1")) / 1000
+
+    def handle(self, message: Message) -> None:
+        time.sleep(type(self).sleep_s)
+        self._count()
+
+
+class Meter:
+    """Counts handled messages across worker threads; times the first and the last."""
+
+    def __init__(self, expected: int, on_done: Callable[[], Any]) -> None:
+        self.expected = expected
+        self.count = 0
+        self.first: float | None = None
+        self.last: float | None = None
+        self._lock = threading.Lock()
+        self._on_done = on_done
+
+    def __call__(self) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+            self.count += 1
+            self.last = now
+            done = self.count == self.expected
+        if done:
+            self._on_done()

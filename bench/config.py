@@ -1,0 +1,72 @@
+"""Sizes and settings of one benchmark run.
+
+Defaults are the real-run sizes of the benchmark issue; ``smoke()`` shrinks
+everything so a run takes seconds and only proves the harness still works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What one run measures with.  Every field is also a ``--flag`` of ``python -m bench``."""
+
+    #: Backlog drained by the DB ceiling, the producer ceiling and each relay run.
+    rows: int = 200_000
+    #: Backlog of the scaling scenario (first vs last 10%).
+    backlog_rows: int = 1_000_000
+    keys: int = 10_000
+    payload_bytes: int = 512
+    #: Shards of the outbox table (the table default).
+    shards: int = 64
+    #: Partitions of every benchmark topic.
+    partitions: int = 6
+    #: Relay claim batch size; None: the relay's own default.
+    batch_size: int | None = None
+    #: Relay counts of the throughput scenario.
+    relay_counts: tuple[int, ...] = (1, 2, 3)
+    #: Steady writer rates (events/s) of the latency scenario, and how long each lasts.
+    latency_rates: tuple[int, ...] = (200, 1_000, 5_000)
+    latency_seconds: float = 10.0
+    #: How long the writer's own insert rate is measured, with and without a relay.
+    writer_seconds: float = 5.0
+    #: Messages read by each consumer variant.
+    consumer_messages: int = 200_000
+    consumer_concurrency: int = 8
+    consumer_sleep_ms: float = 1.0
+    #: SIGTERM -> exit runs per component, and the load each run drains under.
+    drain_runs: int = 20
+    drain_rows: int = 20_000
+    #: Give up on any single drain/consume after this long.
+    timeout_seconds: float = 600.0
+
+    @classmethod
+    def smoke(cls, **overrides: object) -> BenchConfig:
+        """Tiny sizes: seconds per scenario, figures meaningless, fields all present."""
+        small: dict[str, object] = {
+            "rows": 2_000,
+            "backlog_rows": 3_000,
+            "keys": 100,
+            "partitions": 3,
+            "shards": 8,
+            "relay_counts": (1, 2),
+            "latency_rates": (100,),
+            "latency_seconds": 1.0,
+            "writer_seconds": 1.0,
+            "consumer_messages": 2_000,
+            "consumer_concurrency": 4,
+            "drain_runs": 2,
+            "drain_rows": 2_000,
+            "timeout_seconds": 120.0,
+        }
+        small.update(overrides)
+        return cls(**small)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> BenchConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)

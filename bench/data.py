@@ -1,0 +1,145 @@
+"""The benchmark's events: the same payloads, keys and headers for every scenario.
+
+Payloads are JSON objects padded to ``payload_bytes`` with lowercase letters from
+a fixed pseudo-random pool: as compressible as typical event JSON, not the
+all-zero bytes that would flatter compression.  Keys cycle over ``keys``
+distinct values, so consecutive rows hit different keys (and shards), as
+independent writers would.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from outboxkit import Event, enqueue_many
+from outboxkit.schema import apply_schema, outbox_table
+
+_POOL_SIZE = 1 << 16
+_pool = "".join(random.Random(7).choices("abcdefghijklmnopqrstuvwxyz", k=_POOL_SIZE * 2))
+#: Rows per transaction when filling a backlog: big enough that commits do not dominate.
+FILL_CHUNK = 2_000
+HEADERS = {"type": "BenchEvent"}
+
+
+def key_for(i: int, keys: int) -> bytes:
+    return f"key-{i % keys:06d}".encode()
+
+
+def payload_for(i: int, size: int) -> bytes:
+    head = f'{{"n":{i},"kind":"bench","pad":"'
+    tail = '"}'
+    pad_len = max(0, size - len(head) - len(tail))
+    start = (i * 7919) % _POOL_SIZE
+    pad = (_pool * (1 + pad_len // len(_pool)))[start : start + pad_len]
+    return (head + pad + tail).encode()
+
+
+@dataclass(frozen=True)
+class Message:
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, str | bytes | None]]
+
+
+def messages(n: int, *, keys: int, payload_bytes: int) -> list[Message]:
+    """What the relay would publish for rows 0..n-1, built in memory."""
+    out = []
+    for i in range(n):
+        event_id = f"bench-{i:012d}".encode()
+        out.append(
+            Message(
+                key=key_for(i, keys),
+                value=payload_for(i, payload_bytes),
+                headers=[("type", b"BenchEvent"), ("event_id", event_id)],
+            )
+        )
+    return out
+
+
+def events(start: int, n: int, *, topic: str, keys: int, payload_bytes: int) -> Iterator[Event]:
+    for i in range(start, start + n):
+        yield Event(
+            topic=topic,
+            payload=payload_for(i, payload_bytes),
+            key=key_for(i, keys),
+            headers=HEADERS,
+        )
+
+
+@dataclass(frozen=True)
+class FillResult:
+    rows: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.seconds if self.seconds else 0.0
+
+
+def fill(
+    engine: sa.Engine,
+    table: str,
+    *,
+    topic: str,
+    rows: int,
+    start: int = 0,
+    keys: int,
+    payload_bytes: int,
+    shards: int,
+) -> FillResult:
+    """Pre-fill a backlog through the writer API, ``FILL_CHUNK`` events per transaction."""
+    apply_schema(engine, table=table, shards=shards, inbox=None)
+    began = time.perf_counter()
+    done = 0
+    while done < rows:
+        n = min(FILL_CHUNK, rows - done)
+        with engine.begin() as conn:
+            enqueue_many(
+                conn,
+                events(start + done, n, topic=topic, keys=keys, payload_bytes=payload_bytes),
+                table=table,
+            )
+        done += n
+    return FillResult(rows, time.perf_counter() - began)
+
+
+def copy_backlog(
+    engine: sa.Engine, src: str, dst: str, *, topic: str, rows: int, shards: int
+) -> FillResult:
+    """A fresh pending backlog in ``dst``: the first ``rows`` rows of ``src``, for ``topic``.
+
+    Copying inside the server is several times faster than writing the rows again,
+    and gives every run the very same rows.
+    """
+    apply_schema(engine, table=dst, shards=shards, inbox=None)
+    cols = [c.name for c in outbox_table(dst).columns]
+    select_cols = [":topic" if c == "topic" else c for c in cols]
+    start = time.perf_counter()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {dst} ({', '.join(cols)}) "
+                f"SELECT {', '.join(select_cols)} FROM {src} ORDER BY id LIMIT :rows"
+            ),
+            {"topic": topic, "rows": rows},
+        )
+    with engine.connect() as conn:
+        conn.execute(sa.text(f"ANALYZE TABLE {dst}")).all()
+    return FillResult(rows, time.perf_counter() - start)
+
+
+def drop_table(engine: sa.Engine, table: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+        conn.execute(sa.text("DELETE FROM outboxkit_meta WHERE table_name = :t"), {"t": table})
+
+
+def count_by_status(engine: sa.Engine, table: str) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text(f"SELECT status, COUNT(*) FROM {table} GROUP BY status"))
+        return {str(status): int(n) for status, n in rows}

@@ -1,0 +1,99 @@
+"""The goals of the benchmark issue, judged from figures of one run.
+
+Each goal is a ratio or a bound; a goal whose figures were not measured in this
+run is reported as not measured, never as met.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.report import ScenarioResult
+
+Results = dict[str, ScenarioResult]
+
+
+@dataclass(frozen=True)
+class Goal:
+    name: str
+    target: str
+    #: The measured value from the results (None if not measured), and whether it meets the goal.
+    measure: Callable[[Results], float | None]
+    met: Callable[[float], bool]
+
+
+def _fig(results: Results, scenario: str, name: str) -> float | None:
+    r = results.get(scenario)
+    if r is None:
+        return None
+    v = r.figures.get(name)
+    return float(v) if v is not None else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+GOALS = [
+    Goal(
+        "relay vs DB ceiling (1 relay)",
+        ">= 0.8",
+        lambda r: _ratio(_fig(r, "relay-throughput", "rate_1"), _fig(r, "db-ceiling", "rate")),
+        lambda v: v >= 0.8,
+    ),
+    Goal(
+        "1M backlog: last 10% vs first 10%",
+        ">= 0.9",
+        lambda r: _fig(r, "backlog-scaling", "last_vs_first"),
+        lambda v: v >= 0.9,
+    ),
+    Goal(
+        "same, with delete-on-deliver",
+        ">= 0.9",
+        lambda r: _fig(r, "backlog-scaling", "last_vs_first_delete"),
+        lambda v: v >= 0.9,
+    ),
+    Goal(
+        "commit->ack p99 at 1,000/s with wake-ups (ms)",
+        "<= 25",
+        lambda r: _fig(r, "latency", "p99_ms_1000_wakeups"),
+        lambda v: v <= 25,
+    ),
+    Goal(
+        "writer insert rate with relay vs without",
+        ">= 0.8",
+        lambda r: _fig(r, "latency", "writer_ratio"),
+        lambda v: v >= 0.8,
+    ),
+    Goal(
+        "consumer base class vs raw poll loop",
+        ">= 0.8",
+        lambda r: _ratio(_fig(r, "consumer", "base_rate"), _fig(r, "consumer", "raw_rate")),
+        lambda v: v >= 0.8,
+    ),
+    Goal(
+        "consumer with inbox on MariaDB (msgs/s)",
+        ">= 5,000",
+        lambda r: _fig(r, "consumer", "inbox_rate"),
+        lambda v: v >= 5000,
+    ),
+]
+
+
+def evaluate(results: Results) -> list[dict[str, Any]]:
+    out = []
+    for goal in GOALS:
+        value = goal.measure(results)
+        out.append(
+            {
+                "goal": goal.name,
+                "target": goal.target,
+                "measured": value,
+                "met": None if value is None else goal.met(value),
+            }
+        )
+    return out

@@ -1,0 +1,172 @@
+"""Results: one table per scenario, one JSON file per run, the docs section.
+
+A scenario returns a :class:`ScenarioResult`: ``rows`` (what the table shows),
+``figures`` (flat named numbers the goals and later runs compare), ``settings``
+and ``notes``.  The run's JSON holds every scenario, the goal verdicts, the
+machine and the versions, and is rewritten after each scenario so an
+interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    #: Further tables, by title, when one scenario measures two different things.
+    tables: dict[str, list[Row]] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    skipped: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sequence."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "-" if value is None else str(value)
+
+
+def columns(rows: Sequence[Row]) -> list[str]:
+    cols: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in cols:
+                cols.append(key)
+    return cols
+
+
+def text_table(rows: Sequence[Row]) -> str:
+    cols = columns(rows)
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    for line in cells:
+        lines.append(
+            "  ".join(
+                v.rjust(w) if i else v.ljust(w)
+                for i, (v, w) in enumerate(zip(line, widths, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    cols = columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def print_scenario(result: ScenarioResult) -> None:
+    print(f"\n== {result.name}: {result.title}  ({result.seconds:.1f}s)")
+    if result.skipped:
+        print(f"   skipped: {result.skipped}")
+        return
+    if result.error:
+        print(f"   FAILED: {result.error}")
+    if result.rows:
+        print(text_table(result.rows))
+    for title, rows in result.tables.items():
+        print(f"\n   {title}")
+        print(text_table(rows))
+    for note in result.notes:
+        print(f"   note: {note}")
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)
+
+
+DOCS_START = "<!-- bench:results:start -->"
+DOCS_END = "<!-- bench:results:end -->"
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The generated part of docs/performance.md: goals, then one table per scenario."""
+    out = [
+        f"Run `{report['run_id']}` ({report['started_at']}, {report['duration_s']:.0f} s, "
+        f"commit `{report['versions'].get('outboxkit_commit')}`, "
+        f"{'smoke sizes' if report.get('smoke') else 'full sizes'}).",
+        "",
+    ]
+    goals = report.get("goals") or []
+    if goals:
+        out += ["**Goals**", "", markdown_table(goals), ""]
+    for result in report["scenarios"].values():
+        out.append(f"**{result['name']}: {result['title']}**")
+        out.append("")
+        if result.get("skipped"):
+            out += [f"Skipped: {result['skipped']}", ""]
+            continue
+        if result.get("error"):
+            out += [f"Failed: `{result['error']}`", ""]
+        if result["rows"]:
+            out += [markdown_table(result["rows"]), ""]
+        for title, rows in result.get("tables", {}).items():
+            out += [f"_{title}_", "", markdown_table(rows), ""]
+        for note in result.get("notes", []):
+            out.append(f"- {note}")
+        if result.get("notes"):
+            out.append("")
+    v = report["versions"]
+    m = report["machine"]
+    out.append(
+        f"Machine: {m['cpu_count']} CPUs ({m.get('processor')}), {m.get('memory_gib')} GiB, "
+        f"load average at start {m.get('loadavg_at_start')}; services co-located. "
+        f"Python {v['python']}, confluent-kafka {v['confluent_kafka']} "
+        f"(librdkafka {v['librdkafka']}), {v['database']}, Kafka {v['kafka']}, "
+        f"SQLAlchemy {v['sqlalchemy']}, PyMySQL {v['pymysql']}."
+    )
+    return "\n".join(out) + "\n"
+
+
+def write_docs(path: Path, report: dict[str, Any]) -> None:
+    """Replace the generated section of ``path`` (between the markers) with this run."""
+    text = path.read_text() if path.exists() else f"# Performance\n\n{DOCS_START}\n{DOCS_END}\n"
+    if DOCS_START not in text or DOCS_END not in text:
+        text += f"\n{DOCS_START}\n{DOCS_END}\n"
+    pattern = re.compile(re.escape(DOCS_START) + r".*?" + re.escape(DOCS_END), re.S)
+    body = f"{DOCS_START}\n{markdown_report(report)}{DOCS_END}"
+    path.write_text(pattern.sub(lambda _m: body, text, count=1))

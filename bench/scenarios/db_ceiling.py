@@ -1,0 +1,128 @@
+"""Scenario 1, the DB ceiling: the relay's own claim and finalize, no Kafka.
+
+The loop calls ``outboxkit.relay.claim.claim_batch`` and
+``outboxkit.relay.finalize.finalize`` (every row "acknowledged" at a made-up
+offset) on a copy of the benchmark backlog until nothing is due, one batch
+after the other on one connection pool, as one relay does.  It imports the
+relay's functions rather than copying their SQL, so the ceiling moves with the
+relay's queries: rows/s here is the most a relay can reach on this database,
+Python overhead of those two functions included.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any
+
+import sqlalchemy as sa
+
+from bench import data
+from bench.context import BenchContext
+from bench.report import ScenarioResult
+from bench.scenarios import Results, Unavailable
+from bench.scenarios.common import batch_size, template
+
+
+def relay_modules() -> tuple[Any, Any]:
+    try:
+        claim = importlib.import_module("outboxkit.relay.claim")
+        finalize = importlib.import_module("outboxkit.relay.finalize")
+    except ImportError as exc:
+        raise Unavailable(f"the relay's claim/finalize are not importable: {exc}") from None
+    return claim, finalize
+
+
+def relay_engine(ctx: BenchContext) -> sa.Engine:
+    """An engine configured as the relay configures its own (isolation, pool, timeouts)."""
+    try:
+        relay = importlib.import_module("outboxkit.relay.relay")
+        settings = importlib.import_module("outboxkit.relay.settings")
+        create: Any = relay._create_engine
+    except (ImportError, AttributeError):
+        return sa.create_engine(
+            ctx.db_url, pool_pre_ping=True, pool_size=2, isolation_level="READ COMMITTED"
+        )
+    engine: sa.Engine = create(settings.RelaySettings(db_url=ctx.db_url, kafka_bootstrap="-"))
+    return engine
+
+
+def drain_without_kafka(
+    ctx: BenchContext, table: str, *, batch: int, delete_on_deliver: bool = False
+) -> dict[str, float]:
+    claim, finalize = relay_modules()
+    engine = relay_engine(ctx)
+    try:
+        return _drain(ctx, engine, claim, finalize, table, batch, delete_on_deliver)
+    finally:
+        engine.dispose()
+
+
+def _drain(
+    ctx: BenchContext,
+    engine: sa.Engine,
+    claim: Any,
+    finalize: Any,
+    table: str,
+    batch: int,
+    delete_on_deliver: bool,
+) -> dict[str, float]:
+    shards = range(ctx.config.shards)
+    rows = 0
+    batches = 0
+    claim_s = finalize_s = 0.0
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        claimed = claim.claim_batch(
+            engine, table, owner="bench-db-ceiling", shards=shards, limit=batch, lease_ttl=60.0
+        )
+        t1 = time.perf_counter()
+        claim_s += t1 - t0
+        if claimed is None:
+            break
+        decisions = [
+            finalize.Decision(row, finalize.Fate.DELIVERED, partition=0, offset=row.id)
+            for row in claimed.rows
+        ]
+        finalize.finalize(
+            engine,
+            table,
+            claimed,
+            decisions,
+            backoff=None,
+            delete_on_deliver=delete_on_deliver,
+        )
+        finalize_s += time.perf_counter() - t1
+        rows += len(claimed)
+        batches += 1
+    seconds = time.perf_counter() - start
+    return {
+        "rows": rows,
+        "batches": batches,
+        "seconds": seconds,
+        "rows/s": rows / seconds if seconds else 0.0,
+        "claim ms/batch": 1000 * claim_s / max(1, batches),
+        "finalize ms/batch": 1000 * finalize_s / max(1, batches),
+    }
+
+
+def run(ctx: BenchContext, results: Results) -> ScenarioResult:
+    relay_modules()
+    cfg = ctx.config
+    res = ScenarioResult("db-ceiling", "the relay's claim + finalize SQL, no Kafka")
+    batch = batch_size(cfg)
+    res.settings = {"rows": cfg.rows, "batch_size": batch, "shards": cfg.shards}
+    src = template(ctx, cfg.rows)
+    for delete in (False, True):
+        table = "bench_ceiling_delete" if delete else "bench_ceiling"
+        data.copy_backlog(ctx.engine, src, table, topic="unused", rows=cfg.rows, shards=cfg.shards)
+        out = drain_without_kafka(ctx, table, batch=batch, delete_on_deliver=delete)
+        left = data.count_by_status(ctx.engine, table)
+        data.drop_table(ctx.engine, table)
+        expected_left = {} if delete else {"delivered": cfg.rows}
+        if out["rows"] != cfg.rows or left != expected_left:
+            raise RuntimeError(f"drained {out['rows']} of {cfg.rows} rows; table now {left}")
+        res.rows.append({"finalize": "delete" if delete else "mark delivered", **out})
+        res.figures["rate_delete" if delete else "rate"] = out["rows/s"]
+    return res

@@ -1,0 +1,252 @@
+"""Scenario 5, latency: a writer at a steady rate with one relay running.
+
+commit→ack latency: the writer records each event's commit time
+(``time.time()`` right after ``COMMIT`` returned); the topic stores the broker's
+append time as the message timestamp (``LogAppendTime``), which is when the
+broker acknowledged the write (one replica, ``acks=all``).  Both clocks are
+this machine's, so the difference is commit→ack without a consumer's delay in it.
+
+The writer commits whatever is due at each step (one event per transaction at
+low rates, a few at 5,000/s), as many request threads of a service would.  Runs
+*without* wake-ups rely on the relay's poll interval; runs *with* them enable
+``outboxkit.wakeup`` on the writer's engine and give the relay Redis.
+
+The writer's own insert rate (one event per transaction, as fast as one thread
+goes) is measured without a relay and with one draining the same table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import sqlalchemy as sa
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME
+
+from bench import data
+from bench.context import BenchContext
+from bench.kafka import Progress, read_all
+from bench.procs import Proc, relay_settings
+from bench.report import Row, ScenarioResult, percentile
+from bench.scenarios import Results
+from bench.scenarios.common import batch_size
+from bench.scenarios.relay_runs import require_relay
+from outboxkit import Event, enqueue, enqueue_many
+from outboxkit.schema import apply_schema
+
+#: Upper bound on events in one writer transaction when it falls behind.
+_MAX_PER_COMMIT = 200
+
+
+def wakeups_available(ctx: BenchContext) -> str | None:
+    """None if wake-ups can be measured, else why not."""
+    if not ctx.services.redis_url:
+        return "no Redis URL given"
+    if importlib.util.find_spec("outboxkit.wakeup") is None:
+        return "wake-up hints (outboxkit.wakeup) are not there yet"
+    return None
+
+
+@contextmanager
+def relay(ctx: BenchContext, table: str, label: str, *, wakeups: bool) -> Iterator[Proc]:
+    settings = relay_settings(
+        db_url=ctx.db_url,
+        bootstrap=ctx.services.kafka_bootstrap,
+        table=table,
+        node_id=f"bench-{label}",
+        batch_size=batch_size(ctx.config),
+        redis_url=ctx.services.redis_url if wakeups else None,
+        redis_prefix=ctx.redis_prefix,
+    )
+    proc = Proc.start("relay", ["relay"], settings, ctx.log_dir / label)
+    try:
+        proc.wait_for_log("relay-started", 60)
+        yield proc
+        code = proc.terminate()
+        if code != 0:
+            raise RuntimeError(f"{label}: relay exited with {code}:\n{proc.log_tail()}")
+    finally:
+        proc.kill()
+
+
+@contextmanager
+def writer_engine(ctx: BenchContext, *, wakeups: bool) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(ctx.db_url, pool_size=2)
+    hook: Any = None
+    if wakeups:
+        wakeup = importlib.import_module("outboxkit.wakeup")
+        hook = wakeup.enable_wakeups(engine, ctx.services.redis_url, prefix=ctx.redis_prefix)
+    try:
+        yield engine
+    finally:
+        if hook is not None:
+            hook.disable()
+        engine.dispose()
+
+
+def insert_rate(
+    engine: sa.Engine, table: str, topic: str, keys: int, size: int, *, seconds: float
+) -> float:
+    """One event per transaction, back to back, for ``seconds``: events/s."""
+    n = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while time.perf_counter() < deadline:
+        with engine.begin() as conn:
+            enqueue(
+                conn,
+                topic=topic,
+                payload=data.payload_for(n, size),
+                key=data.key_for(n, keys),
+                headers=data.HEADERS,
+                table=table,
+            )
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def steady_writer(
+    engine: sa.Engine, table: str, topic: str, rate: float, seconds: float, keys: int, size: int
+) -> tuple[dict[str, float], float]:
+    """Write at ``rate`` events/s for ``seconds``; return commit times (ms) by event id."""
+    committed: dict[str, float] = {}
+    n = 0
+    start = time.perf_counter()
+    total = int(rate * seconds)
+    while n < total:
+        due = min(total, int((time.perf_counter() - start) * rate) + 1) - n
+        if due > 0:
+            batch = [
+                Event(
+                    topic=topic,
+                    payload=data.payload_for(i, size),
+                    key=data.key_for(i, keys),
+                    headers=data.HEADERS,
+                )
+                for i in range(n, n + min(due, _MAX_PER_COMMIT))
+            ]
+            with engine.begin() as conn:
+                ids = enqueue_many(conn, batch, table=table)
+            at = time.time() * 1000
+            for event_id in ids:
+                committed[event_id] = at
+            n += len(ids)
+        pause = start + n / rate - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    return committed, n / (time.perf_counter() - start)
+
+
+def ack_times(ctx: BenchContext, topic: str, expected: int) -> dict[str, float]:
+    """First broker append time (ms) of every event id on ``topic``."""
+    acked: dict[str, float] = {}
+
+    def on_message(msg: Any) -> None:
+        kind, ts = msg.timestamp()
+        if kind != TIMESTAMP_LOG_APPEND_TIME:
+            raise RuntimeError(f"{topic}: message timestamps are not the broker's append time")
+        event_id = dict(msg.headers() or ())["event_id"].decode()
+        acked[event_id] = min(ts, acked.get(event_id, ts))
+
+    read_all(
+        ctx.services.kafka_bootstrap,
+        topic,
+        expected,
+        timeout=ctx.config.timeout_seconds,
+        on_message=on_message,
+    )
+    return acked
+
+
+def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool) -> Row:
+    cfg = ctx.config
+    label = f"lat{rate}{'w' if wakeups else 'p'}"
+    table = f"bench_{label}"
+    topic = ctx.topic(label)
+    apply_schema(ctx.engine, table=table, shards=cfg.shards, inbox=None)
+    progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
+    try:
+        with (
+            writer_engine(ctx, wakeups=wakeups) as engine,
+            relay(ctx, table, label, wakeups=wakeups),
+        ):
+            committed, achieved = steady_writer(
+                engine, table, topic, rate, cfg.latency_seconds, cfg.keys, cfg.payload_bytes
+            )
+            progress.wait_for(len(committed), cfg.timeout_seconds)
+    finally:
+        progress.stop()
+    acked = ack_times(ctx, topic, len(committed))
+    missing = set(committed) - set(acked)
+    if missing:
+        raise RuntimeError(f"{label}: {len(missing)} committed events never reached {topic}")
+    lat = [max(0.0, acked[e] - t) for e, t in committed.items()]
+    data.drop_table(ctx.engine, table)
+    ctx.delete_topic(topic)
+    return {
+        "wake-ups": wakeups,
+        "target/s": rate,
+        "achieved/s": achieved,
+        "events": len(lat),
+        "p50 ms": percentile(lat, 50),
+        "p95 ms": percentile(lat, 95),
+        "p99 ms": percentile(lat, 99),
+        "max ms": max(lat),
+    }
+
+
+def writer_rates(ctx: BenchContext, *, wakeups: bool) -> list[Row]:
+    cfg = ctx.config
+    rows: list[Row] = []
+    for with_relay in (False, True):
+        label = f"writer{'r' if with_relay else ''}{'w' if wakeups else 'p'}"
+        table = f"bench_{label}"
+        topic = ctx.topic(label)
+        apply_schema(ctx.engine, table=table, shards=cfg.shards, inbox=None)
+        with writer_engine(ctx, wakeups=wakeups) as engine:
+            args = (engine, table, topic, cfg.keys, cfg.payload_bytes)
+            with relay(ctx, table, label, wakeups=wakeups) if with_relay else nullcontext():
+                insert_rate(*args, seconds=cfg.writer_seconds / 5)  # warm-up: pool, caches
+                rate = insert_rate(*args, seconds=cfg.writer_seconds)
+        data.drop_table(ctx.engine, table)
+        ctx.delete_topic(topic)
+        rows.append({"wake-ups": wakeups, "relay running": with_relay, "inserts/s": rate})
+    return rows
+
+
+def run(ctx: BenchContext, results: Results) -> ScenarioResult:
+    require_relay()
+    cfg = ctx.config
+    res = ScenarioResult("latency", "commit→ack latency at steady writer rates; writer rate")
+    res.settings = {
+        "rates": list(cfg.latency_rates),
+        "seconds_per_rate": cfg.latency_seconds,
+        "writer_seconds": cfg.writer_seconds,
+        "batch_size": batch_size(cfg),
+        "relay_poll_interval": "relay default",
+    }
+    variants = [False]
+    why_not = wakeups_available(ctx)
+    if why_not is None:
+        variants.append(True)
+    else:
+        res.notes.append(f"with wake-ups: not measured, {why_not}")
+    for wakeups in variants:
+        for rate in cfg.latency_rates:
+            row = latency_run(ctx, rate, wakeups=wakeups)
+            res.rows.append(row)
+            suffix = "_wakeups" if wakeups else "_poll"
+            res.figures[f"p99_ms_{rate}{suffix}"] = row["p99 ms"]
+            res.figures[f"p50_ms_{rate}{suffix}"] = row["p50 ms"]
+    writer = writer_rates(ctx, wakeups=variants[-1])
+    res.tables["writer insert rate, one event per transaction"] = writer
+    alone = writer[0]["inserts/s"]
+    beside = writer[1]["inserts/s"]
+    res.figures["writer_rate"] = alone
+    res.figures["writer_rate_with_relay"] = beside
+    res.figures["writer_ratio"] = beside / alone if alone else 0.0
+    return res

@@ -1,0 +1,156 @@
+"""Draining a backlog with real relay processes, measured from the topic.
+
+Shared by the throughput, scaling and drain scenarios: copy the backlog into a
+fresh table for a fresh topic, start N ``outboxkit relay`` processes, follow
+the topic's message count until every row arrived, SIGTERM them, check that
+the table holds what it should, and report rates, CPU and duplicates.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from bench import data, profile
+from bench.context import BenchContext
+from bench.kafka import Progress
+from bench.procs import Proc, ServiceCpu, cpu_share, relay_settings
+from bench.scenarios import Unavailable
+from bench.scenarios.common import batch_size
+
+
+def require_relay() -> None:
+    if importlib.util.find_spec("outboxkit.relay.relay") is None:
+        raise Unavailable("the relay (outboxkit.relay.relay) is not there yet")
+
+
+def require_shard_leases(ctx: BenchContext) -> None:
+    if not ctx.services.redis_url:
+        raise Unavailable("several relays need Redis for shard leases: no Redis URL given")
+    if importlib.util.find_spec("outboxkit.relay.leases") is None:
+        raise Unavailable("shard leases (outboxkit.relay.leases) are not there yet")
+
+
+@dataclass
+class DrainRun:
+    relays: int
+    rows: int
+    progress: Progress
+    wall: float
+    cpu_wall: float
+    relay_cpu: float
+    services_cpu: dict[str, float]
+    exit_codes: list[int]
+    messages: int
+    table_after: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+    #: Hottest functions of relay 0's loop (``--profile``).
+    profile: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def first(self) -> float:
+        return self.progress.first_nonzero()
+
+    @property
+    def last(self) -> float:
+        return self.progress.time_at(self.rows)
+
+    @property
+    def seconds(self) -> float:
+        return self.last - self.first
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    def cpu_row(self) -> dict[str, float | None]:
+        wall = self.cpu_wall
+        out: dict[str, float | None] = {"relay cpu": cpu_share(self.relay_cpu, wall)}
+        for name, used in self.services_cpu.items():
+            out[f"{name} cpu"] = cpu_share(used, wall)
+        return out
+
+
+def drain_backlog(
+    ctx: BenchContext,
+    *,
+    source: str,
+    rows: int,
+    relays: int,
+    label: str,
+    delete_on_deliver: bool = False,
+) -> DrainRun:
+    """Copy ``rows`` rows of ``source`` and drain them with ``relays`` relay processes."""
+    cfg = ctx.config
+    topic = ctx.topic(label)
+    table = f"bench_{label.replace('-', '_')}"
+    data.copy_backlog(ctx.engine, source, table, topic=topic, rows=rows, shards=cfg.shards)
+    progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
+    services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap)
+    procs: list[Proc] = []
+    spy: subprocess.Popen[bytes] | None = None
+    log_dir = ctx.log_dir / label
+    try:
+        t0 = time.perf_counter()
+        for i in range(relays):
+            settings = relay_settings(
+                db_url=ctx.db_url,
+                bootstrap=ctx.services.kafka_bootstrap,
+                table=table,
+                node_id=f"{label}-{i}",
+                batch_size=batch_size(cfg),
+                delete_on_deliver=delete_on_deliver,
+                redis_url=ctx.services.redis_url if relays > 1 else None,
+                redis_prefix=ctx.redis_prefix,
+            )
+            procs.append(Proc.start(f"relay-{i}", ["relay"], settings, log_dir))
+        if ctx.profile:
+            spy = profile.attach(procs[0].pid, log_dir / "relay-0.pyspy")
+        alive = lambda: all(p.alive() for p in procs)  # noqa: E731
+        try:
+            # CPU is counted from the first message on, leaving out interpreter start-up.
+            progress.wait_for(1, cfg.timeout_seconds, alive=alive)
+            services.begin()
+            relay_cpu_start = sum(p.cpu() or 0.0 for p in procs)
+            cpu_t0 = time.perf_counter()
+            progress.wait_for(rows, cfg.timeout_seconds, alive=alive)
+        except (TimeoutError, RuntimeError) as exc:
+            tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in procs)
+            raise RuntimeError(f"{exc}\n{tails}") from None
+        cpu_wall = time.perf_counter() - cpu_t0
+        services_cpu = services.used()
+        relay_cpu = sum(p.cpu() or 0.0 for p in procs) - relay_cpu_start
+        codes = [p.terminate() for p in procs]
+        wall = time.perf_counter() - t0
+        time.sleep(progress.interval * 2)  # a last sample: duplicates sent at the end
+    finally:
+        for p in procs:
+            p.kill()
+        progress.stop()
+        if spy is not None:
+            spy.wait(30)
+    after = data.count_by_status(ctx.engine, table)
+    run = DrainRun(
+        relays=relays,
+        rows=rows,
+        progress=progress,
+        wall=wall,
+        cpu_wall=cpu_wall,
+        relay_cpu=relay_cpu,
+        services_cpu=services_cpu,
+        exit_codes=codes,
+        messages=progress.latest(),
+        table_after=after,
+    )
+    if spy is not None and (log_dir / "relay-0.pyspy").exists():
+        run.profile = profile.summary(log_dir / "relay-0.pyspy", within="Relay._loop")
+    expected = {} if delete_on_deliver else {"delivered": rows}
+    if after != expected:
+        raise RuntimeError(f"{label}: table holds {after} after the drain, expected {expected}")
+    if any(codes):
+        run.notes.append(f"{label}: relay exit codes {codes}")
+    data.drop_table(ctx.engine, table)
+    ctx.delete_topic(topic)
+    return run
