@@ -8,6 +8,7 @@ other's data and never touch a test's.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import platform
 import re
@@ -178,7 +179,6 @@ class BenchContext:
 
     def versions(self) -> dict[str, Any]:
         import confluent_kafka
-        import pymysql
 
         with self.engine.connect() as conn:
             db_version = conn.execute(sa.text("SELECT VERSION()")).scalar_one()
@@ -193,15 +193,23 @@ class BenchContext:
             }
         return {
             "python": platform.python_version(),
-            "confluent_kafka": confluent_kafka.version()[0],
+            "confluent_kafka": _dist_version("confluent-kafka"),
             "librdkafka": confluent_kafka.libversion()[0],
             "sqlalchemy": sa.__version__,
-            "pymysql": pymysql.__version__,
+            # Distribution versions: pymysql.__version__ is a MySQLdb-compatibility string.
+            "pymysql": _dist_version("PyMySQL"),
             "database": db_version,
             "database_settings": db_vars,
             "kafka": kafka_version(),
             "outboxkit_commit": git_commit(),
         }
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def machine() -> dict[str, Any]:
