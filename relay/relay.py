@@ -31,7 +31,7 @@ from outboxkit.relay.claim import Batch, claim_batch
 from outboxkit.relay.drain import ExitRecord, log_exit_record, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
-from outboxkit.relay.metrics import RelayMetrics, sample_backlog
+from outboxkit.relay.metrics import RelayMetrics, sample_backlog, sample_ordering_blocked
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
@@ -344,6 +344,9 @@ class Relay:
         try:
             with self.engine.connect() as conn:
                 counts, age = sample_backlog(conn, self.settings.table)
+                blocked = sample_ordering_blocked(
+                    conn, self.settings.table, self.paused.paused_topics()
+                )
                 if self._foreign is not None:
                     self._foreign.check(conn)
         except Exception as exc:  # a metrics hook never breaks the loop
@@ -352,6 +355,7 @@ class Relay:
         for status, n in counts.items():
             self.metrics.backlog.labels(status=status.value).set(n)
         self.metrics.oldest_pending_age.set(age)
+        self.metrics.ordering_blocked.set(blocked)
 
     def _inflight_shards(self) -> frozenset[int]:
         held = self._held
