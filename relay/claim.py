@@ -3,11 +3,12 @@
 Eligible rows are ``pending``/``retryable`` rows whose ``next_attempt_at`` has
 passed, and ``delivering`` rows whose lease expired (a *reclaim*: the previous
 owner died or stalled). Per-key order: a candidate is held back while an earlier
-row of the same key is ``retryable`` and not yet due, or ``delivering`` under a
-live lease. An earlier row that is itself eligible does not hold it back: it has
-a smaller id, so it is in the same batch and produced first; if it cannot be
-locked (another claimer holds it), the later rows of its key are dropped from
-the batch after locking. So a key never overtakes itself, and a reclaimed
+row of the same key is ``retryable`` and not yet due, ``delivering`` under a
+live lease, or waiting on a paused topic. An earlier row that is itself eligible
+does not hold it back: it has a smaller id, so it is in the same batch and
+produced first; if it cannot be locked (another claimer holds it), or if it goes
+to another topic (Kafka orders nothing across topics), the later rows of its key
+are dropped from the batch. So a key never overtakes itself, and a reclaimed
 batch comes back whole instead of one row per key per claim.
 
 Cost: one index-ordered sub-select per status over ``(status, id)``, each
@@ -107,17 +108,28 @@ def candidates_query(
     t = outbox_table(table)
     earlier = t.alias("earlier")
     now = db_now()
+    blocking = [
+        sa.and_(earlier.c.status == Status.RETRYABLE.value, earlier.c.next_attempt_at > now),
+        sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
+    ]
+    common: list[sa.ColumnElement[bool]] = [t.c.shard.in_(sorted(shards))]
+    if excluded_topics:
+        # A row of a paused topic is not claimed, so it cannot ride ahead of its key's
+        # later rows in the batch: while it waits, so do they (also on other topics).
+        topics = sorted(excluded_topics)
+        common.append(t.c.topic.not_in(topics))
+        blocking.append(
+            sa.and_(
+                earlier.c.topic.in_(topics),
+                earlier.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+            )
+        )
     key_blocked = sa.exists().where(
         earlier.c.message_key == t.c.message_key,
         earlier.c.id < t.c.id,
-        sa.or_(
-            sa.and_(earlier.c.status == Status.RETRYABLE.value, earlier.c.next_attempt_at > now),
-            sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
-        ),
+        sa.or_(*blocking),
     )
-    common = [t.c.shard.in_(sorted(shards)), ~key_blocked]
-    if excluded_topics:
-        common.append(t.c.topic.not_in(sorted(excluded_topics)))
+    common.append(~key_blocked)
 
     def by_status(
         status: Status, due: sa.ColumnElement[bool]
@@ -244,19 +256,27 @@ def claim_batch(
 
 
 def _keep_key_order(found: list[tuple[int, bytes | None]], locked: Sequence[Any]) -> list[Any]:
-    """Drop locked rows whose key has an earlier candidate we could not lock."""
+    """Drop locked rows that could overtake an earlier row of their key.
+
+    A row is dropped (with the rest of its key) when an earlier candidate of its
+    key could not be locked, or when an earlier row of its key in this batch goes
+    to another topic: Kafka orders nothing across topics, so that earlier row must
+    be acknowledged before this one is even sent.
+    """
     by_id = {r.id: r for r in locked}
     blocked: set[bytes] = set()
+    first_topic: dict[bytes, str] = {}
     kept: list[Any] = []
     for row_id, key in found:
         row = by_id.get(row_id)
-        if key is not None and key in blocked:
-            continue
-        if row is None:
-            if key is not None:
+        if key is not None:
+            if key in blocked:
+                continue
+            if row is None or first_topic.setdefault(key, row.topic) != row.topic:
                 blocked.add(key)
-            continue
-        kept.append(row)
+                continue
+        if row is not None:
+            kept.append(row)
     return kept
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import redis
 import sqlalchemy as sa
+import tenacity
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
@@ -346,17 +347,18 @@ class RedisShardLeases:
     def check_reachable(self, timeout: float) -> None:
         """Raise DependencyError (and close) unless Redis answers within ``timeout`` s;
         the relay calls it at start, like its database and Kafka checks."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._redis.ping()
-                return
-            except redis.RedisError as exc:
-                if time.monotonic() >= deadline:
-                    self.close()
-                    error = redact(f"{type(exc).__name__}: {exc}")
-                    raise DependencyError(f"Redis unreachable for shard leases: {error}") from None
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(redis.RedisError),
+            stop=tenacity.stop_after_delay(timeout),
+            wait=tenacity.wait_fixed(0.5),
+            reraise=True,
+        )
+        try:
+            retrying(self._redis.ping)
+        except redis.RedisError as exc:
+            self.close()
+            error = redact(f"{type(exc).__name__}: {exc}")
+            raise DependencyError(f"Redis unreachable for shard leases: {error}") from None
 
     # -- ShardOwnership ------------------------------------------------------
 

@@ -7,7 +7,7 @@ status, never per batch and never over ``delivered`` rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 
 from outboxkit.schema.table import Status, db_now, outbox_table
 
-__all__ = ["BACKLOG_STATUSES", "RelayMetrics", "sample_backlog"]
+__all__ = ["BACKLOG_STATUSES", "RelayMetrics", "sample_backlog", "sample_ordering_blocked"]
 
 #: ``delivered`` is history, not backlog; counting it would grow without bound.
 BACKLOG_STATUSES = (Status.PENDING, Status.RETRYABLE, Status.DELIVERING, Status.FAILED)
@@ -73,6 +73,11 @@ class RelayMetrics:
             "Rows this relay held when it stopped (wait for lease expiry); live while draining",
             registry=registry,
         )
+        self.ordering_blocked = Gauge(
+            "outbox_ordering_blocked_rows",
+            "Waiting rows held back for an earlier, undelivered row of the same key (sampled)",
+            registry=registry,
+        )
         self.shards_owned = Gauge(
             "outbox_shards_owned", "Shards this relay may claim from", registry=registry
         )
@@ -111,3 +116,45 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
         )
     ).scalar()
     return counts, max(0.0, float(age or 0) / 1_000_000)
+
+
+def sample_ordering_blocked(
+    conn: Connection, table: str, paused_topics: Collection[str] = ()
+) -> int:
+    """Waiting rows whose key has an earlier row that holds it back.
+
+    Starts from the blocking rows (retryable and not yet due, delivering under a
+    live lease, waiting on a paused topic) — few in a healthy system — and counts
+    the later ``pending``/``retryable`` rows of their keys through the
+    ``(message_key, status, id)`` index, so the cost follows the blockers, not the
+    backlog.
+    """
+    t = outbox_table(table)
+    now = db_now()
+    blocking = [
+        sa.and_(t.c.status == Status.RETRYABLE.value, t.c.next_attempt_at > now),
+        sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at > now),
+    ]
+    if paused_topics:
+        blocking.append(
+            sa.and_(
+                t.c.topic.in_(sorted(paused_topics)),
+                t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+            )
+        )
+    first = (
+        sa.select(t.c.message_key, sa.func.min(t.c.id).label("first_id"))
+        .where(t.c.message_key.is_not(None), sa.or_(*blocking))
+        .group_by(t.c.message_key)
+        .subquery("blockers")
+    )
+    later = outbox_table(table).alias("later")
+    query = (
+        sa.select(sa.func.count())
+        .select_from(later.join(first, later.c.message_key == first.c.message_key))
+        .where(
+            later.c.id > first.c.first_id,
+            later.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+        )
+    )
+    return int(conn.execute(query).scalar_one())

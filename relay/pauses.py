@@ -101,6 +101,11 @@ class PausedTopics:
         with self._lock:
             return frozenset(t for t, p in self._paused.items() if p.probe_at > now)
 
+    def paused_topics(self) -> frozenset[str]:
+        """Every paused topic, whether or not its probe is due."""
+        with self._lock:
+            return frozenset(self._paused)
+
     def details(self) -> dict[str, str]:
         with self._lock:
             return {t: f"{p.reason}: {p.error}" for t, p in sorted(self._paused.items())}

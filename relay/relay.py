@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +26,14 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
+from outboxkit.admin.purge import run_retention
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, claim_batch
 from outboxkit.relay.drain import ExitRecord, log_exit_record, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
-from outboxkit.relay.metrics import RelayMetrics, sample_backlog
+from outboxkit.relay.metrics import RelayMetrics, sample_backlog, sample_ordering_blocked
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
@@ -131,6 +133,7 @@ class Relay:
         self._jittered = False
         self._next_sample = 0.0
         self._crashes_before_drain = 0
+        self._retention: threading.Thread | None = None
         self._open: list[str] = []
         self._exit = ExitRecord(signal=None, state="starting")
         self.metrics.track_shutdown_pending(self._shutdown_pending)
@@ -145,6 +148,7 @@ class Relay:
         if code is not None:
             return code
         self.lifecycle.set_running()
+        self._start_retention()
         try:
             self.supervisor.run("relay", self._loop)
         except BaseException:  # KeyboardInterrupt when embedded without handlers
@@ -344,6 +348,9 @@ class Relay:
         try:
             with self.engine.connect() as conn:
                 counts, age = sample_backlog(conn, self.settings.table)
+                blocked = sample_ordering_blocked(
+                    conn, self.settings.table, self.paused.paused_topics()
+                )
                 if self._foreign is not None:
                     self._foreign.check(conn)
         except Exception as exc:  # a metrics hook never breaks the loop
@@ -352,6 +359,7 @@ class Relay:
         for status, n in counts.items():
             self.metrics.backlog.labels(status=status.value).set(n)
         self.metrics.oldest_pending_age.set(age)
+        self.metrics.ordering_blocked.set(blocked)
 
     def _inflight_shards(self) -> frozenset[int]:
         held = self._held
@@ -492,7 +500,33 @@ class Relay:
         self.health.stop()
         return record.exit_code
 
+    def _start_retention(self) -> None:
+        """Purge old delivered rows in a worker of its own (its own supervisor, so its
+        crashes never count as the relay loop's), stopping at once when draining."""
+        s = self.settings
+        if s.retention is None:
+            return
+        retention_s = s.retention
+        supervisor = Supervisor(self.lifecycle, logger=log, metrics=self.service_metrics)
+        self._retention = supervisor.spawn(
+            "retention",
+            lambda: run_retention(
+                self.engine,
+                table=s.table,
+                retention_s=retention_s,
+                interval_s=s.retention_interval,
+                stop=self.lifecycle.draining.is_set,
+                batch_size=s.retention_batch_size,
+                pause_s=s.retention_pause,
+                node_id=s.node_id,
+            ),
+        )
+
     def _close_resources(self) -> None:
+        # Retention stops within one batch once draining; wait for it before the
+        # database pool goes away.
+        if self._retention is not None:
+            self._retention.join(timeout=max(0.0, min(10.0, self.lifecycle.remaining() - 1.0)))
         if "shard-ownership" in self._open and self._ownership is not None:
             self._step("shard-ownership", self._ownership.release_all)
             self._step("shard-ownership", self._ownership.close)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from outboxkit.admin._parse import parse_retention
 from outboxkit.runtime.settings import RuntimeSettings, non_negative, positive, setting
 from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
 
@@ -100,6 +101,25 @@ class RelaySettings(RuntimeSettings):
         10.0,
         help="seconds to reach the database and Kafka at start before exiting with code 3",
         validate=positive,
+    )
+    # Retention (docs/admin.md): the same purge as `outboxkit admin purge`, off the hot path.
+    retention: float | None = setting(
+        None,
+        help="delete delivered rows older than this (e.g. 7d, 12h) in a background worker; "
+        "never during shutdown; one relay per table at a time",
+        parse=parse_retention,
+        default_help="off: keep delivered rows (purge with `outboxkit admin purge`)",
+    )
+    retention_interval: float = setting(
+        3600.0, help="seconds between retention runs (e.g. 1h)", parse=parse_retention
+    )
+    retention_batch_size: int = setting(
+        1000, help="rows deleted per retention transaction", validate=_at_least_one
+    )
+    retention_pause: float = setting(
+        0.2,
+        help="seconds of pause between retention batches, so the service's writes keep flowing",
+        validate=non_negative,
     )
     # Several relays: shard leases and wake-up hints in Redis (--redis-url); docs/scaling.md.
     redis_prefix: str = setting(

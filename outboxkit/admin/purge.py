@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import sqlalchemy as sa
+import tenacity
 from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.admin._db import gentle_connection
@@ -248,31 +249,50 @@ def _cutoff(engine: Engine, older_than_s: float) -> dt.datetime:
     return now - dt.timedelta(seconds=older_than_s)
 
 
+def _is_lock_conflict(exc: BaseException) -> bool:
+    """A lock wait timeout or deadlock: the same batch may simply be tried again."""
+    if not isinstance(exc, sa.exc.OperationalError) or exc.orig is None or not exc.orig.args:
+        return False
+    return exc.orig.args[0] in (_LOCK_WAIT_TIMEOUT, _DEADLOCK)
+
+
+def _log_batch_retry(state: tenacity.RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    log_event(
+        _log,
+        "purge-batch-retry",
+        level=logging.WARNING,
+        error=type(exc).__name__,
+        attempts_left=_BATCH_RETRIES - state.attempt_number,
+    )
+
+
+_BATCH_RETRY = tenacity.Retrying(
+    retry=tenacity.retry_if_exception(_is_lock_conflict),
+    stop=tenacity.stop_after_attempt(_BATCH_RETRIES),
+    wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+    before_sleep=_log_batch_retry,
+    reraise=True,
+)
+
+
 def _delete_batch(conn: Connection, t: sa.Table, ids: list[int], cutoff: dt.datetime) -> int:
     stmt = t.delete().where(
         t.c.id.in_(ids),
         t.c.status == Status.DELIVERED.value,
         t.c.delivered_at < cutoff,
     )
-    for attempt in range(1, _BATCH_RETRIES + 1):
+
+    def attempt() -> int:
         try:
             n = conn.execute(stmt).rowcount
             conn.commit()
-            return int(n)
-        except sa.exc.OperationalError as exc:
+        except sa.exc.OperationalError:
             conn.rollback()
-            code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
-            if code not in (_LOCK_WAIT_TIMEOUT, _DEADLOCK) or attempt == _BATCH_RETRIES:
-                raise
-            log_event(
-                _log,
-                "purge-batch-retry",
-                level=logging.WARNING,
-                code=code,
-                attempts_left=_BATCH_RETRIES - attempt,
-            )
-            time.sleep(0.1 * attempt)
-    raise AssertionError("unreachable")  # pragma: no cover
+            raise
+        return int(n)
+
+    return _BATCH_RETRY.copy()(attempt)
 
 
 def _pause(seconds: float, stop: Callable[[], bool]) -> bool:

@@ -59,7 +59,10 @@ def test_cross_field_and_class_level_problems_exit_2(
 def test_the_console_entry_point_exits_2_for_a_bad_target(tmp_path: Path) -> None:
     import os
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "outboxkit", "consume", "consumer_apps:NotAConsumer"],
         env=env,

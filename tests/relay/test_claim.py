@@ -169,3 +169,32 @@ def test_relay_claims_only_from_shards_its_ownership_allows(
     assert relay.metric("outbox_rows_claimed_total") == before
     assert relay.stop() == 0
     assert ownership.calls == ["start", "release_all", "close"]
+
+
+def test_a_key_switching_topics_is_cut_at_the_switch(engine: sa.Engine, outbox: str) -> None:
+    """Kafka orders nothing across topics: the row to the second topic waits until
+    the rows before it are settled, while other keys still fill the batch."""
+    add_events(
+        engine,
+        outbox,
+        [
+            Event(topic="a", key="k", payload=b"1"),
+            Event(topic="a", key="k", payload=b"2"),
+            Event(topic="b", key="k", payload=b"3"),
+            Event(topic="a", key="k", payload=b"4"),
+            Event(topic="b", key="other", payload=b"5"),
+        ],
+    )
+    first = claim_batch(engine, outbox, owner="n1", shards=ALL, limit=10, lease_ttl=30)
+    assert first is not None
+    assert [r.payload for r in first.rows] == [b"1", b"2", b"5"]
+    assert claim_batch(engine, outbox, owner="n1", shards=ALL, limit=10, lease_ttl=30) is None
+    t = outbox_table(outbox)
+    with engine.begin() as conn:  # the first two are acknowledged
+        conn.execute(
+            t.update()
+            .where(t.c.id.in_([r.id for r in first.rows]))
+            .values(status="delivered", lease_owner=None, lease_token=None)
+        )
+    second = claim_batch(engine, outbox, owner="n1", shards=ALL, limit=10, lease_ttl=30)
+    assert second is not None and [r.payload for r in second.rows] == [b"3"]

@@ -317,3 +317,48 @@ def test_timeouts_after_an_authentication_failure_pause_instead_of_burning() -> 
     assert blamed.kind is ErrorKind.CONFIG_FAULT and "_AUTHENTICATION" in (blamed.error or "")
     (decision,) = decide([_row(1, b"k")], {1: blamed}, max_attempts=1, refund_unknown=True)
     assert decision.fate is Fate.PAUSED and decision.pause_reason == "authentication"
+
+
+@pytest.mark.integration
+def test_a_paused_first_row_holds_its_key_back_in_other_topics_while_others_flow(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    good = kafka_topics(partitions=1)
+    missing = f"okt_missing_{os.urandom(4).hex()}"
+    [first_id] = add_events(engine, outbox, [Event(topic=missing, key="k", payload=b"first")])
+    with capture_json_logs(level="INFO") as logs:
+        # Probes every second: a probe batch carries the paused row but never the
+        # later rows of its key, which go to another topic.
+        relay = embedded(fast_settings(db_url, kafka_bootstrap, paused_topic_retry=1.0))
+        wait_for(lambda: logs.events("topic-paused"), timeout=20, what="topic-paused")
+        # Same key (same shard) in another topic, and other keys beside it.
+        add_events(
+            engine,
+            outbox,
+            [Event(topic=good, key="k", payload=f"k{i}".encode()) for i in range(3)]
+            + [Event(topic=good, key=f"o{i}", payload=b"o") for i in range(20)],
+        )
+        wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 20, timeout=20, what="o*")
+        wait_for(
+            lambda: relay.metric("outbox_ordering_blocked_rows") == 3, timeout=10, what="gauge"
+        )
+        held = [r for r in rows(engine, outbox) if r.topic == good and r.message_key == b"k"]
+        assert [(r.status, r.attempts) for r in held] == [("pending", 0)] * 3
+        time.sleep(2.5)  # two more probes of the paused topic
+        held = [r for r in rows(engine, outbox) if r.topic == good and r.message_key == b"k"]
+        assert [(r.status, r.attempts) for r in held] == [("pending", 0)] * 3
+        assert all(m.key != b"k" for m in consume(kafka_bootstrap, good, expected=20, timeout=5))
+
+        kafka_topics(partitions=1, name=missing)
+        wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 24, timeout=30, what="k")
+        wait_for(lambda: relay.metric("outbox_ordering_blocked_rows") == 0, timeout=10, what="0")
+        assert relay.stop() == 0
+    by_id = {r.event_id: r for r in rows(engine, outbox)}
+    assert by_id[first_id].status == "delivered"
+    ks = [m for m in consume(kafka_bootstrap, good, expected=23) if m.key == b"k"]
+    assert [m.value for m in ks] == [b"k0", b"k1", b"k2"]
