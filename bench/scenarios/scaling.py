@@ -9,11 +9,54 @@ InnoDB delete-marks for the purge thread).
 
 from __future__ import annotations
 
+import re
+import threading
+
+import sqlalchemy as sa
+
 from bench.context import BenchContext
 from bench.report import ScenarioResult
 from bench.scenarios import Results
 from bench.scenarios.common import batch_size, template
 from bench.scenarios.relay_runs import drain_backlog, require_relay
+
+_HISTORY = re.compile(r"History list length (\d+)")
+
+
+class PurgeLag:
+    """Samples InnoDB's history list length (undo records not purged yet) in a thread.
+
+    Every status change leaves a delete-marked ``(status, id)`` entry behind; if
+    purge fell behind, the claim's range scan would step over ever more of them,
+    so the largest value seen says whether that could explain a slower tail.
+    """
+
+    def __init__(self, engine: sa.Engine, interval: float = 5.0) -> None:
+        self.engine = engine
+        self.interval = interval
+        self.largest = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-purge-lag", daemon=True)
+
+    def __enter__(self) -> PurgeLag:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.engine.connect() as conn:
+                    status = conn.execute(sa.text("SHOW ENGINE INNODB STATUS")).one()[-1]
+            except sa.exc.DBAPIError:  # needs the PROCESS privilege; the figure is optional
+                return
+            m = _HISTORY.search(str(status))
+            if m:
+                self.largest = max(self.largest, int(m.group(1)))
+            self._stop.wait(self.interval)
 
 
 def run(ctx: BenchContext, results: Results) -> ScenarioResult:
@@ -25,9 +68,10 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     source = template(ctx, n)
     for delete in (False, True):
         label = "scale-delete" if delete else "scale"
-        out = drain_backlog(
-            ctx, source=source, rows=n, relays=1, label=label, delete_on_deliver=delete
-        )
+        with PurgeLag(ctx.engine) as lag:
+            out = drain_backlog(
+                ctx, source=source, rows=n, relays=1, label=label, delete_on_deliver=delete
+            )
         p = out.progress
         first = 0.1 * n / (p.time_at(0.1 * n) - p.first_nonzero())
         last = p.rate_between(0.9 * n, n)
@@ -40,6 +84,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 "first 10%/s": first,
                 "last 10%/s": last,
                 "last vs first": last / first,
+                "max history list": lag.largest,
                 **out.cpu_row(),
             }
         )
