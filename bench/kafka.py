@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from bench.data import Message
 
@@ -134,6 +134,7 @@ class Progress:
     partitions: int
     interval: float = 0.1
     samples: list[tuple[float, int]] = field(default_factory=list)
+    last_error: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -146,8 +147,14 @@ class Progress:
         consumer = metadata_consumer(self.bootstrap)
         try:
             while not self._stop.is_set():
-                count = high_watermarks(consumer, self.topic, self.partitions)
-                self.samples.append((time.monotonic(), count))
+                try:
+                    count = high_watermarks(consumer, self.topic, self.partitions)
+                except KafkaException as exc:
+                    # A client that has just met a new topic may not know its leaders
+                    # yet; a dead sampler would read as "no progress" until the timeout.
+                    self.last_error = str(exc)
+                else:
+                    self.samples.append((time.monotonic(), count))
                 self._stop.wait(self.interval)
         finally:
             consumer.close()
@@ -163,6 +170,7 @@ class Progress:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.topic}: {self.latest()} of {count} messages after {timeout}s"
+                    + (f" (last sampling error: {self.last_error})" if self.last_error else "")
                 )
             if alive is not None and not alive():
                 raise RuntimeError(f"{self.topic}: the process under test exited early")
