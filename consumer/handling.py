@@ -43,7 +43,10 @@ class Outcome(enum.Enum):
 
     @property
     def final(self) -> bool:
-        return self in (Outcome.SUCCESS, Outcome.DUPLICATE, Outcome.DEAD_LETTERED)
+        return self in _FINAL
+
+
+_FINAL = frozenset((Outcome.SUCCESS, Outcome.DUPLICATE, Outcome.DEAD_LETTERED))
 
 
 @dataclass(frozen=True)

@@ -142,17 +142,35 @@ class Dispatcher:
         with self._cond:
             return self._live.get(item.tp) == item.generation
 
-    def submit(self, item: WorkItem) -> None:
+    def live_generations(self) -> dict[TopicPartition, int]:
+        """A snapshot of the open partitions' generations (for checking many results at once)."""
         with self._cond:
-            if self._draining or item.tp in self._releasing:
+            return dict(self._live)
+
+    def submit(self, item: WorkItem) -> None:
+        self.submit_many((item,))
+
+    def submit_many(self, items: Iterable[WorkItem]) -> None:
+        """Queue ``items`` (in offset order per lane) under one lock, waking workers once."""
+        woken = 0
+        with self._cond:
+            if self._draining:
                 return
-            item.generation = self._live.get(item.tp, -1)
-            lane = item.lane
-            queue = self._queued.setdefault(lane, deque())
-            queue.append(item)
-            if lane not in self._busy and len(queue) == 1:
-                self._ready.append(lane)
-                self._cond.notify()
+            for item in items:
+                tp = item.tp
+                if tp in self._releasing:
+                    continue
+                item.generation = self._live.get(tp, -1)
+                lane = item.lane
+                queue = self._queued.get(lane)
+                if queue is None:
+                    queue = self._queued[lane] = deque()
+                queue.append(item)
+                if len(queue) == 1 and lane not in self._busy:
+                    self._ready.append(lane)
+                    woken += 1
+            if woken:
+                self._cond.notify(woken)
 
     def stop(self) -> None:
         """No more work is handed out; waiting workers return None from :meth:`take`."""
@@ -197,8 +215,9 @@ class Dispatcher:
         """The worker is done with ``item`` (for good); its lane may move on."""
         with self._cond:
             self._running.discard(item)
-            self._free_lane(item)
-            self._cond.notify_all()
+            if self._free_lane(item):
+                # One lane became ready: one worker is enough (often this one).
+                self._cond.notify()
 
     def defer(self, item: WorkItem, delay: float) -> bool:
         """Run ``item`` again after ``delay`` s, keeping its lane busy.
@@ -231,9 +250,12 @@ class Dispatcher:
             queued = sum(len(q) for q in self._queued.values())
             return len(self._running), len(self._delayed), queued
 
-    def _free_lane(self, item: WorkItem) -> None:
+    def _free_lane(self, item: WorkItem) -> bool:
+        """Free ``item``'s lane; True if the lane has queued work again (it is ready)."""
         lane = item.lane
         if self._busy.get(lane) is item:
             del self._busy[lane]
             if lane in self._queued:
                 self._ready.append(lane)
+                return True
+        return False
