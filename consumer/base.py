@@ -385,6 +385,13 @@ class Consumer:
                 raise
 
     def _work(self) -> None:
+        try:
+            self._work_until_stopped()
+        finally:
+            if self._handling.inbox is not None:
+                self._handling.inbox.release()
+
+    def _work_until_stopped(self) -> None:
         while True:
             item = self._dispatcher.take(timeout=0.5)
             if item is None:
