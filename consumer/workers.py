@@ -211,13 +211,35 @@ class Dispatcher:
                 self._cond.wait(max(wait, 0.001))
             return None
 
-    def finish(self, item: WorkItem) -> None:
-        """The worker is done with ``item`` (for good); its lane may move on."""
+    def finish(self, item: WorkItem, *, take_next: bool = False) -> WorkItem | None:
+        """The worker is done with ``item`` (for good); its lane may move on.
+
+        With ``take_next``, the lane's next message is handed straight to the same
+        worker (one lock instead of a finish and a take), unless a retry is due or
+        no work is handed out any more. The caller bounds such streaks so the
+        other lanes get their turn.
+        """
         with self._cond:
             self._running.discard(item)
+            lane = item.lane
+            if (
+                take_next
+                and self._busy.get(lane) is item
+                and lane in self._queued
+                and not self._stopped
+                and not (self._delayed and self._delayed[0][0] <= time.monotonic())
+            ):
+                queue = self._queued[lane]
+                nxt = queue.popleft()
+                if not queue:
+                    del self._queued[lane]
+                self._busy[lane] = nxt
+                self._running.add(nxt)
+                return nxt
             if self._free_lane(item):
                 # One lane became ready: one worker is enough (often this one).
                 self._cond.notify()
+            return None
 
     def defer(self, item: WorkItem, delay: float) -> bool:
         """Run ``item`` again after ``delay`` s, keeping its lane busy.
