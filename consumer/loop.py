@@ -27,7 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
@@ -47,8 +47,9 @@ _FETCH_BATCH = 500
 _POLL_TIMEOUT = 0.1
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(NamedTuple):
+    """A worker's report on one message (a tuple: one is built per message)."""
+
     item: WorkItem
     outcome: Outcome
     error: str | None = None
@@ -190,7 +191,7 @@ class PollLoop:
         stored = tracker.finished(item.message.offset)
         if stored is not None:
             to_store[tp] = stored
-        if tracker.unfinished < max(1, self.max_buffered // 2):
+        if tp in self.paused and tracker.unfinished < max(1, self.max_buffered // 2):
             self._resume(tp, "full")
 
     def _store(self, offsets: dict[TopicPartition, int]) -> None:

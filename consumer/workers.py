@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from outboxkit.consumer.message import Message
 
@@ -36,7 +36,7 @@ __all__ = ["Dispatcher", "TopicPartition", "WorkItem"]
 TopicPartition = tuple[str, int]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkItem:
     """A message on its way through a worker, with its retry state."""
 
@@ -48,7 +48,6 @@ class WorkItem:
     failure: object | None = None  # set once the handler gave up: the DLQ write is pending
     dlq_attempts: int = 0
     dlq_blocked: bool = False  # owned by the poll loop
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def tp(self) -> TopicPartition:
