@@ -60,6 +60,9 @@ _log = logging.getLogger("outboxkit.consumer")
 _kafka_log = logging.getLogger("outboxkit.consumer.kafka")
 
 _CONNECT_TIMEOUT = 10.0
+# How many messages of one lane a worker runs back to back before it goes back to
+# the ready queue, so one busy partition (or key) cannot starve the others.
+_LANE_STREAK = 64
 # Consumer properties a user may pass in kafka_config; the dead-letter producer
 # shares the rest (bootstrap, security) and would warn about these.
 _CONSUMER_ONLY_PREFIXES = (
@@ -385,12 +388,23 @@ class Consumer:
                 raise
 
     def _work(self) -> None:
+        try:
+            self._work_until_stopped()
+        finally:
+            if self._handling.inbox is not None:
+                self._handling.inbox.release()
+
+    def _work_until_stopped(self) -> None:
+        item: WorkItem | None = None
+        streak = 0
         while True:
-            item = self._dispatcher.take(timeout=0.5)
             if item is None:
-                if self._dispatcher.stopped:
-                    return
-                continue
+                item = self._dispatcher.take(timeout=0.5)
+                streak = 0
+                if item is None:
+                    if self._dispatcher.stopped:
+                        return
+                    continue
             try:
                 result = self._handling.process(item)
             except BaseException:
@@ -398,9 +412,13 @@ class Consumer:
                 # let the supervisor log and restart this worker.
                 self._settle(item, Result(Outcome.RETRY, delay=1.0))
                 raise
-            self._settle(item, result)
+            streak += 1
+            item = self._settle(item, result, take_next=streak < _LANE_STREAK)
 
-    def _settle(self, item: WorkItem, result: Result) -> None:
+    def _settle(
+        self, item: WorkItem, result: Result, *, take_next: bool = False
+    ) -> WorkItem | None:
+        """Report ``item``'s result; with ``take_next``, maybe return its lane's next message."""
         outcome = result.outcome
         if result.delay is not None:
             if self._dispatcher.defer(item, result.delay):
@@ -408,10 +426,11 @@ class Consumer:
                     self.metrics.messages.labels(result="retry").inc()
                 else:
                     self._completions.put(Completion(item, outcome, result.error))
-                return
+                return None
             outcome = Outcome.RELEASED
-        self._dispatcher.finish(item)
+        nxt = self._dispatcher.finish(item, take_next=take_next)
         self._completions.put(Completion(item, outcome, result.error))
+        return nxt
 
     # -- shutdown ----------------------------------------------------------------------------
 

@@ -43,7 +43,10 @@ class Outcome(enum.Enum):
 
     @property
     def final(self) -> bool:
-        return self in (Outcome.SUCCESS, Outcome.DUPLICATE, Outcome.DEAD_LETTERED)
+        return self in _FINAL
+
+
+_FINAL = frozenset((Outcome.SUCCESS, Outcome.DUPLICATE, Outcome.DEAD_LETTERED))
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class Result:
     outcome: Outcome
     delay: float | None = None
     error: str | None = None
+
+
+# Results are immutable: the two common ones are shared instead of built per message.
+_SUCCESS = Result(Outcome.SUCCESS)
+_DUPLICATE = Result(Outcome.DUPLICATE)
 
 
 class Handling:
@@ -85,13 +93,16 @@ class Handling:
         started = time.monotonic()
         item.first_attempt_at = item.first_attempt_at or started
         item.attempts += 1
+        timer = time.perf_counter()
         try:
-            with self.metrics.handle_seconds.time():
+            try:
                 duplicate = self._run(item.message)
+            finally:
+                self.metrics.handle_seconds.observe(time.perf_counter() - timer)
         except Exception as exc:
             error = exc
         else:
-            return Result(Outcome.DUPLICATE if duplicate else Outcome.SUCCESS)
+            return _DUPLICATE if duplicate else _SUCCESS
 
         kind = self.classify(error)
         text = redact(f"{type(error).__name__}: {error}")

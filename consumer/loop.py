@@ -27,7 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
@@ -47,8 +47,9 @@ _FETCH_BATCH = 500
 _POLL_TIMEOUT = 0.1
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(NamedTuple):
+    """A worker's report on one message (a tuple: one is built per message)."""
+
     item: WorkItem
     outcome: Outcome
     error: str | None = None
@@ -103,44 +104,70 @@ class PollLoop:
         records = self.kafka.consume(num_messages=_FETCH_BATCH, timeout=_POLL_TIMEOUT)
         if records:
             self.last_batch = len(records)
-        for record in records:
-            self._accept(record)
+            self._accept(records)
         self.collect()
 
-    def _accept(self, record: Any) -> None:
-        err = record.error()
-        if err is not None:
-            self._kafka_error(err)
+    def _accept(self, records: list[Any]) -> None:
+        """Track and hand out one fetched batch: one dispatcher lock for all of it."""
+        items: list[WorkItem] = []
+        touched: set[TopicPartition] = set()
+        lane_of = self.lane_of
+        for record in records:
+            err = record.error()
+            if err is not None:
+                self._kafka_error(err)
+                continue
+            tp = (record.topic(), record.partition())
+            tracker = self.offsets.get(tp)
+            if tracker is None or self.draining:
+                continue  # not ours any more, or draining: Kafka redelivers it
+            message = Message.from_kafka(record)
+            tracker.received(message.offset)
+            items.append(WorkItem(message=message, lane=lane_of(message)))
+            touched.add(tp)
+        if not items:
             return
-        tp = (record.topic(), record.partition())
-        tracker = self.offsets.get(tp)
-        if tracker is None or self.draining:
-            return  # not ours any more, or draining: Kafka redelivers it
-        message = Message.from_kafka(record)
-        tracker.received(message.offset)
-        self.dispatcher.submit(WorkItem(message=message, lane=self.lane_of(message)))
-        if tracker.unfinished >= self.max_buffered:
-            self._pause(tp, "full")
+        self.dispatcher.submit_many(items)
+        for tp in touched:
+            tracker = self.offsets.get(tp)
+            if tracker is not None and tracker.unfinished >= self.max_buffered:
+                self._pause(tp, "full")
 
     def collect(self) -> None:
         """Apply what the workers reported; store the offsets that moved."""
         to_store: dict[TopicPartition, int] = {}
+        counts: dict[str, int] = defaultdict(int)
+        live: dict[TopicPartition, int] | None = None
+        get = self.completions.get_nowait
         while True:
             try:
-                done = self.completions.get_nowait()
+                done = get()
             except queue.Empty:
                 break
-            self._apply(done, to_store)
+            if live is None:
+                # Partitions open and close only on this thread: one snapshot serves
+                # every result collected now.
+                live = self.dispatcher.live_generations()
+            self._apply(done, to_store, counts, live)
+        for result, n in counts.items():  # one metric update per result, not per message
+            self.metrics.messages.labels(result=result).inc(n)
+            self.totals[result] += n
         if to_store:
             self._store(to_store)
         running, waiting, queued = self.dispatcher.counts()
         self.metrics.inflight.set(running + waiting)
         self.metrics.buffered.set(queued)
 
-    def _apply(self, done: Completion, to_store: dict[TopicPartition, int]) -> None:
+    def _apply(
+        self,
+        done: Completion,
+        to_store: dict[TopicPartition, int],
+        counts: dict[str, int],
+        generations: dict[TopicPartition, int],
+    ) -> None:
         item, outcome = done.item, done.outcome
         tp = item.tp
-        live = self.dispatcher.is_live(item)
+        live = generations.get(tp) == item.generation
         if outcome is Outcome.DLQ_BLOCKED:
             if live and not item.dlq_blocked:
                 item.dlq_blocked = True
@@ -154,8 +181,7 @@ class PollLoop:
                 del self.dlq_blocked[tp]
                 self._resume(tp, "dlq")
         if outcome.final:
-            self.metrics.messages.labels(result=outcome.value).inc()
-            self.totals[outcome.value] += 1
+            counts[outcome.value] += 1
         if self._watch is not None and item in self._watch:
             self._watch.discard(item)
             self._count_drained(outcome)
@@ -165,7 +191,7 @@ class PollLoop:
         stored = tracker.finished(item.message.offset)
         if stored is not None:
             to_store[tp] = stored
-        if tracker.unfinished < max(1, self.max_buffered // 2):
+        if tp in self.paused and tracker.unfinished < max(1, self.max_buffered // 2):
             self._resume(tp, "full")
 
     def _store(self, offsets: dict[TopicPartition, int]) -> None:

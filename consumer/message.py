@@ -45,7 +45,7 @@ class Message:
             offset=record.offset(),
             key=record.key(),
             value=record.value(),
-            headers=tuple((name, value or b"") for name, value in raw),
+            headers=tuple([(name, value or b"") for name, value in raw]) if raw else (),
             timestamp_ms=ts if ts_type else None,
         )
 

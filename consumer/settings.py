@@ -84,7 +84,7 @@ class ConsumerSettings(RuntimeSettings):
         validate=_optional_at_least_one,
     )
     max_buffered: int = setting(
-        200,
+        5000,
         help="messages fetched but not finished per partition before the partition is paused",
         validate=_at_least_one,
     )

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from outboxkit.consumer.message import Message
 
@@ -36,7 +36,7 @@ __all__ = ["Dispatcher", "TopicPartition", "WorkItem"]
 TopicPartition = tuple[str, int]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkItem:
     """A message on its way through a worker, with its retry state."""
 
@@ -48,7 +48,6 @@ class WorkItem:
     failure: object | None = None  # set once the handler gave up: the DLQ write is pending
     dlq_attempts: int = 0
     dlq_blocked: bool = False  # owned by the poll loop
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def tp(self) -> TopicPartition:
@@ -142,17 +141,35 @@ class Dispatcher:
         with self._cond:
             return self._live.get(item.tp) == item.generation
 
-    def submit(self, item: WorkItem) -> None:
+    def live_generations(self) -> dict[TopicPartition, int]:
+        """A snapshot of the open partitions' generations (for checking many results at once)."""
         with self._cond:
-            if self._draining or item.tp in self._releasing:
+            return dict(self._live)
+
+    def submit(self, item: WorkItem) -> None:
+        self.submit_many((item,))
+
+    def submit_many(self, items: Iterable[WorkItem]) -> None:
+        """Queue ``items`` (in offset order per lane) under one lock, waking workers once."""
+        woken = 0
+        with self._cond:
+            if self._draining:
                 return
-            item.generation = self._live.get(item.tp, -1)
-            lane = item.lane
-            queue = self._queued.setdefault(lane, deque())
-            queue.append(item)
-            if lane not in self._busy and len(queue) == 1:
-                self._ready.append(lane)
-                self._cond.notify()
+            for item in items:
+                tp = item.tp
+                if tp in self._releasing:
+                    continue
+                item.generation = self._live.get(tp, -1)
+                lane = item.lane
+                queue = self._queued.get(lane)
+                if queue is None:
+                    queue = self._queued[lane] = deque()
+                queue.append(item)
+                if len(queue) == 1 and lane not in self._busy:
+                    self._ready.append(lane)
+                    woken += 1
+            if woken:
+                self._cond.notify(woken)
 
     def stop(self) -> None:
         """No more work is handed out; waiting workers return None from :meth:`take`."""
@@ -193,12 +210,35 @@ class Dispatcher:
                 self._cond.wait(max(wait, 0.001))
             return None
 
-    def finish(self, item: WorkItem) -> None:
-        """The worker is done with ``item`` (for good); its lane may move on."""
+    def finish(self, item: WorkItem, *, take_next: bool = False) -> WorkItem | None:
+        """The worker is done with ``item`` (for good); its lane may move on.
+
+        With ``take_next``, the lane's next message is handed straight to the same
+        worker (one lock instead of a finish and a take), unless a retry is due or
+        no work is handed out any more. The caller bounds such streaks so the
+        other lanes get their turn.
+        """
         with self._cond:
             self._running.discard(item)
-            self._free_lane(item)
-            self._cond.notify_all()
+            lane = item.lane
+            if (
+                take_next
+                and self._busy.get(lane) is item
+                and lane in self._queued
+                and not self._stopped
+                and not (self._delayed and self._delayed[0][0] <= time.monotonic())
+            ):
+                queue = self._queued[lane]
+                nxt = queue.popleft()
+                if not queue:
+                    del self._queued[lane]
+                self._busy[lane] = nxt
+                self._running.add(nxt)
+                return nxt
+            if self._free_lane(item):
+                # One lane became ready: one worker is enough (often this one).
+                self._cond.notify()
+            return None
 
     def defer(self, item: WorkItem, delay: float) -> bool:
         """Run ``item`` again after ``delay`` s, keeping its lane busy.
@@ -231,9 +271,12 @@ class Dispatcher:
             queued = sum(len(q) for q in self._queued.values())
             return len(self._running), len(self._delayed), queued
 
-    def _free_lane(self, item: WorkItem) -> None:
+    def _free_lane(self, item: WorkItem) -> bool:
+        """Free ``item``'s lane; True if the lane has queued work again (it is ready)."""
         lane = item.lane
         if self._busy.get(lane) is item:
             del self._busy[lane]
             if lane in self._queued:
                 self._ready.append(lane)
+                return True
+        return False

@@ -11,6 +11,7 @@ from consumer_apps import effects
 from kafkahelp import committed, produce, wait_for
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
+from outboxkit.consumer.inbox import Inbox
 from outboxkit.schema import apply_schema
 
 pytestmark = pytest.mark.integration
@@ -99,3 +100,44 @@ def test_tx_without_the_inbox_is_a_clear_error() -> None:
     message = Message(topic="t", partition=0, offset=0, key=None, value=b"{}")
     with pytest.raises(RuntimeError, match="inbox"):
         _ = message.tx
+
+
+def test_a_worker_keeps_its_connection_and_hands_it_back_after_a_failure(
+    engine: sa.Engine,
+) -> None:
+    apply_schema(engine, shards=8)
+    inbox = Inbox(engine, group_id="g-held", table="outbox_inbox")
+    pool: Any = engine.pool
+    seen: list[int] = []
+
+    def handler(message: Message) -> None:
+        seen.append(id(message.tx.connection.dbapi_connection))
+        if message.value == b"boom":
+            raise RuntimeError("handler bug")
+
+    def msg(offset: int, value: bytes = b"ok") -> Message:
+        return Message(topic="t-held", partition=0, offset=offset, key=None, value=value)
+
+    assert inbox.run(msg(0), handler) is False
+    assert inbox.run(msg(1), handler) is False
+    assert seen[0] == seen[1] and pool.checkedout() == 1  # no checkout per message
+    with pytest.raises(RuntimeError):
+        inbox.run(msg(2, b"boom"), handler)
+    assert pool.checkedout() == 0  # a failure hands the connection back
+    assert inbox.run(msg(2), handler) is False  # the failed attempt left no inbox row
+    assert inbox.run(msg(0), handler) is True  # duplicates still recognised
+
+    # A connection the server dropped fails one attempt (transient) and is replaced.
+    with engine.connect() as admin:
+        held = inbox._held.conn
+        assert held is not None
+        conn_id = held.exec_driver_sql("SELECT CONNECTION_ID()").scalar()
+        held.rollback()
+        admin.exec_driver_sql(f"KILL {conn_id}")
+    with pytest.raises(sa.exc.OperationalError):
+        inbox.run(msg(3), handler)
+    assert inbox.run(msg(3), handler) is False
+    inbox.release()
+    assert pool.checkedout() == 0
+    rows = _rows(engine, "SELECT kafka_offset FROM outbox_inbox WHERE group_id = 'g-held'")
+    assert sorted(r[0] for r in rows) == [0, 1, 2, 3]

@@ -105,6 +105,40 @@ def test_released_partitions_hand_back_queued_work_and_refuse_retries() -> None:
     assert not d.is_live(running)
 
 
+def test_finishing_can_hand_over_the_lanes_next_message_only() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o, key in enumerate([b"a", b"b", b"a"]):
+        d.submit(_item(tp, key, o))
+    a0, b1 = d.take(0.1), d.take(0.1)
+    assert a0 is not None and b1 is not None
+    a2 = d.finish(a0, take_next=True)
+    assert a2 is not None and a2.message.offset == 2  # same lane, in order
+    assert d.finish(b1, take_next=True) is None  # lane b has nothing queued
+    assert d.running() == [a2] and d.take(0.05) is None
+
+    d.submit(_item(tp, b"a", 3))
+    d.submit(_item(tp, b"a", 4))
+    assert d.finish(a2) is None  # without take_next the lane goes back to the queue
+    a3 = d.take(0.1)
+    assert a3 is not None and a3.message.offset == 3
+    d.drain()  # draining: queued work is released, nothing more is handed over
+    assert d.finish(a3, take_next=True) is None
+
+
+def test_a_due_retry_goes_before_the_lanes_next_message() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o, key in enumerate([b"r", b"a", b"a"]):
+        d.submit(_item(tp, key, o))
+    retry, a1 = d.take(0.1), d.take(0.1)
+    assert retry is not None and a1 is not None and d.defer(retry, 0.0)
+    assert d.finish(a1, take_next=True) is None
+    assert d.take(0.1) is retry
+
+
 def test_take_wakes_when_work_arrives() -> None:
     d = Dispatcher()
     tp = ("t", 0)
