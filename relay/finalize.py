@@ -162,19 +162,26 @@ def finalize(
         t.c.status == Status.DELIVERING.value,
     )
     ids = [d.row.id for d in decisions]
-    with engine.begin() as conn:
-        held: set[int] = set()
-        for chunk in _chunks(ids):
-            held.update(
-                conn.scalars(sa.select(t.c.id).where(t.c.id.in_(chunk), guard).with_for_update())
-            )
-        mine = [d for d in decisions if d.row.id in held]
-        for (fate, error, refund), group in _groups(mine).items():
-            for chunk in _chunks(group):
-                _write(
-                    conn, t, batch, guard, fate, error, refund, chunk, backoff, delete_on_deliver
-                )
-            result.counts[fate] += len(group)
+    groups = _groups(decisions)
+    with engine.connect() as conn:
+        # Usually every row is still ours: write first and check the matched-row
+        # counts, which saves the locking read of the batch. If a row fails the
+        # guard, roll back and take the careful path, which learns which ones.
+        with conn.begin() as tx:
+            if _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver) == len(ids):
+                held = set(ids)
+            else:
+                tx.rollback()
+                held = set()
+        if not held:
+            with conn.begin():
+                for chunk in _chunks(ids):
+                    held.update(conn.scalars(_lock_statement(table), {"ids": chunk, **_who(batch)}))
+                mine = [d for d in decisions if d.row.id in held]
+                groups = _groups(mine)
+                _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver)
+    for (fate, _, _), group in groups.items():
+        result.counts[fate] += len(group)
     result.lease_lost = [i for i in ids if i not in held]
     if result.lease_lost:
         log_event(
@@ -187,6 +194,44 @@ def finalize(
             reason="the rows were reclaimed or changed by someone else; left as they are",
         )
     return result
+
+
+def _write_groups(
+    conn: Connection,
+    t: sa.Table,
+    batch: Batch,
+    guard: sa.ColumnElement[bool],
+    groups: Mapping[tuple[Fate, str | None, bool], Sequence[Decision]],
+    backoff: Backoff | None,
+    delete_on_deliver: bool,
+) -> int:
+    """Write every group; the number of rows matched (found under our lease)."""
+    matched = 0
+    for (fate, error, refund), group in groups.items():
+        for chunk in _chunks(group):
+            matched += _write(
+                conn, t, batch, guard, fate, error, refund, chunk, backoff, delete_on_deliver
+            )
+    return matched
+
+
+def _who(batch: Batch) -> dict[str, str]:
+    return {"owner": batch.owner, "token": batch.token}
+
+
+@functools.lru_cache(maxsize=32)
+def _lock_statement(table: str) -> sa.Select[tuple[int]]:
+    t = outbox_table(table)
+    return (
+        sa.select(t.c.id)
+        .where(
+            t.c.id.in_(sa.bindparam("ids", expanding=True)),
+            t.c.lease_owner == sa.bindparam("owner"),
+            t.c.lease_token == sa.bindparam("token"),
+            t.c.status == Status.DELIVERING.value,
+        )
+        .with_for_update()
+    )
 
 
 def _groups(
@@ -210,11 +255,11 @@ def _write(
     group: Sequence[Decision],
     backoff: Backoff | None,
     delete_on_deliver: bool,
-) -> None:
+) -> int:
+    """Write one group of at most ``_CHUNK`` rows; the number of rows matched."""
     where = sa.and_(t.c.id.in_([d.row.id for d in group]), guard)
     if fate is Fate.DELIVERED and delete_on_deliver:
-        conn.execute(t.delete().where(where))
-        return
+        return conn.execute(t.delete().where(where)).rowcount
     if fate is Fate.DELIVERED:
         per_row = [(d.row.id, d.partition, d.offset) for d in group]
     elif fate is Fate.RETRYABLE:
@@ -238,8 +283,7 @@ def _write(
             values["last_error"] = error
         if refund:
             values["attempts"] = sa.case((t.c.attempts > 0, t.c.attempts - 1), else_=0)
-        conn.execute(t.update().where(where).values(values))
-        return
+        return conn.execute(t.update().where(where).values(values)).rowcount
     params: dict[str, Any] = {
         "per_row": json.dumps(per_row, separators=(",", ":")),
         "owner": batch.owner,
@@ -248,7 +292,7 @@ def _write(
     if error is not None:
         params["error"] = error
     table = conn.dialect.identifier_preparer.quote(t.name)
-    conn.execute(_per_row_update(table, fate, error is not None, refund), params)
+    return conn.execute(_per_row_update(table, fate, error is not None, refund), params).rowcount
 
 
 @functools.lru_cache(maxsize=64)
