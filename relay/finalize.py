@@ -151,6 +151,10 @@ def finalize(
 ) -> FinalizeResult:
     """Write ``decisions`` in one transaction; rows whose lease is no longer ours
     are left alone and returned in ``lease_lost``.
+
+    The guarded writes go first; when their matched-row counts show that a row
+    failed the guard, that transaction is rolled back and a second one locks the
+    rows still held (``FOR UPDATE``) and writes only those.
     """
     result = FinalizeResult()
     if not decisions:
