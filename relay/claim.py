@@ -246,7 +246,7 @@ def _claim_statements(table: str) -> tuple[sa.Select[Any], sa.Update]:
     """
     t = outbox_table(table)
     now = db_now()
-    ids = sa.bindparam("ids", expanding=True)
+    ids: sa.BindParameter[Any] = sa.bindparam("ids", expanding=True)
     eligible = sa.or_(
         sa.and_(
             t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
