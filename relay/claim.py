@@ -27,6 +27,7 @@ would block writers' inserts).
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import secrets
 import time
@@ -98,8 +99,20 @@ def candidates(
     excluded_topics: Collection[str] = (),
 ) -> list[tuple[int, bytes | None]]:
     """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks."""
-    query = candidates_query(table, shards, limit, excluded_topics)
+    query = _cached_candidates_query(
+        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics))
+    )
     return [(r.id, r.message_key) for r in conn.execute(query)]
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_candidates_query(
+    table: str, shards: tuple[int, ...], limit: int, excluded_topics: tuple[str, ...]
+) -> sa.Select[tuple[int, bytes | None]]:
+    # Built once per shard set and paused-topic set (they rarely change): building
+    # it took 18% of the loop at 1,000 events/s, and the same object keeps its
+    # SQLAlchemy cache key, so it is not compiled again either.
+    return candidates_query(table, shards, limit, excluded_topics)
 
 
 def candidates_query(
@@ -166,40 +179,13 @@ def claim_batch(
     """
     if not shards or limit < 1:
         return None
-    t = outbox_table(table)
     token = secrets.token_hex(16)
+    lock, lease = _claim_statements(table)
     with engine.begin() as conn:
         found = candidates(conn, table, shards=shards, limit=limit, excluded_topics=excluded_topics)
         if not found:
             return None
-        ids = [i for i, _ in found]
-        now = db_now()
-        eligible = sa.or_(
-            sa.and_(
-                t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
-                t.c.next_attempt_at <= now,
-            ),
-            sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at <= now),
-        )
-        locked_rows = conn.execute(
-            sa.select(
-                t.c.id,
-                t.c.event_id,
-                t.c.topic,
-                t.c.message_key,
-                t.c.payload,
-                t.c.headers,
-                t.c.shard,
-                t.c.attempts,
-                t.c.created_at,
-                t.c.status,
-                t.c.lease_owner,
-                now.label("db_now"),
-            )
-            .where(t.c.id.in_(ids), eligible)
-            .order_by(t.c.id)
-            .with_for_update(skip_locked=True)
-        ).all()
+        locked_rows = conn.execute(lock, {"ids": [i for i, _ in found]}).all()
         locked = _keep_key_order(found, locked_rows)
         if not locked:
             return None
@@ -207,17 +193,13 @@ def claim_batch(
         claimed_at: dt.datetime = locked[0].db_now
         lease_expires_at = claimed_at + dt.timedelta(microseconds=micros(lease_ttl))
         conn.execute(
-            t.update()
-            .where(t.c.id.in_([r.id for r in locked]))
-            .values(
-                status=Status.DELIVERING.value,
-                lease_owner=owner,
-                lease_token=token,
-                # Server-side, from the same clock every relay compares against.
-                lease_expires_at=db_now_plus(sa.literal(micros(lease_ttl))),
-                attempts=t.c.attempts + 1,
-                updated_at=now,
-            )
+            lease,
+            {
+                "ids": [r.id for r in locked],
+                "owner": owner,
+                "token": token,
+                "ttl_us": micros(lease_ttl),
+            },
         )
         rows = tuple(
             ClaimedRow(
@@ -253,6 +235,58 @@ def claim_batch(
         claimed_mono=claimed_mono,
         lease_expires_at=lease_expires_at,
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _claim_statements(table: str) -> tuple[sa.Select[Any], sa.Update]:
+    """The lock and lease statements of a claim, built once per table.
+
+    Everything that changes per claim is a bound parameter (``ids`` expanding), so
+    SQLAlchemy compiles each statement once and not per batch.
+    """
+    t = outbox_table(table)
+    now = db_now()
+    ids: sa.BindParameter[Any] = sa.bindparam("ids", expanding=True)
+    eligible = sa.or_(
+        sa.and_(
+            t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+            t.c.next_attempt_at <= now,
+        ),
+        sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at <= now),
+    )
+    lock = (
+        sa.select(
+            t.c.id,
+            t.c.event_id,
+            t.c.topic,
+            t.c.message_key,
+            t.c.payload,
+            t.c.headers,
+            t.c.shard,
+            t.c.attempts,
+            t.c.created_at,
+            t.c.status,
+            t.c.lease_owner,
+            now.label("db_now"),
+        )
+        .where(t.c.id.in_(ids), eligible)
+        .order_by(t.c.id)
+        .with_for_update(skip_locked=True)
+    )
+    lease = (
+        t.update()
+        .where(t.c.id.in_(ids))
+        .values(
+            status=Status.DELIVERING.value,
+            lease_owner=sa.bindparam("owner"),
+            lease_token=sa.bindparam("token"),
+            # Server-side, from the same clock every relay compares against.
+            lease_expires_at=db_now_plus(sa.bindparam("ttl_us", type_=sa.BigInteger())),
+            attempts=t.c.attempts + 1,
+            updated_at=now,
+        )
+    )
+    return lock, lease
 
 
 def _keep_key_order(found: list[tuple[int, bytes | None]], locked: Sequence[Any]) -> list[Any]:

@@ -13,6 +13,8 @@ are counted and logged as *lease lost*; that is never an error.
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.relay._dbtime import db_now_plus, micros
+from outboxkit.relay._dbtime import micros
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.publish import ErrorKind, Report, config_fault_reason
@@ -32,7 +34,7 @@ __all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finaliz
 
 log = logging.getLogger("outboxkit.relay.finalize")
 
-#: Rows per UPDATE statement (the CASE expressions grow with it).
+#: Rows per statement (bounds the IN lists and the JSON parameter).
 _CHUNK = 1000
 _MAX_IDS_LOGGED = 200
 
@@ -149,6 +151,10 @@ def finalize(
 ) -> FinalizeResult:
     """Write ``decisions`` in one transaction; rows whose lease is no longer ours
     are left alone and returned in ``lease_lost``.
+
+    The guarded writes go first; when their matched-row counts show that a row
+    failed the guard, that transaction is rolled back and a second one locks the
+    rows still held (``FOR UPDATE``) and writes only those.
     """
     result = FinalizeResult()
     if not decisions:
@@ -160,17 +166,26 @@ def finalize(
         t.c.status == Status.DELIVERING.value,
     )
     ids = [d.row.id for d in decisions]
-    with engine.begin() as conn:
-        held: set[int] = set()
-        for chunk in _chunks(ids):
-            held.update(
-                conn.scalars(sa.select(t.c.id).where(t.c.id.in_(chunk), guard).with_for_update())
-            )
-        mine = [d for d in decisions if d.row.id in held]
-        for (fate, error, refund), group in _groups(mine).items():
-            for chunk in _chunks(group):
-                _write(conn, t, guard, fate, error, refund, chunk, backoff, delete_on_deliver)
-            result.counts[fate] += len(group)
+    groups = _groups(decisions)
+    with engine.connect() as conn:
+        # Usually every row is still ours: write first and check the matched-row
+        # counts, which saves the locking read of the batch. If a row fails the
+        # guard, roll back and take the careful path, which learns which ones.
+        with conn.begin() as tx:
+            if _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver) == len(ids):
+                held = set(ids)
+            else:
+                tx.rollback()
+                held = set()
+        if not held:
+            with conn.begin():
+                for chunk in _chunks(ids):
+                    held.update(conn.scalars(_lock_statement(table), {"ids": chunk, **_who(batch)}))
+                mine = [d for d in decisions if d.row.id in held]
+                groups = _groups(mine)
+                _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver)
+    for (fate, _, _), group in groups.items():
+        result.counts[fate] += len(group)
     result.lease_lost = [i for i in ids if i not in held]
     if result.lease_lost:
         log_event(
@@ -183,6 +198,44 @@ def finalize(
             reason="the rows were reclaimed or changed by someone else; left as they are",
         )
     return result
+
+
+def _write_groups(
+    conn: Connection,
+    t: sa.Table,
+    batch: Batch,
+    guard: sa.ColumnElement[bool],
+    groups: Mapping[tuple[Fate, str | None, bool], Sequence[Decision]],
+    backoff: Backoff | None,
+    delete_on_deliver: bool,
+) -> int:
+    """Write every group; the number of rows matched (found under our lease)."""
+    matched = 0
+    for (fate, error, refund), group in groups.items():
+        for chunk in _chunks(group):
+            matched += _write(
+                conn, t, batch, guard, fate, error, refund, chunk, backoff, delete_on_deliver
+            )
+    return matched
+
+
+def _who(batch: Batch) -> dict[str, str]:
+    return {"owner": batch.owner, "token": batch.token}
+
+
+@functools.lru_cache(maxsize=32)
+def _lock_statement(table: str) -> sa.Select[tuple[int]]:
+    t = outbox_table(table)
+    return (
+        sa.select(t.c.id)
+        .where(
+            t.c.id.in_(sa.bindparam("ids", expanding=True)),
+            t.c.lease_owner == sa.bindparam("owner"),
+            t.c.lease_token == sa.bindparam("token"),
+            t.c.status == Status.DELIVERING.value,
+        )
+        .with_for_update()
+    )
 
 
 def _groups(
@@ -198,6 +251,7 @@ def _groups(
 def _write(
     conn: Connection,
     t: sa.Table,
+    batch: Batch,
     guard: sa.ColumnElement[bool],
     fate: Fate,
     error: str | None,
@@ -205,54 +259,85 @@ def _write(
     group: Sequence[Decision],
     backoff: Backoff | None,
     delete_on_deliver: bool,
-) -> None:
+) -> int:
+    """Write one group of at most ``_CHUNK`` rows; the number of rows matched."""
     where = sa.and_(t.c.id.in_([d.row.id for d in group]), guard)
     if fate is Fate.DELIVERED and delete_on_deliver:
-        conn.execute(t.delete().where(where))
-        return
-    now = db_now()
-    values: dict[str, Any] = {"updated_at": now, "lease_token": None, "lease_expires_at": None}
-    if error is not None:
-        values["last_error"] = error
+        return conn.execute(t.delete().where(where)).rowcount
     if fate is Fate.DELIVERED:
-        # lease_owner stays: it records which relay delivered the row.
-        values |= {
-            "status": Status.DELIVERED.value,
-            "delivered_at": now,
-            "kafka_partition": _case(t, {d.row.id: d.partition for d in group}),
-            "kafka_offset": _case(t, {d.row.id: d.offset for d in group}),
-        }
-    elif fate is Fate.FAILED:
-        values |= {"status": Status.FAILED.value, "lease_owner": None}
+        per_row = [(d.row.id, d.partition, d.offset) for d in group]
     elif fate is Fate.RETRYABLE:
         if backoff is None:
             raise ValueError("retryable rows need a backoff")
-        delays = {d.row.id: micros(backoff.delay(d.row.attempts)) for d in group}
-        values |= {
-            "status": Status.RETRYABLE.value,
+        per_row = [(d.row.id, micros(backoff.delay(d.row.attempts)), None) for d in group]
+    else:
+        now = db_now()
+        values: dict[str, Any] = {
+            "updated_at": now,
+            "lease_token": None,
+            "lease_expires_at": None,
+            # PAUSED, RELEASED, FAILED: eligible again at once (a paused topic is
+            # not claimed) or never again.
+            "status": Status.FAILED.value if fate is Fate.FAILED else Status.RETRYABLE.value,
             "lease_owner": None,
-            "next_attempt_at": db_now_plus(_case(t, delays)),
         }
-    else:  # PAUSED, RELEASED: eligible again at once (a paused topic is not claimed)
-        values |= {"status": Status.RETRYABLE.value, "lease_owner": None, "next_attempt_at": now}
-    if refund:
-        values["attempts"] = sa.case((t.c.attempts > 0, t.c.attempts - 1), else_=0)
-    conn.execute(t.update().where(where).values(values))
+        if fate is not Fate.FAILED:
+            values["next_attempt_at"] = now
+        if error is not None:
+            values["last_error"] = error
+        if refund:
+            values["attempts"] = sa.case((t.c.attempts > 0, t.c.attempts - 1), else_=0)
+        return conn.execute(t.update().where(where).values(values)).rowcount
+    params: dict[str, Any] = {
+        "per_row": json.dumps(per_row, separators=(",", ":")),
+        "owner": batch.owner,
+        "token": batch.token,
+    }
+    if error is not None:
+        params["error"] = error
+    table = conn.dialect.identifier_preparer.quote(t.name)
+    return conn.execute(_per_row_update(table, fate, error is not None, refund), params).rowcount
 
 
-def _case(t: sa.Table, by_id: Mapping[int, int | None]) -> sa.ColumnElement[Any]:
-    """``CASE id WHEN <id> THEN <value> ... END`` as literal SQL.
+@functools.lru_cache(maxsize=64)
+def _per_row_update(table: str, fate: Fate, has_error: bool, refund: bool) -> sa.TextClause:
+    """One UPDATE, built once per table and shape, for fates whose values differ per row.
 
-    ``sa.case`` builds a bound parameter and a cache key for every WHEN, which
-    cost about 25 ms of Python per 500-row batch, a third of the relay's loop.
-    Every id and value is a Python int from our own rows or from Kafka's
-    delivery report, so inlining them cannot inject anything.
+    The per-row values (``[id, a, b]``: partition and offset of a delivered row,
+    the backoff in microseconds of a retryable one) arrive as one JSON parameter
+    unpacked by ``JSON_TABLE`` (MySQL 8, MariaDB 10.6+), so the statement text is
+    the same every batch: no per-batch SQL to build, compile or parse. (It replaced
+    a literal ``CASE id WHEN ...`` of 500 arms that made every batch a new statement.)
     """
-    whens = " ".join(
-        f"WHEN {int(row_id)} THEN {'NULL' if value is None else int(value)}"
-        for row_id, value in by_id.items()
+    sets = ["t.updated_at = UTC_TIMESTAMP(6)", "t.lease_token = NULL", "t.lease_expires_at = NULL"]
+    if fate is Fate.DELIVERED:
+        # lease_owner stays: it records which relay delivered the row.
+        sets += [
+            f"t.status = '{Status.DELIVERED.value}'",
+            "t.delivered_at = UTC_TIMESTAMP(6)",
+            "t.kafka_partition = j.a",
+            "t.kafka_offset = j.b",
+        ]
+    elif fate is Fate.RETRYABLE:
+        sets += [
+            f"t.status = '{Status.RETRYABLE.value}'",
+            "t.lease_owner = NULL",
+            "t.next_attempt_at = DATE_ADD(UTC_TIMESTAMP(6), INTERVAL j.a MICROSECOND)",
+        ]
+    else:
+        raise ValueError(f"no per-row values for {fate}")
+    if has_error:
+        sets.append("t.last_error = :error")
+    if refund:
+        sets.append("t.attempts = CASE WHEN t.attempts > 0 THEN t.attempts - 1 ELSE 0 END")
+    return sa.text(
+        f"UPDATE {table} AS t JOIN JSON_TABLE(:per_row, '$[*]' COLUMNS ("
+        "row_id BIGINT PATH '$[0]', a BIGINT PATH '$[1]', b BIGINT PATH '$[2]')) AS j"
+        " ON t.id = j.row_id"
+        f" SET {', '.join(sets)}"
+        f" WHERE t.lease_owner = :owner AND t.lease_token = :token"
+        f" AND t.status = '{Status.DELIVERING.value}'"
     )
-    return sa.literal_column(f"CASE {t.c.id.name} {whens} END", sa.BigInteger())
 
 
 def _bounded(text: str) -> str:

@@ -21,11 +21,13 @@ from relay_support import (
 )
 
 from outboxkit import Event
+from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, ClaimedRow, claim_batch
 from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, decide, finalize
 from outboxkit.relay.publish import ErrorKind, Report
 from outboxkit.runtime.testing import capture_json_logs
+from outboxkit.schema.table import outbox_table
 
 
 def _row(row_id: int, key: bytes | None, attempts: int = 1) -> ClaimedRow:
@@ -362,3 +364,80 @@ def test_a_paused_first_row_holds_its_key_back_in_other_topics_while_others_flow
     assert by_id[first_id].status == "delivered"
     ks = [m for m in consume(kafka_bootstrap, good, expected=23) if m.key == b"k"]
     assert [m.value for m in ks] == [b"k0", b"k1", b"k2"]
+
+
+def _statements(engine: sa.Engine) -> tuple[list[str], Callable[[], None]]:
+    seen: list[str] = []
+
+    def record(conn: object, cursor: object, statement: str, *args: object) -> None:
+        seen.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    return seen, lambda: sa.event.remove(engine, "before_cursor_execute", record)
+
+
+@pytest.mark.integration
+def test_finalize_statements_are_the_same_text_every_batch(engine: sa.Engine, outbox: str) -> None:
+    """No per-batch SQL (per-row values are parameters): SQLAlchemy compiles it once."""
+    add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(60)])
+    texts: list[list[str]] = []
+    for size in (20, 40):
+        batch = claim_batch(engine, outbox, owner="o", shards=range(8), limit=size, lease_ttl=60)
+        assert batch is not None and len(batch) == size
+        decisions = [
+            Decision(r, Fate.DELIVERED, partition=r.id % 3, offset=1000 + r.id)
+            if r.id % 4
+            else Decision(r, Fate.RETRYABLE, error="boom")
+            for r in batch.rows
+        ]
+        seen, stop = _statements(engine)
+        try:
+            result = finalize(
+                engine,
+                outbox,
+                batch,
+                decisions,
+                backoff=Backoff(base=10.0, cap=20.0),
+                delete_on_deliver=False,
+            )
+        finally:
+            stop()
+        assert result.counts[Fate.DELIVERED] + result.counts[Fate.RETRYABLE] == size
+        assert not result.lease_lost
+        assert not [s for s in seen if s.lstrip().upper().startswith("SELECT")], (
+            "no locking read when every row is still ours"
+        )
+        texts.append(seen)
+    assert texts[0] == texts[1]
+    table = {r.id: r for r in rows(engine, outbox)}
+    delivered = [r for r in table.values() if r.status == "delivered"]
+    assert len(delivered) == 45
+    assert all(r.kafka_partition == r.id % 3 and r.kafka_offset == 1000 + r.id for r in delivered)
+    retryable = [r for r in table.values() if r.status == "retryable"]
+    assert len(retryable) == 15
+    assert all(r.last_error == "boom" and r.lease_owner is None for r in retryable)
+    assert all(r.next_attempt_at > r.updated_at for r in retryable)
+
+
+@pytest.mark.integration
+def test_finalize_writes_the_rows_still_held_and_leaves_reclaimed_ones(
+    engine: sa.Engine, outbox: str
+) -> None:
+    add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(10)])
+    batch = claim_batch(engine, outbox, owner="a", shards=range(8), limit=10, lease_ttl=60)
+    assert batch is not None
+    stolen = [r.id for r in batch.rows[::3]]
+    t = outbox_table(outbox)
+    with engine.begin() as conn:  # another relay reclaimed these under its own token
+        conn.execute(
+            t.update().where(t.c.id.in_(stolen)).values(lease_owner="b", lease_token="other")
+        )
+    decisions = [Decision(r, Fate.DELIVERED, partition=0, offset=r.id) for r in batch.rows]
+    result = finalize(engine, outbox, batch, decisions, backoff=None, delete_on_deliver=False)
+    assert sorted(result.lease_lost) == sorted(stolen)
+    assert result.counts[Fate.DELIVERED] == 10 - len(stolen)
+    for r in rows(engine, outbox):
+        if r.id in stolen:
+            assert (r.status, r.lease_owner, r.lease_token) == ("delivering", "b", "other")
+        else:
+            assert (r.status, r.kafka_offset, r.lease_token) == ("delivered", r.id, None)

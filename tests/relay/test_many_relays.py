@@ -209,11 +209,12 @@ def test_rolling_restart_keeps_order_loses_nothing_and_burns_no_attempt(
     redis_client: redis.Redis[bytes],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
-    total = 40_000
+    total = 60_000
     topic = kafka_topics(partitions=6)
     add_events(engine, table, keyed_events(topic, total))
     # A long TTL: handovers that waited for it would show at once.
-    slow_ttl = {"shard_lease_ttl": 60.0, "shard_renew_interval": 0.5, "batch_size": 200}
+    # Small batches keep the run going through all three restarts.
+    slow_ttl = {"shard_lease_ttl": 60.0, "shard_renew_interval": 0.5, "batch_size": 50}
 
     def settings(name: str) -> RelaySettings:
         return relay_settings(db_url, kafka_bootstrap, redis_url, redis_prefix, name, **slow_ttl)
