@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from outboxkit.runtime.settings import RuntimeSettings, non_negative, positive, setting
-from outboxkit.schema.table import DEFAULT_INBOX_TABLE, validate_identifier
+from outboxkit.runtime.settings import (
+    RuntimeSettings,
+    at_least_one,
+    non_negative,
+    positive,
+    setting,
+)
+from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
 
 __all__ = ["ConsumerSettings"]
 
 
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
-
 def _optional_at_least_one(value: int | None) -> str | None:
-    return None if value is None else _at_least_one(value)
-
-
-def _identifier(value: str) -> str | None:
-    try:
-        validate_identifier(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return None if value is None else at_least_one(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,7 +48,7 @@ class ConsumerSettings(RuntimeSettings):
     max_attempts: int = setting(
         5,
         help="handler attempts for a transient error before dead-lettering",
-        validate=_at_least_one,
+        validate=at_least_one,
     )
     retry_backoff_base: float = setting(
         0.5, help="first retry delay in seconds (exponential, full jitter)", validate=positive
@@ -86,7 +80,7 @@ class ConsumerSettings(RuntimeSettings):
     max_buffered: int = setting(
         5000,
         help="messages fetched but not finished per partition before the partition is paused",
-        validate=_at_least_one,
+        validate=at_least_one,
     )
     commit_interval: float = setting(
         5.0, help="seconds between periodic commits of processed offsets", validate=positive
@@ -113,7 +107,7 @@ class ConsumerSettings(RuntimeSettings):
     inbox_table: str = setting(
         DEFAULT_INBOX_TABLE,
         help="inbox table (created by outboxkit schema apply)",
-        validate=_identifier,
+        validate=identifier_problem,
     )
 
     def validate(self) -> list[str]:

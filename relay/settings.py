@@ -11,8 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 from outboxkit.admin._parse import parse_retention
-from outboxkit.runtime.settings import RuntimeSettings, non_negative, positive, setting
-from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
+from outboxkit.runtime.settings import (
+    RuntimeSettings,
+    at_least_one,
+    non_negative,
+    positive,
+    setting,
+)
+from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
 __all__ = ["COMPRESSION_CODECS", "RelaySettings"]
 
@@ -22,20 +28,8 @@ COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 DEFAULT_MESSAGE_TIMEOUT_MS = 30_000
 
 
-def _identifier(value: str) -> str | None:
-    try:
-        validate_identifier(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def _positive_or_unset(value: float | None) -> str | None:
     return None if value is None else positive(value)
-
-
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,8 +37,8 @@ class RelaySettings(RuntimeSettings):
     """Everything ``outboxkit relay`` can be told; see ``docs/relay.md``."""
 
     service: str = setting("outboxkit-relay", help="service name in logs, metrics, exit record")
-    table: str = setting(DEFAULT_TABLE, help="outbox table to relay", validate=_identifier)
-    batch_size: int = setting(500, help="rows claimed per batch", validate=_at_least_one)
+    table: str = setting(DEFAULT_TABLE, help="outbox table to relay", validate=identifier_problem)
+    batch_size: int = setting(500, help="rows claimed per batch", validate=at_least_one)
     poll_interval: float = setting(
         1.0, help="seconds to wait before claiming again when nothing was due", validate=positive
     )
@@ -68,7 +62,7 @@ class RelaySettings(RuntimeSettings):
         validate=_positive_or_unset,
     )
     max_attempts: int = setting(
-        10, help="claims of a row before a retriable error marks it failed", validate=_at_least_one
+        10, help="claims of a row before a retriable error marks it failed", validate=at_least_one
     )
     backoff_base: float = setting(
         0.5, help="retry backoff: window of the first retry (full jitter)", validate=positive
@@ -114,7 +108,7 @@ class RelaySettings(RuntimeSettings):
         3600.0, help="seconds between retention runs (e.g. 1h)", parse=parse_retention
     )
     retention_batch_size: int = setting(
-        1000, help="rows deleted per retention transaction", validate=_at_least_one
+        1000, help="rows deleted per retention transaction", validate=at_least_one
     )
     retention_pause: float = setting(
         0.2,

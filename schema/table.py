@@ -61,6 +61,15 @@ def validate_identifier(name: str, *, what: str = "table name") -> str:
     return name
 
 
+def identifier_problem(name: str) -> str | None:
+    """``validate_identifier`` as a settings validator: the problem, or None."""
+    try:
+        validate_identifier(name)
+    except InvalidIdentifierError as exc:
+        return str(exc)
+    return None
+
+
 class db_now(FunctionElement[Any]):
     """The database's current UTC time with microseconds."""
 

@@ -3,29 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from urllib.parse import urlsplit
 
-from outboxkit.runtime.settings import setting
-from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
+from outboxkit.runtime.settings import optional_url, setting
+from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
 __all__ = ["AdminSettings"]
-
-
-def _url(value: str | None) -> str | None:
-    if value is None:
-        return None
-    parts = urlsplit(value)
-    if not parts.scheme or not parts.netloc:
-        return "must be a URL like scheme://user:password@host:port/path"
-    return None
-
-
-def _identifier(value: str) -> str | None:
-    try:
-        validate_identifier(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,12 +16,12 @@ class AdminSettings:
 
     db_url: str = setting(
         help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db",
-        validate=_url,
+        validate=optional_url,
     )
-    table: str = setting(DEFAULT_TABLE, help="outbox table name", validate=_identifier)
+    table: str = setting(DEFAULT_TABLE, help="outbox table name", validate=identifier_problem)
     redis_url: str | None = setting(
         None,
         help="Redis URL of the relays' shard leases (status shows shard owners)",
-        validate=_url,
+        validate=optional_url,
     )
     redis_prefix: str = setting("", help="key prefix the relays use in Redis", default_help="none")

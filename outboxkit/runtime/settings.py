@@ -55,12 +55,14 @@ __all__ = [
     "RuntimeSettings",
     "SettingSpec",
     "add_arguments",
+    "at_least_one",
     "default_node_id",
     "describe",
     "env_name",
     "flag_name",
     "load",
     "non_negative",
+    "optional_url",
     "parse_bool",
     "parse_duration",
     "port_number",
@@ -260,7 +262,11 @@ def port_number(value: int) -> str | None:
     return None if 0 <= value <= 65535 else "must be a port number between 0 and 65535"
 
 
-def _url(value: str | None) -> str | None:
+def at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+def optional_url(value: str | None) -> str | None:
     if value is None:
         return None
     parts = urlsplit(value)
@@ -626,12 +632,12 @@ class RuntimeSettings:
     db_url: str | None = setting(
         None,
         help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db",
-        validate=_url,
+        validate=optional_url,
     )
     redis_url: str | None = setting(
         None,
         help="Redis URL for shard leases and wake-ups, e.g. redis://host:6379/0",
-        validate=_url,
+        validate=optional_url,
     )
 
     def validate(self) -> list[str]:
