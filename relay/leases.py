@@ -80,7 +80,9 @@ _log = logging.getLogger("outboxkit.relay.leases")
 _FAST_TICK_S = 0.25
 
 # KEYS: lease keys; ARGV[1]: ttl ms; ARGV[i + 1]: value for KEYS[i].
-# Per key: 1 = done, 0 = key missing, -1 = held by someone else.
+# Per key: 1 = done, 0 = key missing, -1 = held by someone else; then one more
+# element, Redis's clock in ms. Scripts run one at a time, so these clocks order
+# every acquire and release of a shard across relays (logged as ``redis_ms``).
 _RENEW_LUA = """
 local out = {}
 for i, key in ipairs(KEYS) do
@@ -94,6 +96,8 @@ for i, key in ipairs(KEYS) do
     out[i] = 0
   end
 end
+local t = redis.call('TIME')
+out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return out
 """
 
@@ -110,6 +114,8 @@ for i, key in ipairs(KEYS) do
     out[i] = 0
   end
 end
+local t = redis.call('TIME')
+out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return out
 """
 
@@ -122,6 +128,8 @@ for i, key in ipairs(KEYS) do
     out[i] = 0
   end
 end
+local t = redis.call('TIME')
+out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return out
 """
 
@@ -393,7 +401,7 @@ class RedisShardLeases:
             held = {s: h.value for s, h in self._held.items()}
         try:
             self._heartbeat(keys=[self._members_key], args=[self.node_id, self._ttl_ms, "0"])
-            results = self._call_cas(self._release, held) if held else {}
+            results, redis_ms = self._call_cas(self._release, held) if held else ({}, 0)
         except redis.RedisError as exc:
             log_event(
                 self.log,
@@ -410,8 +418,9 @@ class RedisShardLeases:
                 self._held.pop(shard, None)
                 if result == 1:
                     log_event(
-                        self.log, "shard-released", table=self.table, shard=shard, reason="drain"
-                    )
+                        self.log, "shard-released", table=self.table, shard=shard,
+                        reason="drain", redis_ms=redis_ms,
+                    )  # fmt: skip
             self._lost.clear()
         self._set_owned_gauge()
 
@@ -539,7 +548,7 @@ class RedisShardLeases:
         if not held:
             return
         sent = time.monotonic()
-        results = self._call_cas(self._renew, held)
+        results, redis_ms = self._call_cas(self._renew, held)
         with self._lock:
             for shard, result in results.items():
                 h = self._held.get(shard)
@@ -555,11 +564,12 @@ class RedisShardLeases:
                             table=self.table,
                             shard=shard,
                             reason="renewed-after-outage",
+                            redis_ms=redis_ms,
                         )
                 else:
-                    self._lose(shard, h, "taken" if result == -1 else "expired")
+                    self._lose(shard, h, "taken" if result == -1 else "expired", redis_ms)
 
-    def _lose(self, shard: int, h: _Held, reason: str) -> None:
+    def _lose(self, shard: int, h: _Held, reason: str, redis_ms: int) -> None:
         # Caller holds the lock.
         del self._held[shard]
         self._lost[shard] = _Lost(since=time.monotonic())
@@ -567,7 +577,7 @@ class RedisShardLeases:
             self.metrics.lost.inc()
         log_event(
             self.log, "shard-lost", level=logging.WARNING, table=self.table, shard=shard,
-            reason=reason,
+            reason=reason, redis_ms=redis_ms,
         )  # fmt: skip
 
     def _quiet(self, since: float) -> bool:
@@ -595,7 +605,7 @@ class RedisShardLeases:
         }
         if not ready:
             return
-        results = self._call_cas(self._release, ready)
+        results, redis_ms = self._call_cas(self._release, ready)
         with self._lock:
             for shard, result in results.items():
                 h2 = self._held.pop(shard, None)
@@ -603,13 +613,14 @@ class RedisShardLeases:
                     self.metrics.handovers.inc()
                     log_event(
                         self.log, "shard-released", table=self.table, shard=shard,
-                        reason="handover",
+                        reason="handover", redis_ms=redis_ms,
                     )  # fmt: skip
                 elif h2 is not None:
                     self.metrics.lost.inc()
                     log_event(
                         self.log, "shard-lost", level=logging.WARNING, table=self.table,
                         shard=shard, reason="taken" if result == -1 else "expired",
+                        redis_ms=redis_ms,
                     )  # fmt: skip
 
     def _forget_lost(self) -> None:
@@ -632,7 +643,7 @@ class RedisShardLeases:
             return
         values = {s: f"{self.node_id}:{secrets.token_hex(8)}" for s in wanted}
         sent = time.monotonic()
-        results = self._call_cas(self._acquire, values)
+        results, redis_ms = self._call_cas(self._acquire, values)
         with self._lock:
             for shard, result in results.items():
                 if result != 1:
@@ -642,14 +653,17 @@ class RedisShardLeases:
                     valid_until=sent + self.settings.ttl - self.settings.safety_margin,
                 )
                 self.metrics.acquired.inc()
-                log_event(self.log, "shard-acquired", table=self.table, shard=shard)
+                log_event(
+                    self.log, "shard-acquired", table=self.table, shard=shard, redis_ms=redis_ms
+                )
 
-    def _call_cas(self, script: Script, values: dict[int, str]) -> dict[int, int]:
+    def _call_cas(self, script: Script, values: dict[int, str]) -> tuple[dict[int, int], int]:
+        """Run a per-shard script; returns each shard's result and Redis's clock (ms)."""
         shards = sorted(values)
         keys = [lease_key(self.settings.prefix, self.table, s) for s in shards]
         args: list[str | int] = [self._ttl_ms, *(values[s] for s in shards)]
-        raw = script(keys=keys, args=args)
-        return {s: int(r) for s, r in zip(shards, raw, strict=True)}
+        *raw, redis_ms = script(keys=keys, args=args)
+        return {s: int(r) for s, r in zip(shards, raw, strict=True)}, int(redis_ms)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

@@ -62,6 +62,7 @@ def make_leases(redis_url: str, redis_prefix: str) -> Iterator[LeasesFactory]:
         inflight: Callable[[], frozenset[int]] | None = None,
         registry: CollectorRegistry | None = None,
         start: bool = True,
+        logger: logging.Logger | None = None,
     ) -> RedisShardLeases:
         s = LeaseSettings(
             ttl=settings.ttl,
@@ -76,6 +77,7 @@ def make_leases(redis_url: str, redis_prefix: str) -> Iterator[LeasesFactory]:
             shard_count=shards,
             settings=s,
             registry=registry,
+            logger=logger,
         )
         made.append(leases)
         if start:
@@ -241,6 +243,37 @@ def test_handover_on_join_waits_for_inflight_rows(make_leases: LeasesFactory) ->
     inflight.set(set())
     wait_until(lambda: settled(relays, 16), timeout=5, tick=lambda: claimable_of(relays))
     assert not a.held() & b.held()
+
+
+@pytest.mark.integration
+def test_lease_events_carry_redis_time_that_orders_a_handover(
+    make_leases: LeasesFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each relay logs when it gets to it; ``redis_ms`` is when Redis ran the
+    script, so the release of a shard always sorts before its next acquisition."""
+    caplog.set_level(logging.INFO, logger="outboxkit.relay.leases")
+    before = time.time() * 1000
+    a = make_leases("relay-a", shards=16, logger=logging.getLogger("outboxkit.relay.leases.a"))
+    b = make_leases("relay-b", shards=16, logger=logging.getLogger("outboxkit.relay.leases.b"))
+    relays = [a, b]
+    wait_until(lambda: settled(relays, 16), timeout=5, tick=lambda: claimable_of(relays))
+    after = time.time() * 1000
+
+    def lease_events(name: str, event: str) -> dict[int, int]:
+        found = {}
+        for r in caplog.records:
+            fields = getattr(r, "outboxkit_fields", {})
+            if r.name.endswith(name) and getattr(r, "outboxkit_event", None) == event:
+                found[int(fields["shard"])] = int(fields["redis_ms"])
+        return found
+
+    released = lease_events(".a", "shard-released")
+    acquired = lease_events(".b", "shard-acquired")
+    assert set(released) == set(acquired) == b.claimable() != frozenset()
+    for shard, at in acquired.items():
+        assert released[shard] <= at, f"shard {shard}: acquired at {at}, released later"
+    every = [*lease_events(".a", "shard-acquired").values(), *released.values()]
+    assert all(before - 1000 <= at <= after + 1000 for at in every + list(acquired.values()))
 
 
 @pytest.mark.integration

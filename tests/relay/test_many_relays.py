@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -105,35 +106,79 @@ def fair_now(client: redis.Redis[bytes], prefix: str, table: str, live: int) -> 
     return True
 
 
-def assert_never_owned_twice(procs: list[RelayProcess], tolerance: float = 0.1) -> int:
+def assert_never_owned_twice(procs: list[RelayProcess]) -> int:
     """Rebuild each shard's ownership intervals from the relays' lease events and
-    check that no two overlap. A release is logged right after its DEL, so the next
-    owner's acquisition may be logged a few ms before it: ``tolerance`` covers that.
-    Returns the number of intervals checked."""
+    check that no two relays' intervals overlap. Returns the number of intervals.
+
+    An interval opens at ``shard-acquired`` and closes at ``shard-released`` or
+    ``shard-lost``. Lease scripts run one at a time in Redis and each event that
+    comes from one carries Redis's clock (``redis_ms``), so a release and the next
+    owner's acquisition are ordered exactly, however late either relay gets to
+    log it. ``lease-unproven`` is a local deadline and carries the relay's clock
+    (the same machine's), seconds before the lease can expire in Redis.
+    """
     events: list[tuple[float, str, str, int, str]] = []
     for p in procs:
         for r in p.records:
             if r.get("event") in ("shard-acquired", "shard-released", "shard-lost"):
-                ts = dt.datetime.strptime(r["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
-                events.append((ts, r["event"], r["node_id"], r["shard"], r.get("reason", "")))
+                if "redis_ms" in r:
+                    at = r["redis_ms"] / 1000
+                else:
+                    at = dt.datetime.strptime(r["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
+                events.append((at, r["event"], r["node_id"], r["shard"], r.get("reason", "")))
     events.sort()
-    holder: dict[int, tuple[str, float]] = {}
-    ended: dict[int, float] = {}
-    intervals = 0
-    for ts, event, node, shard, _reason in events:
+    intervals: dict[int, list[tuple[str, float, float]]] = defaultdict(list)
+    open_: dict[tuple[int, str], float] = {}
+    for at, event, node, shard, _reason in events:
         if event == "shard-acquired":
-            current = holder.get(shard)
-            assert current is None or current[0] == node, (
-                f"shard {shard} acquired by {node} at {ts} while {current} held it"
+            open_.setdefault((shard, node), at)
+        elif (shard, node) in open_:
+            intervals[shard].append((node, open_.pop((shard, node)), at))
+    for (shard, node), since in open_.items():
+        intervals[shard].append((node, since, math.inf))
+    for shard, spans in intervals.items():
+        for i, (node, start, end) in enumerate(spans):
+            for other, o_start, o_end in spans[i + 1 :]:
+                if other != node and min(end, o_end) > max(start, o_start):
+                    timeline = [e for e in events if e[3] == shard]
+                    raise AssertionError(
+                        f"shard {shard}: {node} held it {start:.3f}-{end:.3f} and {other} "
+                        f"{o_start:.3f}-{o_end:.3f}; timeline {timeline}"
+                    )
+    return sum(len(spans) for spans in intervals.values())
+
+
+@pytest.mark.unit
+def test_the_ownership_check_sees_an_overlap_only_in_redis_time() -> None:
+    def rec(node: str, event: str, ts: str, redis_ms: int | None, **kw: Any) -> dict[str, Any]:
+        r = {"event": event, "node_id": node, "shard": 7, "ts": f"2026-01-01T00:00:{ts}Z", **kw}
+        return r if redis_ms is None else {**r, "redis_ms": redis_ms}
+
+    def procs(*records: dict[str, Any]) -> list[Any]:
+        return [SimpleNamespace(records=list(records))]
+
+    # b logged its acquisition before a logged the release, but Redis ran them in order.
+    late_log = procs(
+        rec("a", "shard-acquired", "00.000", 1000),
+        rec("b", "shard-acquired", "01.000", 1500),
+        rec("a", "shard-released", "01.700", 1400),
+    )
+    assert assert_never_owned_twice(late_log) == 2
+    with pytest.raises(AssertionError, match="shard 7"):
+        assert_never_owned_twice(
+            procs(
+                rec("a", "shard-acquired", "00.000", 1000),
+                rec("b", "shard-acquired", "01.000", 1500),
+                rec("a", "shard-released", "01.700", 1600),
             )
-            if current is None:
-                assert ts >= ended.get(shard, 0) - tolerance
-                holder[shard] = (node, ts)
-                intervals += 1
-        elif holder.get(shard, ("",))[0] == node:
-            del holder[shard]
-            ended[shard] = ts
-    return intervals
+        )
+    with pytest.raises(AssertionError, match="shard 7"):  # never released
+        assert_never_owned_twice(
+            procs(
+                rec("a", "shard-acquired", "00.000", 1000),
+                rec("b", "shard-acquired", "02.000", 2000),
+            )
+        )
 
 
 def start_relays(
