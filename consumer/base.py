@@ -31,7 +31,6 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka import KafkaException
-from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from outboxkit.consumer.dlq import DeadLetters
@@ -46,12 +45,10 @@ from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, WorkItem
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
-from outboxkit.runtime.health import HealthServer
-from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.runtime.metrics import ServiceMetrics, push_metrics
+from outboxkit.runtime.metrics import push_metrics
+from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import describe
-from outboxkit.runtime.supervisor import Supervisor
 
 __all__ = ["Consumer"]
 
@@ -122,24 +119,10 @@ class Consumer:
         self.subscribed = tuple(s.topics or self.topics)
         self.workers = s.concurrency or self.concurrency
         self._check(engine)
-        self.registry = CollectorRegistry()
-        self.service_metrics = ServiceMetrics(self.registry, service=s.service)
+        rt = ServiceRuntime.build(s, logger=_log, details=self._details)
+        self.registry, self.service_metrics = rt.registry, rt.service_metrics
+        self.lifecycle, self.supervisor, self.health = rt.lifecycle, rt.supervisor, rt.health
         self.metrics = ConsumerMetrics(self.registry)
-        self.lifecycle = Lifecycle(
-            service=s.service,
-            node_id=s.node_id,
-            shutdown_timeout=s.shutdown_timeout,
-            logger=_log,
-            metrics=self.service_metrics,
-        )
-        self.health = HealthServer(
-            self.lifecycle,
-            host=s.health_host,
-            port=s.health_port,
-            registry=self.registry,
-            details=self._details,
-        )
-        self.supervisor = Supervisor(self.lifecycle, logger=_log, metrics=self.service_metrics)
         self.lifecycle.on_hurry(self._on_hurry)
         self.report: DrainReport | None = None
         self._engine = engine

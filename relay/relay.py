@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from outboxkit.admin.purge import run_retention
@@ -47,9 +46,7 @@ from outboxkit.runtime import (
     EXIT_OK,
     ConfigError,
     DependencyError,
-    HealthServer,
-    Lifecycle,
-    ServiceMetrics,
+    ServiceRuntime,
     Supervisor,
     describe,
     log_event,
@@ -99,24 +96,10 @@ class Relay:
         on_batch: Callable[[Batch], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.registry = CollectorRegistry()
-        self.service_metrics = ServiceMetrics(self.registry, service=settings.service)
+        rt = ServiceRuntime.build(settings, logger=log, details=self._ready_details)
+        self.registry, self.service_metrics = rt.registry, rt.service_metrics
+        self.lifecycle, self.supervisor, self.health = rt.lifecycle, rt.supervisor, rt.health
         self.metrics = RelayMetrics(self.registry)
-        self.lifecycle = Lifecycle(
-            service=settings.service,
-            node_id=settings.node_id,
-            shutdown_timeout=settings.shutdown_timeout,
-            logger=log,
-            metrics=self.service_metrics,
-        )
-        self.supervisor = Supervisor(self.lifecycle, logger=log, metrics=self.service_metrics)
-        self.health = HealthServer(
-            self.lifecycle,
-            host=settings.health_host,
-            port=settings.health_port,
-            registry=self.registry,
-            details=self._ready_details,
-        )
         self.paused = PausedTopics(
             retry_interval=settings.paused_topic_retry, gauge=self.metrics.topic_paused
         )

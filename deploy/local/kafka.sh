@@ -167,32 +167,4 @@ start() {
     log "$NAME ready on 127.0.0.1:$PORT (pid $(read_pid))"
 }
 
-stop() {
-    local pid
-    if pid="$(read_pid)" && pid_alive "$pid"; then
-        log "$NAME: stopping pid $pid"
-        stop_pid "$pid" 30
-    fi
-    rm -f "$PID_FILE"
-}
-
-status() {
-    if instance_pid_alive && broker_answers >/dev/null 2>&1; then
-        echo "kafka $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
-        return 0
-    fi
-    if [[ "$NAME" == default ]] && port_open "$PORT" && broker_answers >/dev/null 2>&1; then
-        echo "kafka $NAME running (started outside this checkout), 127.0.0.1:$PORT"
-        return 0
-    fi
-    echo "kafka $NAME not running"
-    return 3
-}
-
-case "$CMD" in
-    start) start ;;
-    stop) stop ;;
-    kill) kill_instance ;;
-    status) status ;;
-    *) die "unknown command $CMD (start|stop|status|kill)" ;;
-esac
+run_command 30 broker_answers

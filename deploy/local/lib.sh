@@ -145,6 +145,44 @@ kill_instance() {
     rm -f "$PID_FILE"
 }
 
+# stop_instance GRACE_S: SIGTERM this checkout's instance, SIGKILL after GRACE_S.
+stop_instance() {
+    local pid
+    if pid="$(read_pid)" && pid_alive "$pid"; then
+        log "$NAME: stopping pid $pid"
+        stop_pid "$pid" "$1"
+    fi
+    rm -f "$PID_FILE"
+}
+
+# instance_status CHECK_CMD...: say whether the instance runs and answers
+# CHECK_CMD (this checkout's, or the default one started elsewhere); 3 if not.
+instance_status() {
+    if instance_pid_alive && "$@" >/dev/null 2>&1; then
+        echo "$SERVICE $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
+        return 0
+    fi
+    if [[ "$NAME" == default ]] && port_open "$PORT" && "$@" >/dev/null 2>&1; then
+        echo "$SERVICE $NAME running (started outside this checkout), 127.0.0.1:$PORT"
+        return 0
+    fi
+    echo "$SERVICE $NAME not running"
+    return 3
+}
+
+# run_command STOP_GRACE_S CHECK_CMD...: do $CMD with the script's own start().
+run_command() {
+    local grace="$1"
+    shift
+    case "$CMD" in
+        start) start ;;
+        stop) stop_instance "$grace" ;;
+        kill) kill_instance ;;
+        status) instance_status "$@" ;;
+        *) die "unknown command $CMD (start|stop|status|kill)" ;;
+    esac
+}
+
 show_log_tail() {
     local f="$1"
     if [[ -f "$f" ]]; then

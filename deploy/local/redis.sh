@@ -42,32 +42,4 @@ start() {
     log "$NAME ready on 127.0.0.1:$PORT (pid $(read_pid))"
 }
 
-stop() {
-    local pid
-    if pid="$(read_pid)" && pid_alive "$pid"; then
-        log "$NAME: stopping pid $pid"
-        stop_pid "$pid" 20
-    fi
-    rm -f "$PID_FILE"
-}
-
-status() {
-    if instance_pid_alive && ping; then
-        echo "redis $NAME running: pid $(read_pid), 127.0.0.1:$PORT"
-        return 0
-    fi
-    if [[ "$NAME" == default ]] && port_open "$PORT" && ping >/dev/null 2>&1; then
-        echo "redis $NAME running (started outside this checkout), 127.0.0.1:$PORT"
-        return 0
-    fi
-    echo "redis $NAME not running"
-    return 3
-}
-
-case "$CMD" in
-    start) start ;;
-    stop) stop ;;
-    kill) kill_instance ;;
-    status) status ;;
-    *) die "unknown command $CMD (start|stop|status|kill)" ;;
-esac
+run_command 20 ping

@@ -31,6 +31,7 @@ from outboxkit.runtime.logs import (
     register_secret,
 )
 from outboxkit.runtime.metrics import ServiceMetrics, push_metrics
+from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import (
     MISSING,
     RuntimeSettings,
@@ -57,6 +58,7 @@ __all__ = [
     "PermanentError",
     "RuntimeSettings",
     "ServiceMetrics",
+    "ServiceRuntime",
     "State",
     "Supervisor",
     "TransientError",

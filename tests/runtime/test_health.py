@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import urllib.error
 import urllib.request
@@ -9,7 +10,14 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from outboxkit.runtime import DependencyError, HealthServer, Lifecycle, ServiceMetrics
+from outboxkit.runtime import (
+    DependencyError,
+    HealthServer,
+    Lifecycle,
+    RuntimeSettings,
+    ServiceMetrics,
+    ServiceRuntime,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -158,3 +166,19 @@ def test_stop_is_idempotent_and_frees_the_port(lifecycle: Lifecycle) -> None:
     server.stop()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/live", timeout=2)
+
+
+def test_service_runtime_wires_one_registry_through_every_piece() -> None:
+    settings = RuntimeSettings(service="billing", node_id="pod-7", health_port=0)
+    rt = ServiceRuntime.build(settings, logger=logging.getLogger("test"), details=lambda: {"x": 1})
+    assert rt.supervisor.lifecycle is rt.lifecycle is rt.health.lifecycle
+    assert rt.health.registry is rt.registry
+    rt.health.start()
+    try:
+        rt.lifecycle.set_running()
+        status, body = get(f"http://127.0.0.1:{rt.health.port}/healthz/ready")
+        assert status == 200 and json.loads(body)["x"] == 1
+        _, metrics = get(f"http://127.0.0.1:{rt.health.port}/metrics")
+        assert 'service_info{service="billing"} 1.0' in metrics
+    finally:
+        rt.health.stop()
