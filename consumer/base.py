@@ -287,7 +287,7 @@ class Consumer:
             dispatcher=self._dispatcher,
             completions=self._completions,
             metrics=self.metrics,
-            lane_of=self._lane_of,
+            lane_of=None if self.workers == 1 else self._lane_of,
             max_buffered=s.max_buffered,
             revoke_timeout=s.revoke_timeout,
         )
@@ -352,8 +352,7 @@ class Consumer:
         self._handling.inbox = Inbox(self._engine, group_id=str(self.group), table=s.inbox_table)
 
     def _lane_of(self, message: Message) -> Hashable:
-        if self.workers == 1:
-            return (message.topic, message.partition)
+        """The lane with several workers; with one, the poll loop uses the partition."""
         return (message.topic, message.partition, message.key)
 
     # -- the two kinds of threads ----------------------------------------------------------
@@ -408,11 +407,11 @@ class Consumer:
                 if outcome is Outcome.RETRY:
                     self.metrics.messages.labels(result="retry").inc()
                 else:
-                    self._completions.put(Completion(item, outcome, result.error))
+                    self._completions.put((item, outcome, result.error))
                 return None
             outcome = Outcome.RELEASED
         nxt = self._dispatcher.finish(item, take_next=take_next)
-        self._completions.put(Completion(item, outcome, result.error))
+        self._completions.put((item, outcome, result.error))
         return nxt
 
     # -- shutdown ----------------------------------------------------------------------------

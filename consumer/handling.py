@@ -41,12 +41,13 @@ class Outcome(enum.Enum):
     DLQ_BLOCKED = "dlq-blocked"
     RELEASED = "released"  # not finished here; Kafka redelivers it
 
-    @property
-    def final(self) -> bool:
-        return self in _FINAL
-
-
-_FINAL = frozenset((Outcome.SUCCESS, Outcome.DUPLICATE, Outcome.DEAD_LETTERED))
+    def __init__(self, value: str) -> None:
+        # Plain attributes, read once or twice per message: an Enum property
+        # (``value``) or a set lookup (Enum hashing is Python code) costs more.
+        #: Done for good: the offset may move past it.
+        self.final = value in ("success", "duplicate", "dlq")
+        #: The ``result`` label of ``worker_messages_total``.
+        self.label = value
 
 
 @dataclass(frozen=True)

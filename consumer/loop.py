@@ -27,7 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
@@ -47,12 +47,9 @@ _FETCH_BATCH = 500
 _POLL_TIMEOUT = 0.1
 
 
-class Completion(NamedTuple):
-    """A worker's report on one message (a tuple: one is built per message)."""
-
-    item: WorkItem
-    outcome: Outcome
-    error: str | None = None
+#: A worker's report on one message: the item, its outcome, an error text. A
+#: plain tuple: one is built per message, and a NamedTuple costs several times more.
+Completion = tuple[WorkItem, Outcome, str | None]
 
 
 @dataclass
@@ -76,7 +73,7 @@ class PollLoop:
         dispatcher: Dispatcher,
         completions: queue.SimpleQueue[Completion],
         metrics: ConsumerMetrics,
-        lane_of: Callable[[Message], Hashable],
+        lane_of: Callable[[Message], Hashable] | None,  # None: the partition is the lane
         max_buffered: int,
         revoke_timeout: float,
     ) -> None:
@@ -112,18 +109,21 @@ class PollLoop:
         items: list[WorkItem] = []
         touched: set[TopicPartition] = set()
         lane_of = self.lane_of
+        from_kafka = Message.from_kafka
+        offsets = self.offsets
         for record in records:
             err = record.error()
             if err is not None:
                 self._kafka_error(err)
                 continue
             tp = (record.topic(), record.partition())
-            tracker = self.offsets.get(tp)
+            tracker = offsets.get(tp)
             if tracker is None or self.draining:
                 continue  # not ours any more, or draining: Kafka redelivers it
-            message = Message.from_kafka(record)
-            tracker.received(message.offset)
-            items.append(WorkItem(message=message, lane=lane_of(message)))
+            tracker.received(record.offset())
+            message = from_kafka(record)
+            lane = tp if lane_of is None else lane_of(message)
+            items.append(WorkItem(message, lane, tp))
             touched.add(tp)
         if not items:
             return
@@ -165,14 +165,14 @@ class PollLoop:
         counts: dict[str, int],
         generations: dict[TopicPartition, int],
     ) -> None:
-        item, outcome = done.item, done.outcome
+        item, outcome, error = done
         tp = item.tp
         live = generations.get(tp) == item.generation
         if outcome is Outcome.DLQ_BLOCKED:
             if live and not item.dlq_blocked:
                 item.dlq_blocked = True
                 self.dlq_blocked[tp] += 1
-                self._pause(tp, "dlq", error=done.error)
+                self._pause(tp, "dlq", error=error)
             return
         if item.dlq_blocked:
             item.dlq_blocked = False
@@ -181,7 +181,7 @@ class PollLoop:
                 del self.dlq_blocked[tp]
                 self._resume(tp, "dlq")
         if outcome.final:
-            counts[outcome.value] += 1
+            counts[outcome.label] += 1
         if self._watch is not None and item in self._watch:
             self._watch.discard(item)
             self._count_drained(outcome)

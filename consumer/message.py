@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -17,36 +16,109 @@ __all__ = ["EVENT_ID_HEADER", "Message"]
 EVENT_ID_HEADER = "event_id"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Message:
     """One Kafka record, read-only.
 
     ``headers`` keeps every header in order (Kafka allows repeats);
     :meth:`header` returns the last value of a name. ``event_id`` is the
     ``event_id`` header decoded as UTF-8, or None when the producer sent none.
+    Messages compare equal when every field but ``tx`` is.
     """
 
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...] = ()
-    timestamp_ms: int | None = None
-    _tx: Connection | None = field(default=None, repr=False, compare=False)
+    __slots__ = (
+        "_headers",
+        "_key",
+        "_offset",
+        "_partition",
+        "_timestamp_ms",
+        "_topic",
+        "_tx",
+        "_value",
+    )
 
-    @classmethod
-    def from_kafka(cls, record: Any) -> Message:
-        raw: Sequence[tuple[str, bytes | None]] = record.headers() or ()
-        ts_type, ts = record.timestamp()
-        return cls(
-            topic=record.topic(),
-            partition=record.partition(),
-            offset=record.offset(),
-            key=record.key(),
-            value=record.value(),
-            headers=tuple([(name, value or b"") for name, value in raw]) if raw else (),
-            timestamp_ms=ts if ts_type else None,
+    def __init__(
+        self,
+        *,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]] = (),
+        timestamp_ms: int | None = None,
+        _tx: Connection | None = None,
+    ) -> None:
+        self._topic = topic
+        self._partition = partition
+        self._offset = offset
+        self._key = key
+        self._value = value
+        self._headers: tuple[tuple[str, bytes], ...] | None = tuple(headers)
+        self._timestamp_ms = timestamp_ms
+        self._tx = _tx
+
+    @staticmethod
+    def from_kafka(record: Any) -> Message:
+        """The message of a confluent-kafka record."""
+        m = _KafkaMessage.__new__(_KafkaMessage)
+        m._record = record
+        m._headers = None
+        m._tx = None
+        return m
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    @property
+    def partition(self) -> int:
+        return self._partition
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def key(self) -> bytes | None:
+        return self._key
+
+    @property
+    def value(self) -> bytes | None:
+        return self._value
+
+    @property
+    def timestamp_ms(self) -> int | None:
+        return self._timestamp_ms
+
+    @property
+    def headers(self) -> tuple[tuple[str, bytes], ...]:
+        assert self._headers is not None
+        return self._headers
+
+    def _fields(self) -> tuple[object, ...]:
+        return (
+            self.topic,
+            self.partition,
+            self.offset,
+            self.key,
+            self.value,
+            self.headers,
+            self.timestamp_ms,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"Message(topic={self.topic!r}, partition={self.partition!r}, "
+            f"offset={self.offset!r}, key={self.key!r}, value={self.value!r}, "
+            f"headers={self.headers!r}, timestamp_ms={self.timestamp_ms!r})"
         )
 
     def header(self, name: str) -> bytes | None:
@@ -120,3 +192,60 @@ class Message:
 
     def _where(self) -> str:
         return f"{self.topic}[{self.partition}]@{self.offset}"
+
+
+class _KafkaMessage(Message):
+    """A :class:`Message` that reads its fields from the confluent-kafka record
+    when asked. The poll loop builds one per record and most handlers read a
+    field or two: copying every field (and decoding the headers) up front was
+    the largest per-message cost of the loop."""
+
+    __slots__ = ("_record",)
+
+    _record: Any
+
+    @property
+    def topic(self) -> str:
+        topic: str = self._record.topic()
+        return topic
+
+    @property
+    def partition(self) -> int:
+        partition: int = self._record.partition()
+        return partition
+
+    @property
+    def offset(self) -> int:
+        offset: int = self._record.offset()
+        return offset
+
+    @property
+    def key(self) -> bytes | None:
+        key: bytes | None = self._record.key()
+        return key
+
+    @property
+    def value(self) -> bytes | None:
+        value: bytes | None = self._record.value()
+        return value
+
+    @property
+    def timestamp_ms(self) -> int | None:
+        ts_type, ts = self._record.timestamp()
+        timestamp_ms: int | None = ts if ts_type else None
+        return timestamp_ms
+
+    @property
+    def headers(self) -> tuple[tuple[str, bytes], ...]:
+        headers = self._headers
+        if headers is None:
+            # Two threads may both decode; they get equal tuples, either may stay.
+            raw: Sequence[tuple[str, bytes | None]] = self._record.headers() or ()
+            headers = tuple([(name, value or b"") for name, value in raw])
+            self._headers = headers
+        return headers
+
+    def with_tx(self, tx: Connection | None) -> Message:
+        m = _KafkaMessage.__new__(_KafkaMessage)
+        m._record, m._headers, m._tx = self._record, self._headers, tx
+        return m

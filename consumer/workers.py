@@ -42,16 +42,13 @@ class WorkItem:
 
     message: Message
     lane: Hashable
+    tp: TopicPartition
     generation: int = 0
     attempts: int = 0
     first_attempt_at: float | None = None
     failure: object | None = None  # set once the handler gave up: the DLQ write is pending
     dlq_attempts: int = 0
     dlq_blocked: bool = False  # owned by the poll loop
-
-    @property
-    def tp(self) -> TopicPartition:
-        return (self.message.topic, self.message.partition)
 
 
 class Dispatcher:

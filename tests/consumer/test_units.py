@@ -54,7 +54,7 @@ def test_confirmed_commit_counts_covered_messages() -> None:
 
 def _item(tp: tuple[str, int], key: bytes, offset: int) -> WorkItem:
     msg = Message(topic=tp[0], partition=tp[1], offset=offset, key=key, value=b"")
-    return WorkItem(message=msg, lane=(tp, key))
+    return WorkItem(message=msg, lane=(tp, key), tp=tp)
 
 
 def test_a_lane_runs_one_message_at_a_time_in_order() -> None:
@@ -200,3 +200,59 @@ def test_retry_policy_is_bounded_by_attempts_and_time() -> None:
     assert all(
         0 <= policy.next_delay(attempts=2, started_at=now, now=now) <= 1.0 for _ in range(50)
     )  # type: ignore[operator]
+
+
+class _Record:
+    """The confluent-kafka record methods a Message reads (a unit-test stand-in)."""
+
+    def __init__(self) -> None:
+        self.header_reads = 0
+
+    def topic(self) -> str:
+        return "orders"
+
+    def partition(self) -> int:
+        return 2
+
+    def offset(self) -> int:
+        return 41
+
+    def key(self) -> bytes:
+        return b"k"
+
+    def value(self) -> bytes:
+        return b'{"id": 1}'
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_700_000_000_000)
+
+    def headers(self) -> list[tuple[str, bytes | None]]:
+        self.header_reads += 1
+        return [("event_id", b"01J"), ("empty", None)]
+
+
+def test_a_message_from_kafka_reads_its_record_and_decodes_headers_once() -> None:
+    record = _Record()
+    m = Message.from_kafka(record)
+    assert (m.topic, m.partition, m.offset, m.key, m.json()) == ("orders", 2, 41, b"k", {"id": 1})
+    assert m.timestamp_ms == 1_700_000_000_000
+    assert record.header_reads == 0, "headers are decoded only when read"
+    assert m.headers == (("event_id", b"01J"), ("empty", b""))
+    assert m.event_id == "01J" and m.header("empty") == b""
+    assert record.header_reads == 1
+    built = Message(
+        topic="orders",
+        partition=2,
+        offset=41,
+        key=b"k",
+        value=b'{"id": 1}',
+        headers=(("event_id", b"01J"), ("empty", b"")),
+        timestamp_ms=1_700_000_000_000,
+    )
+    assert m == built and hash(m) == hash(built) and repr(m) == repr(built)
+    with_tx = m.with_tx(None)
+    assert with_tx == m and record.header_reads == 1
+    with pytest.raises(AttributeError):
+        m.topic = "other"  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="needs the inbox"):
+        _ = m.tx
