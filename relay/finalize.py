@@ -60,6 +60,10 @@ class Decision:
     acked_mono: float | None = None
     #: Label for ``outbox_topic_paused{reason}`` (paused rows).
     pause_reason: str | None = None
+    #: Kafka acknowledged this row although an earlier row of its key in the
+    #: batch failed to send (released rows): the acknowledged copy may sit in
+    #: the partition ahead of that earlier event. ``(row id, error)`` of it.
+    acked_ahead_of: tuple[int, str] | None = None
 
 
 @dataclass
@@ -100,20 +104,30 @@ def decide(
     released), a later row of that key in the batch is not marked delivered
     even if Kafka acknowledged it; it is released (attempt refunded) and sent
     again after its predecessor. A ``failed`` row does not hold its key back.
+
+    When the earlier row's send *failed* (it has an error report) and the later
+    one was acknowledged, the later event is already in the partition ahead of
+    the earlier one: librdkafka's idempotent producer skips messages that hit
+    ``message.timeout.ms`` and goes on with the next. The released row's
+    decision says so (``acked_ahead_of``) so the relay can report it.
     """
     decisions: list[Decision] = []
-    open_keys: set[bytes] = set()
+    open_keys: dict[bytes, tuple[int, str] | None] = {}  # key -> failed send, if any
     for row in rows:
         report = reports.get(row.id)
         held = row.key is not None and row.key in open_keys
         if report is None:
             d = Decision(row, Fate.RELEASED, refund=refund_unknown)
         elif report.ok and held:
+            assert row.key is not None
             d = Decision(
                 row,
                 Fate.RELEASED,
                 error="held back: an earlier row of this key was not delivered",
                 refund=True,
+                partition=report.partition,  # where the acknowledged copy went
+                offset=report.offset,
+                acked_ahead_of=open_keys[row.key],
             )
         elif report.ok:
             d = Decision(
@@ -135,7 +149,10 @@ def decide(
         else:
             d = Decision(row, Fate.RETRYABLE, error=report.error)
         if row.key is not None and d.fate not in (Fate.DELIVERED, Fate.FAILED):
-            open_keys.add(row.key)
+            failed_send = None
+            if report is not None and not report.ok:
+                failed_send = (row.id, report.error or "")
+            open_keys[row.key] = open_keys.get(row.key) or failed_send
         decisions.append(d)
     return decisions
 

@@ -42,6 +42,12 @@ class RelayMetrics:
         self.reclaimed = counter(
             "outbox_rows_reclaimed", "Rows taken over from an expired lease of another relay"
         )
+        self.acked_out_of_order = counter(
+            "outbox_rows_acked_out_of_order",
+            "Rows Kafka acknowledged although an earlier row of the same key failed to send "
+            "in the same batch (a message timeout): that event is in the partition ahead of "
+            "the earlier one",
+        )
         self.lease_lost = counter(
             "outbox_lease_lost", "Finalize/release skipped: the row's lease was no longer ours"
         )

@@ -299,6 +299,25 @@ class Relay:
         for d in decisions:
             if d.row.id in lost:
                 continue
+            if d.acked_ahead_of is not None:
+                earlier, error = d.acked_ahead_of
+                m.acked_out_of_order.inc()
+                log_event(
+                    log,
+                    "acked-out-of-order",
+                    level=logging.WARNING,
+                    row_id=d.row.id,
+                    event_id=d.row.event_id,
+                    topic=d.row.topic,
+                    partition=d.partition,
+                    offset=d.offset,
+                    earlier_row_id=earlier,
+                    earlier_error=error,
+                    note=(
+                        "this event is in the partition ahead of the earlier event of its "
+                        "key; it is sent again after it, so the last copies are in order"
+                    ),
+                )
             if d.fate is Fate.DELIVERED:
                 if d.acked_mono is not None:
                     age = batch.db_time(d.acked_mono) - d.row.created_at

@@ -21,11 +21,12 @@ from relay_support import (
 )
 
 from outboxkit import Event
+from outboxkit.relay import Relay
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, ClaimedRow, claim_batch
 from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, decide, finalize
-from outboxkit.relay.publish import ErrorKind, Report
+from outboxkit.relay.publish import ErrorKind, InFlight, Report
 from outboxkit.runtime.testing import capture_json_logs
 from outboxkit.schema.table import outbox_table
 
@@ -62,6 +63,80 @@ def test_later_row_of_a_key_is_not_delivered_before_its_predecessor() -> None:
     assert fates[2].fate is Fate.RELEASED and fates[2].refund, "acked, but its key is open"
     assert fates[3].fate is Fate.DELIVERED and fates[4].fate is Fate.DELIVERED
     assert fates[5].fate is Fate.RELEASED and fates[5].refund, "no report: released"
+
+
+@pytest.mark.unit
+def test_an_ack_after_a_failed_send_of_the_same_key_is_flagged() -> None:
+    rows_ = [_row(1, b"a"), _row(2, b"a"), _row(3, b"a"), _row(4, b"b"), _row(5, b"b")]
+    reports = {1: _err(1, ErrorKind.RETRIABLE), 2: _ok(2), 3: _ok(3), 5: _ok(5)}
+    d = {x.row.id: x for x in decide(rows_, reports, max_attempts=10, refund_unknown=True)}
+    assert d[2].fate is Fate.RELEASED and d[2].acked_ahead_of == (1, "error -192")
+    assert (d[2].partition, d[2].offset) == (0, 2), "where the acknowledged copy went"
+    assert d[3].acked_ahead_of == (1, "error -192"), "ahead of row 1 as well"
+    # Row 4 has no report (not sent, or not awaited): row 5 is held back, but
+    # Kafka keeps produce order, so nothing landed ahead of row 4.
+    assert d[5].fate is Fate.RELEASED and d[5].acked_ahead_of is None
+    # A failed row does not hold its key: what follows it is delivered, not flagged.
+    rows_ = [_row(1, b"a"), _row(2, b"a")]
+    reports = {1: _err(1, ErrorKind.ROW_FAULT, 10), 2: _ok(2)}
+    d1, d2 = decide(rows_, reports, max_attempts=10, refund_unknown=True)
+    assert d1.fate is Fate.FAILED and d2.fate is Fate.DELIVERED and d2.acked_ahead_of is None
+
+
+@pytest.mark.integration
+def test_an_ack_ahead_of_a_timed_out_row_is_reported_and_sent_again_after_it(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+) -> None:
+    """librdkafka skips a message that hit ``message.timeout.ms`` and goes on with
+    the next, so a key's later event can be acknowledged while the earlier one
+    failed. A single broker cannot be made to time out one message and not the
+    next, so the first row's report is replaced by a timeout; rows, Kafka and
+    the relay are real."""
+    topic = kafka_topics(partitions=1)
+    ids = add_events(
+        engine, outbox, [Event(topic=topic, key="k", payload=f"n{i}".encode()) for i in range(3)]
+    )
+    row_ids = [r.id for r in rows(engine, outbox)]
+    relay = Relay(fast_settings(db_url, kafka_bootstrap))
+    real_reports = relay._reports
+    faked: list[int] = []
+
+    def first_row_times_out(inflight: InFlight) -> dict[int, Report]:
+        reports = real_reports(inflight)
+        if not faked and row_ids[0] in reports:
+            faked.append(row_ids[0])
+            reports[row_ids[0]] = Report(
+                row_ids[0], -192, "Local: Message timed out", ErrorKind.RETRIABLE, None, None, 0.0
+            )
+        return reports
+
+    relay._reports = first_row_times_out  # type: ignore[method-assign]
+    with capture_json_logs(level="INFO") as logs:
+        er = EmbeddedRelay(relay).start()
+        try:
+            wait_for(
+                lambda: status_counts(engine, outbox) == {"delivered": 3}, timeout=30, what="all"
+            )
+        finally:
+            assert er.stop() == 0
+    assert er.metric("outbox_rows_acked_out_of_order_total") == 2
+    warned = logs.events("acked-out-of-order")
+    assert [(e["event_id"], e["earlier_row_id"]) for e in warned] == [
+        (ids[1], row_ids[0]),
+        (ids[2], row_ids[0]),
+    ]
+    assert all(e["level"] == "WARNING" and e["partition"] == 0 for e in warned)
+    assert "timed out" in str(warned[0]["earlier_error"])
+    values = [m.value for m in consume(kafka_bootstrap, topic, expected=6)]
+    # First sends n0 n1 n2 (n0's ack was replaced), then n0 again and the two
+    # released rows after it: the last copy of each event is in order.
+    assert values == [b"n0", b"n1", b"n2", b"n0", b"n1", b"n2"]
+    by_id = {r.event_id: r for r in rows(engine, outbox)}
+    assert [by_id[i].attempts for i in ids] == [2, 1, 1], "released rows got their attempt back"
 
 
 @pytest.mark.unit
