@@ -28,6 +28,7 @@ from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.publish import ErrorKind, Report, config_fault_reason
 from outboxkit.runtime.logs import log_event, redact
+from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, outbox_table
 
 __all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finalize"]
@@ -191,6 +192,7 @@ def finalize(
         with conn.begin() as tx:
             if _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver) == len(ids):
                 held = set(ids)
+                _record_acked_ahead(conn, table, batch, decisions)
             else:
                 tx.rollback()
                 held = set()
@@ -201,6 +203,7 @@ def finalize(
                 mine = [d for d in decisions if d.row.id in held]
                 groups = _groups(mine)
                 _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver)
+                _record_acked_ahead(conn, table, batch, mine)
     for (fate, _, _), group in groups.items():
         result.counts[fate] += len(group)
     result.lease_lost = [i for i in ids if i not in held]
@@ -215,6 +218,33 @@ def finalize(
             reason="the rows were reclaimed or changed by someone else; left as they are",
         )
     return result
+
+
+def _record_acked_ahead(
+    conn: Connection, table: str, batch: Batch, decisions: Sequence[Decision]
+) -> None:
+    """One ``acked-out-of-order`` recovery event for the batch's rows that Kafka
+    holds ahead of an earlier row of their key, in the finalize transaction: the
+    operator's durable record of which events a first-copy consumer saw early."""
+    ahead = [(d, d.acked_ahead_of) for d in decisions if d.acked_ahead_of is not None]
+    if not ahead:
+        return
+    rows = [
+        {
+            "row_id": d.row.id,
+            "event_id": d.row.event_id,
+            "topic": d.row.topic,
+            "partition": d.partition,
+            "offset": d.offset,
+            "earlier_row_id": earlier,
+            "earlier_error": error,
+        }
+        for d, (earlier, error) in ahead[:_MAX_IDS_LOGGED]
+    ]
+    detail = {"count": len(ahead), "rows": rows}
+    record_recovery(
+        conn, kind="acked-out-of-order", node_id=batch.owner, table=table, detail=detail
+    )
 
 
 def _write_groups(

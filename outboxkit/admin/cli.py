@@ -142,7 +142,9 @@ def register(sub: Any) -> None:
         help="recent recovery events: lease reclaims, requeues, purges",
     )
     rc.add_argument("--limit", type=_positive_int, default=20, help="events to show [20]")
-    rc.add_argument("--kind", help="only this kind: lease-reclaimed, requeue, purge, ...")
+    rc.add_argument(
+        "--kind", help="only this kind: lease-reclaimed, acked-out-of-order, requeue, purge"
+    )
     rc.add_argument(
         "--all-tables", action="store_true", help="events of every outbox table, not just --table"
     )

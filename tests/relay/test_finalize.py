@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, decide, finalize
 from outboxkit.relay.publish import ErrorKind, InFlight, Report
 from outboxkit.runtime.testing import capture_json_logs
-from outboxkit.schema.table import outbox_table
+from outboxkit.schema.table import outbox_table, recovery_table
 
 
 def _row(row_id: int, key: bytes | None, attempts: int = 1) -> ClaimedRow:
@@ -137,6 +138,17 @@ def test_an_ack_ahead_of_a_timed_out_row_is_reported_and_sent_again_after_it(
     assert values == [b"n0", b"n1", b"n2", b"n0", b"n1", b"n2"]
     by_id = {r.event_id: r for r in rows(engine, outbox)}
     assert [by_id[i].attempts for i in ids] == [2, 1, 1], "released rows got their attempt back"
+    r = recovery_table()
+    with engine.connect() as conn:
+        (record,) = conn.execute(
+            sa.select(r).where(r.c.kind == "acked-out-of-order", r.c.table_name == outbox)
+        ).all()
+    detail = json.loads(record.detail)
+    assert record.node_id == relay.settings.node_id and detail["count"] == 2
+    assert [(x["event_id"], x["earlier_row_id"], x["partition"]) for x in detail["rows"]] == [
+        (ids[1], row_ids[0], 0),
+        (ids[2], row_ids[0], 0),
+    ]
 
 
 @pytest.mark.unit
