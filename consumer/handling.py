@@ -42,12 +42,10 @@ class Outcome(enum.Enum):
     RELEASED = "released"  # not finished here; Kafka redelivers it
 
     def __init__(self, value: str) -> None:
-        # Plain attributes, read once or twice per message: an Enum property
-        # (``value``) or a set lookup (Enum hashing is Python code) costs more.
+        # A plain attribute, read once or twice per message: a property doing a
+        # set lookup costs more (Enum hashing is Python code).
         #: Done for good: the offset may move past it.
         self.final = value in ("success", "duplicate", "dlq")
-        #: The ``result`` label of ``worker_messages_total``.
-        self.label = value
 
 
 @dataclass(frozen=True)

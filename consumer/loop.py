@@ -181,7 +181,7 @@ class PollLoop:
                 del self.dlq_blocked[tp]
                 self._resume(tp, "dlq")
         if outcome.final:
-            counts[outcome.label] += 1
+            counts[outcome._value_] += 1  # the plain attribute behind ``.value``
         if self._watch is not None and item in self._watch:
             self._watch.discard(item)
             self._count_drained(outcome)

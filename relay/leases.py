@@ -79,59 +79,51 @@ _log = logging.getLogger("outboxkit.relay.leases")
 # pending, so shards change hands in a fraction of a second, not a period.
 _FAST_TICK_S = 0.25
 
-# KEYS: lease keys; ARGV[1]: ttl ms; ARGV[i + 1]: value for KEYS[i].
-# Per key: 1 = done, 0 = key missing, -1 = held by someone else; then one more
-# element, Redis's clock in ms. Scripts run one at a time, so these clocks order
-# every acquire and release of a shard across relays (logged as ``redis_ms``).
-_RENEW_LUA = """
-local out = {}
+
+def _per_key_script(body: str) -> str:
+    """A Lua script that runs ``body`` for each lease key.
+
+    KEYS: lease keys; ARGV[1]: ttl ms; ARGV[i + 1]: the value for KEYS[i]. ``body``
+    sees ``key`` and ``value`` and sets ``out[i]``: 1 = done, 0 = key missing,
+    -1 = held by someone else. One more element follows the results: Redis's
+    clock in ms. Scripts run one at a time, so these clocks order every acquire
+    and release of a shard across relays (logged as ``redis_ms``).
+    """
+    return f"""
+local out = {{}}
 for i, key in ipairs(KEYS) do
-  local v = redis.call('GET', key)
-  if v == ARGV[i + 1] then
-    redis.call('PEXPIRE', key, ARGV[1])
+  local value = ARGV[i + 1]
+{body}end
+local t = redis.call('TIME')
+out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return out
+"""
+
+
+def _compare_and(action: str) -> str:
+    """``action`` only where the key holds exactly ``value``."""
+    return f"""  local v = redis.call('GET', key)
+  if v == value then
+    {action}
     out[i] = 1
   elseif v then
     out[i] = -1
   else
     out[i] = 0
   end
-end
-local t = redis.call('TIME')
-out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return out
 """
 
-_RELEASE_LUA = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  local v = redis.call('GET', key)
-  if v == ARGV[i + 1] then
-    redis.call('DEL', key)
-    out[i] = 1
-  elseif v then
-    out[i] = -1
-  else
-    out[i] = 0
-  end
-end
-local t = redis.call('TIME')
-out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return out
-"""
 
-_ACQUIRE_LUA = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('SET', key, ARGV[i + 1], 'NX', 'PX', ARGV[1]) then
+_RENEW_LUA = _per_key_script(_compare_and("redis.call('PEXPIRE', key, ARGV[1])"))
+_RELEASE_LUA = _per_key_script(_compare_and("redis.call('DEL', key)"))
+_ACQUIRE_LUA = _per_key_script(
+    """  if redis.call('SET', key, value, 'NX', 'PX', ARGV[1]) then
     out[i] = 1
   else
     out[i] = 0
   end
-end
-local t = redis.call('TIME')
-out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return out
 """
+)
 
 # KEYS[1]: members zset; ARGV[1]: node id; ARGV[2]: ttl ms; ARGV[3]: '1' join, '0' leave.
 # Scores are expiry times in Redis server milliseconds, so pod clocks never matter.
