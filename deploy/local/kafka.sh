@@ -2,6 +2,11 @@
 # Local Kafka broker for tests (KRaft, single node, broker+controller combined):
 #   kafka.sh start|stop|status|kill [--name N] [--port P] [--controller-port C]
 #                                   [--message-max-bytes B] [--heap H]
+#                                   [--proxied-port Q --proxied-advertised-port X]
+#
+# --proxied-port adds a second listener (PROXIED) on Q that advertises port X:
+# clients that bootstrap through a TCP proxy listening on X (forwarding to Q)
+# then keep talking through the proxy, while PLAINTEXT on --port stays direct.
 #
 # Jars come from Maven Central (kafka/pom.xml) into .kafka/lib on first use.
 # Each instance has its own config, data dir, pid and log under .state/kafka-<name>/.
@@ -10,13 +15,15 @@ SERVICE=kafka
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-EXTRA_FLAGS=(controller-port message-max-bytes heap)
+EXTRA_FLAGS=(controller-port message-max-bytes heap proxied-port proxied-advertised-port)
 parse_args "$@"
 load_settings
 PORT="${PORT:-9092}"
 CONTROLLER_PORT="${CONTROLLER_PORT:-$((PORT + 1))}"
 MESSAGE_MAX_BYTES="${MESSAGE_MAX_BYTES:-}"
 HEAP="${HEAP:-512m}"
+PROXIED_PORT="${PROXIED_PORT:-}"
+PROXIED_ADVERTISED_PORT="${PROXIED_ADVERTISED_PORT:-$PROXIED_PORT}"
 
 KAFKA_HOME="$LOCAL_DIR/.kafka"
 LIB_DIR="$KAFKA_HOME/lib"
@@ -55,13 +62,21 @@ java_cmd() {
 }
 
 write_config() {
+    local listeners="PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT"
+    local advertised="PLAINTEXT://127.0.0.1:$PORT"
+    local protocols="PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    if [[ -n "$PROXIED_PORT" ]]; then
+        listeners+=",PROXIED://127.0.0.1:$PROXIED_PORT"
+        advertised+=",PROXIED://127.0.0.1:$PROXIED_ADVERTISED_PORT"
+        protocols+=",PROXIED:PLAINTEXT"
+    fi
     cat >"$PROPS" <<EOF
 process.roles=broker,controller
 node.id=1
-listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+listeners=$listeners
+advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=$protocols
 inter.broker.listener.name=PLAINTEXT
 controller.quorum.bootstrap.servers=127.0.0.1:$CONTROLLER_PORT
 log.dirs=$DATA_DIR
@@ -134,8 +149,10 @@ start() {
     else
         require_free_port "$PORT"
         require_free_port "$CONTROLLER_PORT"
+        [[ -z "$PROXIED_PORT" ]] || require_free_port "$PROXIED_PORT"
         mkdir -p "$INSTANCE_DIR"
-        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP
+        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP PROXIED_PORT \
+            PROXIED_ADVERTISED_PORT
         write_config
         java_cmd
         if [[ ! -f "$DATA_DIR/meta.properties" ]]; then

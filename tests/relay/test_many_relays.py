@@ -6,7 +6,6 @@ Real MariaDB, Kafka and Redis; relays run as ``outboxkit relay`` subprocesses
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 import signal
@@ -32,6 +31,7 @@ from relay_support import (
     status_counts,
     wait_for,
 )
+from support.ownership import assert_never_owned_twice as never_owned_twice
 
 from outboxkit import Event, enable_wakeups, enqueue
 from outboxkit.relay import RelaySettings
@@ -106,46 +106,10 @@ def fair_now(client: redis.Redis[bytes], prefix: str, table: str, live: int) -> 
     return True
 
 
-def assert_never_owned_twice(procs: list[RelayProcess]) -> int:
-    """Rebuild each shard's ownership intervals from the relays' lease events and
-    check that no two relays' intervals overlap. Returns the number of intervals.
-
-    An interval opens at ``shard-acquired`` and closes at ``shard-released`` or
-    ``shard-lost``. Lease scripts run one at a time in Redis and each event that
-    comes from one carries Redis's clock (``redis_ms``), so a release and the next
-    owner's acquisition are ordered exactly, however late either relay gets to
-    log it. ``lease-unproven`` is a local deadline and carries the relay's clock
-    (the same machine's), seconds before the lease can expire in Redis.
-    """
-    events: list[tuple[float, str, str, int, str]] = []
-    for p in procs:
-        for r in p.records:
-            if r.get("event") in ("shard-acquired", "shard-released", "shard-lost"):
-                if "redis_ms" in r:
-                    at = r["redis_ms"] / 1000
-                else:
-                    at = dt.datetime.strptime(r["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
-                events.append((at, r["event"], r["node_id"], r["shard"], r.get("reason", "")))
-    events.sort()
-    intervals: dict[int, list[tuple[str, float, float]]] = defaultdict(list)
-    open_: dict[tuple[int, str], float] = {}
-    for at, event, node, shard, _reason in events:
-        if event == "shard-acquired":
-            open_.setdefault((shard, node), at)
-        elif (shard, node) in open_:
-            intervals[shard].append((node, open_.pop((shard, node)), at))
-    for (shard, node), since in open_.items():
-        intervals[shard].append((node, since, math.inf))
-    for shard, spans in intervals.items():
-        for i, (node, start, end) in enumerate(spans):
-            for other, o_start, o_end in spans[i + 1 :]:
-                if other != node and min(end, o_end) > max(start, o_start):
-                    timeline = [e for e in events if e[3] == shard]
-                    raise AssertionError(
-                        f"shard {shard}: {node} held it {start:.3f}-{end:.3f} and {other} "
-                        f"{o_start:.3f}-{o_end:.3f}; timeline {timeline}"
-                    )
-    return sum(len(spans) for spans in intervals.values())
+def assert_never_owned_twice(procs: list[Any]) -> int:
+    """No two relays' ownership intervals of a shard overlap on Redis's clock
+    (``support.ownership``); returns the number of intervals."""
+    return never_owned_twice(r for p in procs for r in p.records)
 
 
 @pytest.mark.unit

@@ -158,7 +158,11 @@ class ServiceInstance:
 
 
 class KafkaInstance(ServiceInstance):
-    """A single-node KRaft broker; ``message_max_bytes`` caps the broker's record batch size."""
+    """A single-node KRaft broker; ``message_max_bytes`` caps the broker's record batch size.
+
+    ``proxied_port`` adds a second listener that advertises ``proxied_advertised_port``:
+    clients bootstrapping through a TCP proxy on that port stay behind the proxy.
+    """
 
     service = "kafka"
 
@@ -168,14 +172,28 @@ class KafkaInstance(ServiceInstance):
         port: int,
         controller_port: int,
         message_max_bytes: int | None = None,
+        *,
+        proxied_port: int | None = None,
+        proxied_advertised_port: int | None = None,
     ) -> None:
         super().__init__(name, port)
         self.controller_port = controller_port
         self.message_max_bytes = message_max_bytes
+        self.proxied_port = proxied_port
+        self.proxied_advertised_port = proxied_advertised_port
 
     def _extra_args(self) -> list[str]:
         mmb = "" if self.message_max_bytes is None else str(self.message_max_bytes)
-        return ["--controller-port", str(self.controller_port), "--message-max-bytes", mmb]
+        args = ["--controller-port", str(self.controller_port), "--message-max-bytes", mmb]
+        if self.proxied_port is not None:
+            advertised = self.proxied_advertised_port or self.proxied_port
+            args += [
+                "--proxied-port",
+                str(self.proxied_port),
+                "--proxied-advertised-port",
+                str(advertised),
+            ]
+        return args
 
     @property
     def bootstrap(self) -> str:

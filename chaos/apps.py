@@ -1,0 +1,59 @@
+"""The consumer class of a run: ``outboxkit consume chaos.apps:EffectConsumer --inbox``.
+
+Each message writes one row to the effect table through the inbox transaction
+(``message.tx``), so the effect and the inbox row commit together. The effect
+table has no unique key: an effect applied twice shows as two rows.
+
+While the file named by ``CHAOS_SLOW_FILE`` exists, each message takes
+``CHAOS_SLOW_S`` seconds (a slow handler for drain faults).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import sqlalchemy as sa
+
+from outboxkit.consumer import Consumer, Message
+
+EFFECTS = "chaos_effects"
+
+_INSERT = sa.text(
+    f"INSERT INTO {EFFECTS} (event_id, msg_key, node_id, kafka_partition, kafka_offset)"
+    " VALUES (:event_id, :key, :node, :partition, :offset)"
+)
+
+
+def create_effect_table(conn: sa.Connection) -> None:
+    conn.execute(
+        sa.text(
+            f"CREATE TABLE IF NOT EXISTS {EFFECTS} ("
+            " id BIGINT AUTO_INCREMENT PRIMARY KEY,"
+            " event_id VARCHAR(128) NOT NULL, msg_key VARCHAR(64) NULL,"
+            " node_id VARCHAR(128) NOT NULL, kafka_partition INT NOT NULL,"
+            " kafka_offset BIGINT NOT NULL,"
+            " at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),"
+            " KEY (event_id)) ENGINE=InnoDB"
+        )
+    )
+
+
+class EffectConsumer(Consumer):
+    slow_file = os.environ.get("CHAOS_SLOW_FILE", "")
+    slow_s = float(os.environ.get("CHAOS_SLOW_S", "0.3"))
+    node = os.environ.get("OUTBOXKIT_NODE_ID", "consumer")
+
+    def handle(self, message: Message) -> None:
+        if self.slow_file and os.path.exists(self.slow_file):
+            time.sleep(self.slow_s)
+        message.tx.execute(
+            _INSERT,
+            {
+                "event_id": message.event_id,
+                "key": message.key.decode() if message.key else None,
+                "node": self.node,
+                "partition": message.partition,
+                "offset": message.offset,
+            },
+        )

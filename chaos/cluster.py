@@ -1,0 +1,236 @@
+"""The run's own named service instances and the Toxiproxy in front of them.
+
+MariaDB, Kafka and Redis are named instances of ``deploy/local/*.sh`` on ports
+the OS hands out, so killing them disturbs nothing else on the machine. The
+relays reach all three through Toxiproxy (network faults touch only them);
+the writer, the consumers and the checks connect directly. Kafka has a second
+listener whose advertised port is the proxy's, so a relay that bootstraps
+through the proxy stays behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+
+from chaos.apps import create_effect_table
+from outboxkit.schema import apply_schema
+from tests.support.services import (
+    STATE_DIR,
+    KafkaInstance,
+    MariaDBInstance,
+    RedisInstance,
+    free_ports,
+)
+
+HERE = Path(__file__).resolve().parent
+RELAY_DB_USER = "chaos_relay"
+
+
+class Toxiproxy:
+    """The Toxiproxy server, driven over its HTTP API with the standard library."""
+
+    def __init__(self, port: int, logs: Path) -> None:
+        self.port = port
+        self.logs = logs
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = subprocess.run(
+            [str(HERE / "toxiproxy.sh")], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        log = (self.logs / "toxiproxy.log").open("ab")
+        self.proc = subprocess.Popen(
+            [binary, "-host", "127.0.0.1", "-port", str(self.port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self._call("GET", "/version")
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (our http:// URL)
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def proxy(self, name: str, listen: int, upstream: int) -> None:
+        self._call(
+            "POST",
+            "/proxies",
+            {
+                "name": name,
+                "listen": f"127.0.0.1:{listen}",
+                "upstream": f"127.0.0.1:{upstream}",
+                "enabled": True,
+            },
+        )
+
+    def add_toxic(self, proxy: str, toxic: str, kind: str, attributes: dict[str, int]) -> None:
+        for stream in ("downstream", "upstream"):
+            self._call(
+                "POST",
+                f"/proxies/{proxy}/toxics",
+                {
+                    "name": f"{toxic}-{stream}",
+                    "type": kind,
+                    "stream": stream,
+                    "toxicity": 1.0,
+                    "attributes": attributes,
+                },
+            )
+
+    def remove_toxic(self, proxy: str, toxic: str) -> None:
+        for stream in ("downstream", "upstream"):
+            with contextlib.suppress(OSError):
+                self._call("DELETE", f"/proxies/{proxy}/toxics/{toxic}-{stream}")
+
+
+@dataclass
+class Cluster:
+    name: str
+    logs: Path
+    db: MariaDBInstance
+    kafka: KafkaInstance
+    redis: RedisInstance
+    toxiproxy: Toxiproxy
+    proxy_ports: dict[str, int]
+
+    @classmethod
+    def plan(cls, name: str, logs: Path) -> Cluster:
+        (db, kafka, controller, proxied, rds, toxi, p_db, p_kafka, p_redis) = free_ports(9)
+        return cls(
+            name=name,
+            logs=logs,
+            db=MariaDBInstance(f"{name}-db", db),
+            kafka=KafkaInstance(
+                f"{name}-kafka",
+                kafka,
+                controller,
+                proxied_port=proxied,
+                proxied_advertised_port=p_kafka,
+            ),
+            redis=RedisInstance(f"{name}-redis", rds),
+            toxiproxy=Toxiproxy(toxi, logs),
+            proxy_ports={"db": p_db, "kafka": p_kafka, "redis": p_redis},
+        )
+
+    # -- addresses -----------------------------------------------------------
+    @property
+    def db_url(self) -> str:
+        return self.db.url
+
+    @property
+    def relay_db_url(self) -> str:
+        pw = RELAY_DB_USER
+        return f"mysql+pymysql://{RELAY_DB_USER}:{pw}@127.0.0.1:{self.proxy_ports['db']}/outboxkit_test"
+
+    @property
+    def bootstrap(self) -> str:
+        return self.kafka.bootstrap
+
+    @property
+    def relay_bootstrap(self) -> str:
+        return f"127.0.0.1:{self.proxy_ports['kafka']}"
+
+    @property
+    def relay_redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.proxy_ports['redis']}/0"
+
+    # -- life cycle ----------------------------------------------------------
+    def start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.toxiproxy.start()
+        errors: list[BaseException] = []
+
+        def up(instance: Any) -> None:
+            try:
+                instance.start(fresh=True)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=up, args=(i,)) for i in (self.db, self.kafka, self.redis)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.toxiproxy.proxy("db", self.proxy_ports["db"], self.db.port)
+        assert self.kafka.proxied_port is not None
+        self.toxiproxy.proxy("kafka", self.proxy_ports["kafka"], self.kafka.proxied_port)
+        self.toxiproxy.proxy("redis", self.proxy_ports["redis"], self.redis.port)
+
+    def prepare(self, topic: str, partitions: int, shards: int) -> None:
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        engine = self.engine()
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"CREATE USER IF NOT EXISTS '{RELAY_DB_USER}'@'127.0.0.1' "
+                    f"IDENTIFIED BY '{RELAY_DB_USER}'"
+                )
+            )
+            conn.execute(sa.text(f"GRANT ALL ON outboxkit_test.* TO '{RELAY_DB_USER}'@'127.0.0.1'"))
+            create_effect_table(conn)
+        apply_schema(engine, shards=shards)
+        engine.dispose()
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        futures = admin.create_topics(
+            [
+                NewTopic(topic, num_partitions=partitions, replication_factor=1),
+                NewTopic(f"{topic}.dlq", num_partitions=1, replication_factor=1),
+            ]
+        )
+        for f in futures.values():
+            f.result(30)
+
+    def engine(self) -> sa.Engine:
+        return sa.create_engine(self.db_url, pool_pre_ping=True)
+
+    def redis_client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis.url, socket_timeout=5)
+
+    def stop(self, keep: bool) -> None:
+        for instance in (self.db, self.kafka, self.redis):
+            with contextlib.suppress(Exception):
+                instance.stop()
+            if not keep:
+                shutil.rmtree(STATE_DIR / f"{instance.service}-{instance.name}", ignore_errors=True)
+        self.toxiproxy.stop()

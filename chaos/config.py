@@ -1,0 +1,158 @@
+"""Run sizes and the timings every process of a run shares."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+from dataclasses import dataclass, field
+
+#: Fault kinds in the order they were built; the schedule draws from these.
+KINDS: tuple[str, ...] = (
+    "relay-kill",
+    "relay-redeploy",
+    "relay-stall",
+    "consumer-kill",
+    "consumer-drain",
+    "kafka-kill",
+    "kafka-freeze",
+    "redis-restart",
+    "redis-freeze",
+    "db-kill-connections",
+    "db-restart",
+    "net-latency",
+    "net-timeout",
+    "net-reset",
+)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Short timeouts so a fault resolves in seconds. The relations the relay checks
+    at start hold: lease_ttl > batch deadline (message timeout + 2 s) + flush;
+    shard_lease_ttl > 2 x renew + batch budget (batch deadline + 1 s)."""
+
+    message_timeout_s: float = 3.0
+    lease_ttl_s: float = 8.0
+    flush_timeout_s: float = 1.0
+    shard_lease_ttl_s: float = 8.0
+    shard_renew_s: float = 0.5
+    relay_batch_size: int = 200
+    relay_max_attempts: int = 100
+    consumer_session_timeout_ms: int = 6000
+    slow_handler_s: float = 0.3
+
+    @property
+    def batch_budget_s(self) -> float:
+        return self.message_timeout_s + 2.0 + 1.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    seed: int
+    events: int
+    keys: int
+    relays: int
+    consumers: int
+    #: seconds over which the writer commits and the schedule runs
+    duration_s: float
+    #: faults per kind
+    faults: dict[str, int]
+    partitions: int = 6
+    shards: int = 64
+    settle_timeout_s: float = 600.0
+    keep: bool = False
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def total_faults(self) -> int:
+        return sum(self.faults.values())
+
+    def describe(self) -> dict[str, object]:
+        d = dataclasses.asdict(self)
+        d.pop("keep")
+        return d
+
+
+def _preset(name: str) -> dict[str, object]:
+    if name == "smoke":
+        per = dict.fromkeys(KINDS, 1)
+        per.update({"relay-kill": 2, "relay-redeploy": 2})
+        return {
+            "events": 20_000,
+            "keys": 2_000,
+            "relays": 3,
+            "consumers": 2,
+            "duration_s": 90.0,
+            "faults": per,
+        }
+    if name == "medium":
+        per = dict.fromkeys(KINDS, 2)
+        per.update({"relay-kill": 4, "relay-redeploy": 8})
+        return {
+            "events": 100_000,
+            "keys": 5_000,
+            "relays": 3,
+            "consumers": 2,
+            "duration_s": 300.0,
+            "faults": per,
+        }
+    per = dict.fromkeys(KINDS, 9)
+    per.update({"relay-kill": 15, "relay-redeploy": 100})
+    return {
+        "events": 1_000_000,
+        "keys": 10_000,
+        "relays": 3,
+        "consumers": 2,
+        "duration_s": 1800.0,
+        "faults": per,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    p = argparse.ArgumentParser(
+        prog="chaos/run.sh",
+        description="Run relays and inbox consumers under a seeded fault schedule and check "
+        "that nothing is lost, keys stay in order and every duplicate has a cause.",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--smoke",
+        action="store_const",
+        dest="size",
+        const="smoke",
+        help="about 2 minutes, 20,000 events, every fault kind (the test suite's)",
+    )
+    size.add_argument(
+        "--medium",
+        action="store_const",
+        dest="size",
+        const="medium",
+        help="about 5 minutes, 100,000 events",
+    )
+    p.add_argument("--seed", type=int, help="replay this seed (default: a random one, printed)")
+    p.add_argument("--events", type=int, help="events the writer commits")
+    p.add_argument("--keys", type=int, help="distinct message keys")
+    p.add_argument("--duration", type=float, help="seconds of writing and faults")
+    p.add_argument("--relays", type=int)
+    p.add_argument("--consumers", type=int)
+    p.add_argument("--only", help="comma-separated fault kinds to keep (replay a subset)")
+    p.add_argument("--keep", action="store_true", help="keep the named instances' state")
+    a = p.parse_args(argv)
+    name = a.size or "full"
+    values = _preset(name)
+    for k in ("events", "keys", "relays", "consumers"):
+        if getattr(a, k) is not None:
+            values[k] = getattr(a, k)
+    if a.duration is not None:
+        values["duration_s"] = a.duration
+    faults = dict(values.pop("faults"))  # type: ignore[call-overload]
+    if a.only:
+        keep = {k.strip() for k in a.only.split(",")}
+        unknown = keep - set(KINDS)
+        if unknown:
+            p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+        faults = {k: n for k, n in faults.items() if k in keep}
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    return RunConfig(name=name, seed=seed, faults=faults, keep=a.keep, **values)  # type: ignore[arg-type]

@@ -1,0 +1,208 @@
+"""Carrying out one fault of the schedule. Each returns what it did (node ids,
+exit codes, lease ends observed in Redis) for the checks and the report."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from chaos.cluster import RELAY_DB_USER, Cluster
+from chaos.fleet import REDIS_PREFIX, TABLE, Fleet
+from chaos.procs import Proc
+from chaos.schedule import Fault
+from outboxkit.relay.leases import lease_key
+
+
+@dataclass
+class FaultRecord:
+    fault: Fault
+    started: float
+    ended: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class Injector:
+    def __init__(self, fleet: Fleet, cluster: Cluster) -> None:
+        self.fleet = fleet
+        self.cluster = cluster
+        self.t = fleet.cfg.timings
+        #: lease ends the relays could not log (killed or frozen), on Redis's clock
+        self.lease_ends: list[dict[str, Any]] = []
+
+    def run(self, fault: Fault) -> FaultRecord:
+        rec = FaultRecord(fault, time.time())
+        action = getattr(self, "_" + fault.kind.replace("-", "_"))
+        try:
+            action(fault, rec)
+        except Exception as exc:  # the run goes on; the report lists it
+            rec.error = f"{type(exc).__name__}: {exc}"
+        rec.ended = time.time()
+        return rec
+
+    # -- relays --------------------------------------------------------------
+    def _relay_kill(self, f: Fault, rec: FaultRecord) -> None:
+        with self.fleet.lock:
+            proc = self.fleet.current[f.target]
+            proc.fate = "kill"
+            proc.stopped_at = time.time()
+            proc.kill()
+        rec.detail["node_id"] = proc.node_id
+        self._note_lease_ends(proc, "killed")
+        time.sleep(f.hold_s)
+        rec.detail["replacement"] = self.fleet.start(f.target).node_id
+
+    def _relay_redeploy(self, f: Fault, rec: FaultRecord) -> None:
+        proc = self._terminate(f.target, rec)
+        rec.detail["exit_code"] = proc.exit_code
+        rec.detail["replacement"] = self.fleet.start(f.target).node_id
+
+    def _relay_stall(self, f: Fault, rec: FaultRecord) -> None:
+        proc = self.fleet.current[f.target]
+        rec.detail["node_id"] = proc.node_id
+        proc.signal(signal.SIGSTOP)
+        time.sleep(0.3)  # a renewal sent just before the stop lands in Redis
+        self._note_lease_ends(proc, "frozen")
+        time.sleep(max(0.0, f.hold_s - 0.3))
+        proc.signal(signal.SIGCONT)
+
+    def _terminate(self, slot: str, rec: FaultRecord) -> Proc:
+        with self.fleet.lock:
+            proc = self.fleet.current[slot]
+            proc.fate = "term"
+            proc.stopped_at = time.time()
+        rec.detail["node_id"] = proc.node_id
+        proc.signal(signal.SIGTERM)
+        if proc.wait(45) is None:
+            proc.kill()
+            proc.exit_code = -9
+            rec.detail["hung"] = True
+        return proc
+
+    def _note_lease_ends(self, proc: Proc, why: str) -> None:
+        """A killed or frozen relay renews nothing: its leases end at Redis's
+        ``TIME + PTTL``, which it cannot log itself."""
+        client = self.cluster.redis_client()
+        try:
+            keys = [lease_key(REDIS_PREFIX, TABLE, s) for s in range(self.fleet.cfg.shards)]
+            values = client.mget(keys)
+            sec, usec = client.time()
+            now_ms = sec * 1000 + usec // 1000
+            for shard, (key, value) in enumerate(zip(keys, values, strict=True)):
+                if value is not None and value.decode().rsplit(":", 1)[0] == proc.node_id:
+                    pttl = client.pttl(key)
+                    if pttl > 0:
+                        self.lease_ends.append(
+                            {
+                                "event": "shard-lost",
+                                "node_id": proc.node_id,
+                                "shard": shard,
+                                "redis_ms": now_ms + pttl,
+                                "reason": f"expired-{why}",
+                            }
+                        )
+        finally:
+            client.close()
+
+    # -- consumers -----------------------------------------------------------
+    def _consumer_kill(self, f: Fault, rec: FaultRecord) -> None:
+        with self.fleet.lock:
+            proc = self.fleet.current[f.target]
+            proc.fate = "kill"
+            proc.stopped_at = time.time()
+            proc.kill()
+        rec.detail["node_id"] = proc.node_id
+        time.sleep(f.hold_s)
+        rec.detail["replacement"] = self.fleet.start(f.target).node_id
+
+    def _consumer_drain(self, f: Fault, rec: FaultRecord) -> None:
+        slow = self.fleet.slow_file(f.target)
+        slow.touch()
+        try:
+            time.sleep(f.hold_s)
+            proc = self._terminate(f.target, rec)
+            rec.detail["exit_code"] = proc.exit_code
+        finally:
+            slow.unlink(missing_ok=True)
+        rec.detail["replacement"] = self.fleet.start(f.target).node_id
+
+    # -- Kafka, Redis, MariaDB -----------------------------------------------
+    def _kafka_kill(self, f: Fault, rec: FaultRecord) -> None:
+        self.cluster.kafka.kill()
+        time.sleep(f.hold_s)
+        t0 = time.monotonic()
+        self.cluster.kafka.start()
+        rec.detail["restart_s"] = round(time.monotonic() - t0, 1)
+
+    def _kafka_freeze(self, f: Fault, rec: FaultRecord) -> None:
+        self._freeze(self.cluster.kafka, f.hold_s)
+
+    def _redis_restart(self, f: Fault, rec: FaultRecord) -> None:
+        self.cluster.redis.kill()
+        self.cluster.redis.start()  # no persistence: every lease is forgotten
+
+    def _redis_freeze(self, f: Fault, rec: FaultRecord) -> None:
+        self._freeze(self.cluster.redis, f.hold_s)
+
+    @staticmethod
+    def _freeze(instance: Any, hold_s: float) -> None:
+        instance.pause()
+        try:
+            time.sleep(hold_s)
+        finally:
+            instance.resume()
+
+    def _db_kill_connections(self, f: Fault, rec: FaultRecord) -> None:
+        engine = self.cluster.engine()
+        killed = 0
+        try:
+            for _ in range(3):
+                with engine.connect() as conn:
+                    ids = (
+                        conn.execute(
+                            sa.text(
+                                "SELECT ID FROM information_schema.PROCESSLIST WHERE USER = :u"
+                            ),
+                            {"u": RELAY_DB_USER},
+                        )
+                        .scalars()
+                        .all()
+                    )
+                    for i in ids:
+                        with contextlib.suppress(sa.exc.DBAPIError):
+                            conn.execute(sa.text(f"KILL CONNECTION {int(i)}"))
+                            killed += 1
+                time.sleep(0.5)
+        finally:
+            engine.dispose()
+        rec.detail["killed_connections"] = killed
+
+    def _db_restart(self, f: Fault, rec: FaultRecord) -> None:
+        t0 = time.monotonic()
+        self.cluster.db.kill()
+        self.cluster.db.start()
+        rec.detail["restart_s"] = round(time.monotonic() - t0, 1)
+
+    # -- network (relays <-> one service, through Toxiproxy) -----------------
+    def _net(self, f: Fault, kind: str, attributes: dict[str, int]) -> None:
+        proxy = self.cluster.toxiproxy
+        proxy.add_toxic(f.target, f.kind, kind, attributes)
+        try:
+            time.sleep(f.hold_s)
+        finally:
+            proxy.remove_toxic(f.target, f.kind)
+
+    def _net_latency(self, f: Fault, rec: FaultRecord) -> None:
+        self._net(f, "latency", {"latency": 300, "jitter": 200})
+
+    def _net_timeout(self, f: Fault, rec: FaultRecord) -> None:
+        # no data passes; connections close after 2 s
+        self._net(f, "timeout", {"timeout": 2000})
+
+    def _net_reset(self, f: Fault, rec: FaultRecord) -> None:
+        self._net(f, "reset_peer", {"timeout": 500})

@@ -1,0 +1,163 @@
+"""The relays and consumers of a run, by slot, with every process ever started.
+
+A slot (``relay-1``) always has one current process; a replacement gets a new
+node id (``relay-1-g3``). A process that exits without the harness asking is
+restarted by ``supervise()`` and reported as an unexpected exit.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos.cluster import Cluster
+from chaos.config import RunConfig
+from chaos.procs import Proc
+
+TABLE = "outbox_events"
+REDIS_PREFIX = "chaos:"
+
+
+@dataclass
+class Fleet:
+    cfg: RunConfig
+    cluster: Cluster
+    topic: str
+    logs: Path
+    current: dict[str, Proc] = field(default_factory=dict)
+    history: list[Proc] = field(default_factory=list)
+    unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    _generation: dict[str, int] = field(default_factory=dict)
+
+    # -- settings ------------------------------------------------------------
+    def relay_env(self, node_id: str) -> dict[str, str]:
+        t = self.cfg.timings
+        return {
+            "OUTBOXKIT_DB_URL": self.cluster.relay_db_url,
+            "OUTBOXKIT_KAFKA_BOOTSTRAP": self.cluster.relay_bootstrap,
+            "OUTBOXKIT_KAFKA_CONFIG": f"message.timeout.ms={int(t.message_timeout_s * 1000)}",
+            "OUTBOXKIT_REDIS_URL": self.cluster.relay_redis_url,
+            "OUTBOXKIT_REDIS_PREFIX": REDIS_PREFIX,
+            "OUTBOXKIT_TABLE": TABLE,
+            "OUTBOXKIT_NODE_ID": node_id,
+            "OUTBOXKIT_SERVICE": "chaos-relay",
+            "OUTBOXKIT_HEALTH_PORT": "0",
+            "OUTBOXKIT_START_JITTER": "0.2",
+            "OUTBOXKIT_POLL_INTERVAL": "0.2",
+            "OUTBOXKIT_BATCH_SIZE": str(t.relay_batch_size),
+            "OUTBOXKIT_LEASE_TTL": str(t.lease_ttl_s),
+            "OUTBOXKIT_FLUSH_TIMEOUT": str(t.flush_timeout_s),
+            "OUTBOXKIT_SHUTDOWN_TIMEOUT": "20",
+            "OUTBOXKIT_BACKOFF_BASE": "0.2",
+            "OUTBOXKIT_BACKOFF_CAP": "2",
+            "OUTBOXKIT_MAX_ATTEMPTS": str(t.relay_max_attempts),
+            "OUTBOXKIT_SHARD_LEASE_TTL": str(t.shard_lease_ttl_s),
+            "OUTBOXKIT_SHARD_RENEW_INTERVAL": str(t.shard_renew_s),
+            "OUTBOXKIT_CONNECT_TIMEOUT": "15",
+            "OUTBOXKIT_METRICS_INTERVAL": "5",
+        }
+
+    def consumer_env(self, node_id: str, slot: str) -> dict[str, str]:
+        t = self.cfg.timings
+        return {
+            "OUTBOXKIT_KAFKA_BOOTSTRAP": self.cluster.bootstrap,
+            "OUTBOXKIT_KAFKA_CONFIG": (
+                f"session.timeout.ms={t.consumer_session_timeout_ms},heartbeat.interval.ms=1000"
+            ),
+            "OUTBOXKIT_DB_URL": self.cluster.db_url,
+            "OUTBOXKIT_INBOX": "true",
+            "OUTBOXKIT_GROUP_ID": "chaos",
+            "OUTBOXKIT_TOPICS": self.topic,
+            "OUTBOXKIT_NODE_ID": node_id,
+            "OUTBOXKIT_SERVICE": "chaos-consumer",
+            "OUTBOXKIT_HEALTH_PORT": "0",
+            "OUTBOXKIT_CONCURRENCY": "2",
+            "OUTBOXKIT_COMMIT_INTERVAL": "1",
+            "OUTBOXKIT_WORKER_DRAIN_TIMEOUT": "8",
+            "OUTBOXKIT_CLOSE_TIMEOUT": "5",
+            "OUTBOXKIT_SHUTDOWN_TIMEOUT": "20",
+            # database restarts are transient: retry rather than dead-letter
+            "OUTBOXKIT_MAX_ATTEMPTS": "1000",
+            "OUTBOXKIT_RETRY_BACKOFF_CAP": "2",
+            "OUTBOXKIT_RETRY_MAX_TIME": "900",
+            "CHAOS_SLOW_FILE": str(self.slow_file(slot)),
+            "CHAOS_SLOW_S": str(t.slow_handler_s),
+        }
+
+    def slow_file(self, slot: str) -> Path:
+        return self.logs / f"slow-{slot}"
+
+    # -- processes -----------------------------------------------------------
+    def start(self, slot: str, *, wait: bool = True) -> Proc:
+        with self.lock:
+            gen = self._generation.get(slot, -1) + 1
+            self._generation[slot] = gen
+            node_id = f"{slot}-g{gen}"
+            if slot.startswith("relay"):
+                proc = Proc.start(
+                    "relay",
+                    slot,
+                    node_id,
+                    ["-m", "outboxkit", "relay"],
+                    self.relay_env(node_id),
+                    self.logs,
+                )
+                started_event = "relay-started"
+            else:
+                proc = Proc.start(
+                    "consumer",
+                    slot,
+                    node_id,
+                    ["-m", "outboxkit", "consume", "chaos.apps:EffectConsumer"],
+                    self.consumer_env(node_id, slot),
+                    self.logs,
+                )
+                started_event = "partitions-assigned"
+            self.current[slot] = proc
+            self.history.append(proc)
+        if wait and slot.startswith("relay"):
+            proc.wait_for_event(started_event, 60)
+        return proc
+
+    def slots(self, role: str) -> list[str]:
+        n = self.cfg.relays if role == "relay" else self.cfg.consumers
+        return [f"{role}-{i}" for i in range(n)]
+
+    def supervise(self) -> None:
+        """Restart a current process that exited on its own (called every second)."""
+        with self.lock:
+            for slot, proc in list(self.current.items()):
+                if proc.fate is None and not proc.alive():
+                    code = proc.wait(1)
+                    proc.fate = "exited"
+                    self.unexpected_exits.append(
+                        {
+                            "node_id": proc.node_id,
+                            "exit_code": code,
+                            "at": time.time(),
+                            "tail": proc.tail(8),
+                        }
+                    )
+                    print(
+                        f"[chaos] {proc.node_id} exited on its own (code {code}); restarting",
+                        flush=True,
+                    )
+                    self.start(slot, wait=False)
+
+    def stop_all(self, timeout: float = 40.0) -> None:
+        with self.lock:
+            procs = [p for p in self.current.values() if p.alive()]
+            for p in procs:
+                p.fate = "term"
+                p.stopped_at = time.time()
+                p.signal(signal.SIGCONT)
+                p.signal(signal.SIGTERM)
+            for p in procs:
+                if p.wait(timeout) is None:
+                    p.kill()
+                    p.exit_code = -9

@@ -1,0 +1,392 @@
+"""One chaos run from start to verdict:
+
+1. start named MariaDB, Kafka, Redis and Toxiproxy on free ports; schema, topic;
+2. start the relays, the consumers and the writer; run the fault schedule while
+   the writer commits; print progress;
+3. settle: wait until every committed row is delivered and consumed;
+4. SIGTERM everything (these drains are checked too), read Kafka, the database
+   and the logs back, run the checks, print the verdict and the figures;
+5. stop and delete the instances (``--keep`` keeps them).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from chaos.checks import Check, KafkaCopy, Observed, Row, faults_before, run_checks
+from chaos.cluster import Cluster
+from chaos.config import RunConfig, parse_args
+from chaos.faults import FaultRecord, Injector
+from chaos.fleet import TABLE, Fleet
+from chaos.procs import Proc
+from chaos.schedule import Fault, make_schedule
+
+RECOVERY_AHEAD = "SELECT detail FROM outboxkit_recovery_events WHERE kind = 'acked-out-of-order'"
+RESULTS = Path(__file__).resolve().parent / "results"
+TOPIC = "chaos.events"
+
+
+def say(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    schedule = make_schedule(cfg)
+    run_id = f"{cfg.name}-{cfg.seed}-{time.strftime('%Y%m%dT%H%M%S')}"
+    logs = RESULTS / run_id
+    logs.mkdir(parents=True, exist_ok=True)
+    say(
+        f"run {run_id}: seed {cfg.seed} (replay: ./chaos/run.sh"
+        f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed})"
+    )
+    say(
+        f"{cfg.events} events, {cfg.keys} keys, {cfg.relays} relays, {cfg.consumers} consumers, "
+        f"{cfg.duration_s:.0f} s, {cfg.total_faults} faults; logs in {logs}"
+    )
+    print("fault schedule:\n" + "\n".join(f"  {f}" for f in schedule), flush=True)
+    cluster = Cluster.plan(f"chaos{os.getpid()}", logs)
+    fleet: Fleet | None = None
+    try:
+        say("starting MariaDB, Kafka, Redis and Toxiproxy (named instances)")
+        cluster.start()
+        cluster.prepare(TOPIC, cfg.partitions, cfg.shards)
+        fleet = Fleet(cfg, cluster, TOPIC, logs)
+        return Run(cfg, schedule, cluster, fleet, logs, run_id).go()
+    finally:
+        if fleet is not None:
+            for p in fleet.history:
+                if p.alive():
+                    p.kill()
+        say("stopping the named instances")
+        cluster.stop(cfg.keep)
+
+
+class Run:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        schedule: list[Fault],
+        cluster: Cluster,
+        fleet: Fleet,
+        logs: Path,
+        run_id: str,
+    ) -> None:
+        self.cfg, self.schedule, self.cluster, self.fleet = cfg, schedule, cluster, fleet
+        self.logs, self.run_id = logs, run_id
+        self.injector = Injector(fleet, cluster)
+        self.done: list[FaultRecord] = []
+        self.engine = sa.create_engine(
+            cluster.db_url, pool_pre_ping=True, connect_args={"read_timeout": 30}
+        )
+
+    def go(self) -> int:
+        started = time.time()
+        for slot in self.fleet.slots("relay") + self.fleet.slots("consumer"):
+            self.fleet.start(slot)
+        writer = Proc.start(
+            "writer",
+            "writer",
+            "writer",
+            [
+                "-m",
+                "chaos.writer",
+                self.cluster.db_url,
+                TOPIC,
+                str(self.cfg.events),
+                str(self.cfg.keys),
+                str(self.cfg.duration_s),
+                str(self.cfg.seed),
+            ],
+            {},
+            self.logs,
+        )
+        t0 = time.monotonic()
+        faults = threading.Thread(target=self._run_schedule, args=(t0,), daemon=True)
+        faults.start()
+        last = 0.0
+        while writer.alive() or faults.is_alive():
+            self.fleet.supervise()
+            if time.monotonic() - last >= 10:
+                last = time.monotonic()
+                self._progress(t0)
+            time.sleep(1)
+        writer.wait(5)
+        wrote = writer.events("writer-done")
+        say(f"writer exited {writer.exit_code}: {wrote[-1] if wrote else writer.tail(5)}")
+        settled = self._settle(t0)
+        say("stopping relays and consumers (SIGTERM; these drains are checked too)")
+        self.fleet.stop_all()
+        obs = self._observe()
+        checks = run_checks(self.cfg, obs)
+        summary = self._summary(checks, obs, started, settled, writer)
+        return self._verdict(checks, summary)
+
+    # -- phases --------------------------------------------------------------
+    def _run_schedule(self, t0: float) -> None:
+        for f in self.schedule:
+            wait = t0 + f.at_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            rec = self.injector.run(f)
+            self.done.append(rec)
+            took = rec.ended - rec.started
+            extra = f" ERROR {rec.error}" if rec.error else ""
+            say(
+                f"fault {f.seq + 1}/{len(self.schedule)} {f.kind} {f.target} "
+                f"({took:.1f} s) {json.dumps(rec.detail)}{extra}"
+            )
+
+    def _counts(self) -> dict[str, int] | None:
+        try:
+            with self.engine.connect() as conn:
+                written, delivered = conn.execute(
+                    sa.text(f"SELECT COUNT(*), COALESCE(SUM(status = 'delivered'), 0) FROM {TABLE}")
+                ).one()
+                consumed = conn.execute(sa.text("SELECT COUNT(*) FROM chaos_effects")).scalar_one()
+        except sa.exc.SQLAlchemyError:
+            return None
+        return {"written": int(written), "delivered": int(delivered), "consumed": int(consumed)}
+
+    def _progress(self, t0: float) -> None:
+        c = self._counts()
+        kinds = Counter(r.fault.kind for r in self.done)
+        live = sum(p.alive() for p in self.fleet.current.values())
+        counts = (
+            "database unreachable"
+            if c is None
+            else f"written {c['written']}, delivered {c['delivered']}, consumed {c['consumed']}"
+        )
+        say(
+            f"t+{time.monotonic() - t0:.0f}s {counts}; faults {len(self.done)}/"
+            f"{len(self.schedule)} {dict(kinds)}; {live} processes up"
+        )
+
+    def _settle(self, t0: float) -> float:
+        """Wait until every committed row is delivered and has an effect."""
+        say("writer and schedule done; settling (every row delivered and consumed)")
+        deadline = time.monotonic() + self.cfg.settle_timeout_s
+        began = time.monotonic()
+        last = 0.0
+        while time.monotonic() < deadline:
+            self.fleet.supervise()
+            c = self._counts()
+            if c is not None:
+                with self.engine.connect() as conn:
+                    distinct = conn.execute(
+                        sa.text("SELECT COUNT(DISTINCT event_id) FROM chaos_effects")
+                    ).scalar_one()
+                if c["delivered"] == c["written"] and distinct >= c["written"]:
+                    # a lease TTL more, so anything late would show
+                    time.sleep(self.cfg.timings.lease_ttl_s)
+                    say(f"settled in {time.monotonic() - began:.0f} s")
+                    return time.monotonic() - began
+            if time.monotonic() - last >= 10:
+                last = time.monotonic()
+                self._progress(t0)
+            time.sleep(1)
+        say(f"did not settle in {self.cfg.settle_timeout_s:.0f} s; checking what is there")
+        return time.monotonic() - began
+
+    # -- reading back ----------------------------------------------------------
+    def _observe(self) -> Observed:
+        say("reading back the outbox, the effects and Kafka")
+        epoch = lambda d: d.replace(tzinfo=dt.UTC).timestamp()  # noqa: E731
+        with self.engine.connect() as conn:
+            rows = [
+                Row(
+                    int(i),
+                    str(e),
+                    (k or b"").decode(),
+                    str(s),
+                    int(a),
+                    epoch(c),
+                    epoch(d) if d is not None else None,
+                )
+                for i, e, k, s, a, c, d in conn.execute(
+                    sa.text(
+                        "SELECT id, event_id, message_key, status, attempts, created_at,"
+                        f" delivered_at FROM {TABLE} ORDER BY id"
+                    )
+                )
+            ]
+            effects: Counter[str] = Counter()
+            offsets: dict[tuple[str, int], int] = {}
+            for e, node, part, off in conn.execute(
+                sa.text(
+                    "SELECT event_id, node_id, kafka_partition, kafka_offset FROM chaos_effects"
+                )
+            ):
+                effects[str(e)] += 1
+                k = (str(node), int(part))
+                offsets[k] = max(offsets.get(k, -1), int(off))
+            ahead: set[int] = set()
+            for (detail,) in conn.execute(sa.text(RECOVERY_AHEAD)):
+                ahead.update(int(r["row_id"]) for r in json.loads(detail).get("rows", []))
+        copies = read_topic(self.cluster.bootstrap, TOPIC)
+        dlq = len(read_topic(self.cluster.bootstrap, f"{TOPIC}.dlq"))
+        relays = [p for p in self.fleet.history if p.role == "relay"]
+        consumers = [p for p in self.fleet.history if p.role == "consumer"]
+        return Observed(
+            rows,
+            copies,
+            effects,
+            relays,
+            consumers,
+            self.done,
+            self.injector.lease_ends,
+            ahead,
+            self.fleet.unexpected_exits,
+            dlq,
+            offsets,
+        )
+
+    # -- verdict ---------------------------------------------------------------
+    def _summary(
+        self, checks: list[Check], obs: Observed, started: float, settled: float, writer: Proc
+    ) -> dict[str, Any]:
+        kinds = Counter(r.fault.kind for r in self.done)
+        errors = [f"#{r.fault.seq} {r.fault.kind}: {r.error}" for r in self.done if r.error]
+        summary = {
+            "run_id": self.run_id,
+            "seed": self.cfg.seed,
+            "size": self.cfg.name,
+            "config": self.cfg.describe(),
+            "events": len(obs.rows),
+            "kafka_copies": len(obs.copies),
+            "faults": dict(sorted(kinds.items())),
+            "faults_total": len(self.done),
+            "fault_errors": errors,
+            "unexpected_exits": [
+                {k: v for k, v in e.items() if k != "tail"} for e in obs.unexpected_exits
+            ],
+            "checks": {c.name: {"ok": c.ok, "summary": c.summary, **c.figures} for c in checks},
+            "ok": all(c.ok for c in checks),
+            "wall_s": round(time.time() - started, 1),
+            "settle_s": round(settled, 1),
+            "writer": (writer.events("writer-done") or [{}])[-1],
+            "versions": versions(self.engine),
+            "finished": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        text = json.dumps(summary, indent=2, default=str)
+        (self.logs / "summary.json").write_text(text)
+        (RESULTS / "latest.json").write_text(text)
+        (self.logs / "faults.txt").write_text(
+            "\n".join(
+                f"{r.fault} started {r.started:.3f} ended {r.ended:.3f} {json.dumps(r.detail)}"
+                f"{' ERROR ' + r.error if r.error else ''}"
+                for r in self.done
+            )
+            + "\n"
+        )
+        return summary
+
+    def _verdict(self, checks: list[Check], summary: dict[str, Any]) -> int:
+        print("\n==== chaos verdict ====", flush=True)
+        print(
+            f"run {self.run_id}  seed {self.cfg.seed}  "
+            f"events {summary['events']}  faults {summary['faults_total']} {summary['faults']}"
+        )
+        for c in checks:
+            print(f"  [{'PASS' if c.ok else 'FAIL'}] {c.name}: {c.summary}")
+        if summary["fault_errors"]:
+            print("  fault errors: " + "; ".join(summary["fault_errors"]))
+        if summary["unexpected_exits"]:
+            print(f"  unexpected exits: {summary['unexpected_exits']}")
+        for c in checks:
+            if c.ok:
+                continue
+            print(f"\n---- FAILED: {c.name} (seed {self.cfg.seed}) ----")
+            for line in c.evidence:
+                print(f"  {line}")
+            print("  fault schedule up to the failure (wall clock):")
+            for r in faults_before(self.done, c.first_at):
+                print(f"    {r.fault}  at {r.started:.3f}-{r.ended:.3f} {json.dumps(r.detail)}")
+        print(f"\nsummary: {self.logs / 'summary.json'}")
+        print(
+            f"CHAOS RESULT: {'PASS' if summary['ok'] else 'FAIL'} seed={self.cfg.seed}", flush=True
+        )
+        return 0 if summary["ok"] else 1
+
+
+def read_topic(bootstrap: str, topic: str) -> list[KafkaCopy]:
+    """Every record of ``topic`` up to the high watermarks seen at the start."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"chaos-check-{os.getpid()}",
+            "enable.auto.commit": False,
+            "log_level": 0,
+        }
+    )
+    out: list[KafkaCopy] = []
+    try:
+        md = consumer.list_topics(topic, timeout=30)
+        parts = sorted(md.topics[topic].partitions)
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+            for p in parts
+        }
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+        pos = dict.fromkeys(parts, 0)
+        deadline = time.monotonic() + 600
+        while any(pos[p] < ends[p] for p in parts) and time.monotonic() < deadline:
+            for m in consumer.consume(1000, timeout=1.0):
+                if m.error():
+                    continue
+                p, off = m.partition(), m.offset()
+                pos[p] = off + 1
+                headers = dict(m.headers() or [])
+                out.append(
+                    KafkaCopy(
+                        p,
+                        off,
+                        (m.key() or b"").decode(),
+                        (headers.get("event_id") or b"").decode(),
+                        m.timestamp()[1] / 1000,
+                    )
+                )
+    finally:
+        consumer.close()
+    return out
+
+
+def versions(engine: sa.Engine) -> dict[str, str]:
+    out = {"outboxkit": version("outboxkit"), "python": platform.python_version()}
+    try:
+        import confluent_kafka
+
+        out["confluent-kafka"] = confluent_kafka.version()[0]
+        out["librdkafka"] = confluent_kafka.libversion()[0]
+    except ImportError:
+        pass
+    with engine.connect() as conn:
+        out["mariadb"] = str(conn.execute(sa.text("SELECT VERSION()")).scalar_one())
+    out["kafka"] = "4.4.0 (deploy/local/kafka/pom.xml)"
+    import subprocess
+
+    out["redis"] = (
+        subprocess.run(["redis-server", "--version"], capture_output=True, text=True)
+        .stdout.split()[2]
+        .removeprefix("v=")
+    )
+    out["toxiproxy"] = os.environ.get("TOXIPROXY_VERSION", "v2.12.0")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The fault schedule: a pure function of the seed and the run's size.
+
+Faults run one at a time (two at once would blur which one caused what), at
+planned offsets from the start of writing, spread over the middle of the run so
+that the first and the last stretch are fault-free.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from chaos.config import RunConfig
+
+#: Network faults hit the link between the relays and one service.
+NET_TARGETS = ("db", "kafka", "redis")
+
+
+@dataclass(frozen=True)
+class Fault:
+    seq: int
+    at_s: float
+    kind: str
+    #: relay or consumer slot, or the proxied service of a network fault
+    target: str
+    #: how long the fault lasts (freeze, stall, outage), seconds
+    hold_s: float
+
+    def __str__(self) -> str:
+        when = f"t+{self.at_s:7.1f}s"
+        return f"#{self.seq:03d} {when} {self.kind:<20} {self.target:<10} {self.hold_s:.1f}s"
+
+
+def make_schedule(cfg: RunConfig) -> list[Fault]:
+    rng = random.Random(cfg.seed)
+    t = cfg.timings
+    kinds = [k for k, n in sorted(cfg.faults.items()) for _ in range(n)]
+    rng.shuffle(kinds)
+    lo, hi = 0.08 * cfg.duration_s, 0.9 * cfg.duration_s
+    step = (hi - lo) / max(1, len(kinds))
+    faults = []
+    for i, kind in enumerate(kinds):
+        at = lo + i * step + rng.uniform(0, step * 0.5)
+        if kind.startswith("relay-"):
+            target = f"relay-{rng.randrange(cfg.relays)}"
+        elif kind.startswith("consumer-"):
+            target = f"consumer-{rng.randrange(cfg.consumers)}"
+        elif kind.startswith("net-"):
+            target = rng.choice(NET_TARGETS)
+        else:
+            target = kind.split("-")[0]
+        faults.append(Fault(i, round(at, 1), kind, target, round(_hold(kind, t, rng), 1)))
+    return faults
+
+
+def _hold(kind: str, t: object, rng: random.Random) -> float:
+    from chaos.config import Timings
+
+    assert isinstance(t, Timings)
+    if kind == "relay-stall":  # longer than the row lease and the shard lease
+        return max(t.lease_ttl_s, t.shard_lease_ttl_s) + rng.uniform(1.0, 4.0)
+    if kind == "kafka-freeze":  # longer than message.timeout.ms
+        return t.message_timeout_s + rng.uniform(1.0, 3.0)
+    if kind == "kafka-kill":
+        return rng.uniform(0.5, 3.0)
+    if kind == "redis-freeze":
+        return rng.uniform(2.0, t.shard_lease_ttl_s + 2.0)
+    if kind in ("relay-kill", "consumer-kill"):  # pause before the replacement starts
+        return rng.uniform(0.5, 3.0)
+    if kind == "consumer-drain":  # slow handlers running before the SIGTERM
+        return rng.uniform(0.5, 2.0)
+    if kind.startswith("net-"):
+        return rng.uniform(2.0, 6.0)
+    return 0.0
