@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from support.ownership import ownership_overlaps
+
 from chaos.config import RunConfig
 from chaos.faults import FaultRecord
 from chaos.procs import Proc
-from tests.support.ownership import ownership_overlaps
 
 #: Fault kinds that can leave a copy in Kafka whose row is sent again.
 DUPLICATE_CAUSES = (
@@ -304,7 +305,7 @@ def one_owner(cfg: RunConfig, obs: Observed) -> Check:
     intervals, overlaps = ownership_overlaps(records)
     restarts = [f for f in obs.faults if f.fault.kind == "redis-restart"]
     reach = cfg.timings.shard_lease_ttl_s + 5
-    evidence = []
+    evidence: list[str] = []
     after_restart = 0
     for o in overlaps:
         start = max(o.start, o.other_start)

@@ -21,18 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
+import redis as redis_lib
 import sqlalchemy as sa
-
-from chaos.apps import create_effect_table
-from outboxkit.schema import apply_schema
-from tests.support.services import (
+from support.services import (
     STATE_DIR,
     KafkaInstance,
     MariaDBInstance,
     RedisInstance,
     free_ports,
 )
+
+from chaos.apps import create_effect_table
+from outboxkit.schema import apply_schema
 
 HERE = Path(__file__).resolve().parent
 RELAY_DB_USER = "chaos_relay"
@@ -197,7 +197,7 @@ class Cluster:
         self.toxiproxy.proxy("redis", self.proxy_ports["redis"], self.redis.port)
 
     def prepare(self, topic: str, partitions: int, shards: int) -> None:
-        from confluent_kafka.admin import AdminClient, NewTopic
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         engine = self.engine()
         with engine.begin() as conn:
@@ -224,8 +224,8 @@ class Cluster:
     def engine(self) -> sa.Engine:
         return sa.create_engine(self.db_url, pool_pre_ping=True)
 
-    def redis_client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis.url, socket_timeout=5)
+    def redis_client(self) -> redis_lib.Redis[bytes]:
+        return redis_lib.Redis.from_url(self.redis.url, socket_timeout=5)
 
     def stop(self, keep: bool) -> None:
         for instance in (self.db, self.kafka, self.redis):

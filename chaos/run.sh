@@ -9,11 +9,11 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
 [[ -x "$PYTHON" ]] || PYTHON=python3
-# outboxkit comes from the install; the checkout root only serves `chaos` and `tests.support`.
+# outboxkit comes from the install; chaos/.path serves `chaos` and `support` (tests/support).
 export PYTHONPATH="$REPO_ROOT/chaos/.path${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$REPO_ROOT/chaos/.path"
 ln -sfn "$REPO_ROOT/chaos" "$REPO_ROOT/chaos/.path/chaos"
-ln -sfn "$REPO_ROOT/tests" "$REPO_ROOT/chaos/.path/tests"
+ln -sfn "$REPO_ROOT/tests/support" "$REPO_ROOT/chaos/.path/support"
 # Not the checkout root: its outboxkit/ folder would shadow the installed package.
 cd "$REPO_ROOT/chaos/.path"
 exec "$PYTHON" -m chaos "$@"

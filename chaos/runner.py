@@ -203,7 +203,6 @@ class Run:
     # -- reading back ----------------------------------------------------------
     def _observe(self) -> Observed:
         say("reading back the outbox, the effects and Kafka")
-        epoch = lambda d: d.replace(tzinfo=dt.UTC).timestamp()  # noqa: E731
         with self.engine.connect() as conn:
             rows = [
                 Row(
@@ -321,6 +320,11 @@ class Run:
         return 0 if summary["ok"] else 1
 
 
+def epoch(d: dt.datetime) -> float:
+    """A naive UTC datetime from the database as a Unix time."""
+    return d.replace(tzinfo=dt.UTC).timestamp()
+
+
 def read_topic(bootstrap: str, topic: str) -> list[KafkaCopy]:
     """Every record of ``topic`` up to the high watermarks seen at the start."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -348,15 +352,16 @@ def read_topic(bootstrap: str, topic: str) -> list[KafkaCopy]:
             for m in consumer.consume(1000, timeout=1.0):
                 if m.error():
                     continue
-                p, off = m.partition(), m.offset()
+                p, off = int(m.partition() or 0), int(m.offset() or 0)
                 pos[p] = off + 1
                 headers = dict(m.headers() or [])
+                key, event_id = m.key() or b"", headers.get("event_id") or b""
                 out.append(
                     KafkaCopy(
                         p,
                         off,
-                        (m.key() or b"").decode(),
-                        (headers.get("event_id") or b"").decode(),
+                        key.decode() if isinstance(key, bytes) else key,
+                        event_id.decode() if isinstance(event_id, bytes) else event_id,
                         m.timestamp()[1] / 1000,
                     )
                 )

@@ -23,7 +23,8 @@ for sub in relay consumer schema; do
 done
 
 targets=("$tree")
-# Test helpers and the benchmark are typed too.
+# Test helpers, the benchmark and the chaos harness are typed too.
 [[ -d tests/support ]] && targets+=(tests/support)
 [[ -d bench ]] && targets+=(bench)
+[[ -d chaos ]] && targets+=(chaos)
 exec "${PYTHON:-python3}" -m mypy "$@" "${targets[@]}"

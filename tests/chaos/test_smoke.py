@@ -1,0 +1,59 @@
+"""The chaos suite at smoke size, so it cannot rot: ``./chaos/run.sh --smoke``
+runs a writer, three relays and two inbox consumers on its own named MariaDB,
+Kafka and Redis under a few faults of every kind, and every end-of-run check
+must pass (docs/reliability.md).
+
+The seed is fixed so the suite is deterministic; ``CHAOS_SEED`` replays another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = int(os.environ.get("CHAOS_SEED", "11"))
+CHECKS = {
+    "nothing lost",
+    "per-key order",
+    "duplicates accounted for",
+    "nothing stuck",
+    "drains clean",
+    "no overlapping shard owners",
+}
+
+
+@pytest.mark.timeout(1200)
+def test_smoke_run_passes_every_check() -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        [str(REPO / "chaos" / "run.sh"), "--smoke", "--seed", str(SEED)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1150,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    print(out[-6000:])
+    assert f"CHAOS RESULT: {'PASS' if proc.returncode == 0 else 'FAIL'} seed={SEED}" in out
+    summary = json.loads((REPO / "chaos" / "results" / "latest.json").read_text())
+    assert summary["seed"] == SEED and summary["size"] == "smoke"
+    failed = {k: v["summary"] for k, v in summary["checks"].items() if not v["ok"]}
+    assert proc.returncode == 0, f"checks failed: {failed}\n{out[-4000:]}"
+    assert set(summary["checks"]) == CHECKS
+    assert summary["events"] == 20_000
+    assert len(summary["config"]["faults"]) == 14
+    assert set(summary["faults"]) == set(summary["config"]["faults"]), "every fault kind ran"
+    assert not summary["fault_errors"], summary["fault_errors"]
+    assert summary["checks"]["nothing lost"]["lost_kafka"] == 0
+    assert summary["checks"]["nothing lost"]["lost_effect"] == 0
+    assert summary["checks"]["drains clean"]["relay_drains"] >= 2
+    assert summary["checks"]["drains clean"]["consumer_drains"] >= 1
