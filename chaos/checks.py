@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from support.ownership import ownership_overlaps
+from support.ownership import lease_events, ownership_intervals, ownership_overlaps
 
 from chaos.config import RunConfig
 from chaos.faults import FaultRecord
@@ -38,6 +38,7 @@ class Row:
     id: int
     event_id: str
     key: str
+    shard: int
     status: str
     attempts: int
     created: float
@@ -181,14 +182,25 @@ def key_order(obs: Observed) -> Check:
 
 def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
     """Every extra copy's first copy was produced while a fault could leave it
-    unacknowledged: from one batch budget before the fault began to a row lease
-    plus a batch budget after it ended."""
-    t = cfg.timings
-    pre = t.batch_budget_s + 1.0
-    post = t.lease_ttl_s + t.batch_budget_s + 2.0
+    unacknowledged: from one batch budget before the fault began until 2 s after
+    it ended. A relay fault (kill, redeploy, stall) explains only rows of shards
+    that relay owned at that moment (by the lease events)."""
+    pre = cfg.timings.batch_budget_s + 1.0
+    post = 2.0
     windows = [
         (f.started - pre, f.ended + post, f) for f in obs.faults if f.fault.kind in DUPLICATE_CAUSES
     ]
+    shard_of = {r.event_id: r.shard for r in obs.rows}
+    records = [r for p in obs.relays for r in p.read_records()] + obs.lease_ends
+    owners = ownership_intervals(lease_events(records))
+
+    def plausible(f: FaultRecord, event_id: str, at: float) -> bool:
+        node = f.detail.get("node_id")
+        if not f.fault.kind.startswith("relay-") or node is None:
+            return True
+        spans = owners.get(shard_of.get(event_id, -1), [])
+        return any(n == node and s - 1 <= at <= e + 1 for n, s, e in spans)
+
     copies: dict[str, list[KafkaCopy]] = defaultdict(list)
     for c in obs.copies:
         copies[c.event_id].append(c)
@@ -200,7 +212,9 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
             continue
         first = min(cs, key=lambda c: c.ts)
         extra = len(cs) - 1
-        near = [w for w in windows if w[0] <= first.ts <= w[1]]
+        near = [
+            w for w in windows if w[0] <= first.ts <= w[1] and plausible(w[2], event_id, first.ts)
+        ]
         if near:
             cause = min(near, key=lambda w: abs(w[2].started - first.ts))[2]
             by_cause[cause.fault.kind] += extra

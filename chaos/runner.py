@@ -209,14 +209,15 @@ class Run:
                     int(i),
                     str(e),
                     (k or b"").decode(),
+                    int(sh),
                     str(s),
                     int(a),
                     epoch(c),
                     epoch(d) if d is not None else None,
                 )
-                for i, e, k, s, a, c, d in conn.execute(
+                for i, e, k, sh, s, a, c, d in conn.execute(
                     sa.text(
-                        "SELECT id, event_id, message_key, status, attempts, created_at,"
+                        "SELECT id, event_id, message_key, shard, status, attempts, created_at,"
                         f" delivered_at FROM {TABLE} ORDER BY id"
                     )
                 )
@@ -313,11 +314,43 @@ class Run:
             print("  fault schedule up to the failure (wall clock):")
             for r in faults_before(self.done, c.first_at):
                 print(f"    {r.fault}  at {r.started:.3f}-{r.ended:.3f} {json.dumps(r.detail)}")
+        print("\n" + markdown_table(summary))
         print(f"\nsummary: {self.logs / 'summary.json'}")
         print(
             f"CHAOS RESULT: {'PASS' if summary['ok'] else 'FAIL'} seed={self.cfg.seed}", flush=True
         )
         return 0 if summary["ok"] else 1
+
+
+def markdown_table(s: dict[str, Any]) -> str:
+    """The figures of a run as the table in docs/reliability.md."""
+    c = s["checks"]
+    lost, order, dup = c["nothing lost"], c["per-key order"], c["duplicates accounted for"]
+    stuck, drains, owners = c["nothing stuck"], c["drains clean"], c["no overlapping shard owners"]
+    cfg = s["config"]
+    by_cause = ", ".join(f"{k} {v}" for k, v in sorted(dup["by_cause"].items())) or "none"
+    kinds = ", ".join(f"{k} {v}" for k, v in s["faults"].items())
+    rows = [
+        ("run", f"{s['size']}, seed {s['seed']}, {s['finished']}, {s['wall_s']:.0f} s wall"),
+        ("events / keys", f"{s['events']:,} / {cfg['keys']:,}"),
+        ("relays / consumers", f"{cfg['relays']} / {cfg['consumers']}"),
+        ("faults", f"{s['faults_total']}: {kinds}"),
+        ("lost (Kafka / effect)", f"{lost['lost_kafka']} / {lost['lost_effect']}"),
+        ("effects applied twice", str(lost["effect_twice"])),
+        ("duplicate copies in Kafka", f"{dup['duplicates']} ({by_cause})"),
+        ("reorders reported (acked-out-of-order)", str(order["reported_reorders"])),
+        ("unreported reorders", str(order["unreported_reorders"])),
+        ("stuck / failed rows", f"{stuck['stuck']} / {stuck['failed']}"),
+        (
+            "drains (relay / consumer), unclean",
+            f"{drains['relay_drains']} / {drains['consumer_drains']}, {drains['unclean']}",
+        ),
+        ("overlapping shard owners", f"{owners['overlaps']} of {owners['intervals']} intervals"),
+        ("longest commit-to-delivered", f"{stuck['longest_blocked_s']} s"),
+        ("unexpected process exits", str(len(s["unexpected_exits"]))),
+        ("verdict", "PASS" if s["ok"] else "FAIL"),
+    ]
+    return "\n".join(["| figure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
 
 
 def epoch(d: dt.datetime) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,10 @@ def test_smoke_run_passes_every_check() -> None:
     out = proc.stdout + proc.stderr
     print(out[-6000:])
     assert f"CHAOS RESULT: {'PASS' if proc.returncode == 0 else 'FAIL'} seed={SEED}" in out
-    summary = json.loads((REPO / "chaos" / "results" / "latest.json").read_text())
+    # this run's own summary (results/latest.json may be another run's)
+    path = re.search(r"^summary: (.+)$", out, re.MULTILINE)
+    assert path, out[-4000:]
+    summary = json.loads(Path(path.group(1)).read_text())
     assert summary["seed"] == SEED and summary["size"] == "smoke"
     failed = {k: v["summary"] for k, v in summary["checks"].items() if not v["ok"]}
     assert proc.returncode == 0, f"checks failed: {failed}\n{out[-4000:]}"

@@ -68,11 +68,13 @@ def lease_events(records: Iterable[Mapping[str, Any]]) -> list[Event]:
     return events
 
 
-def ownership_overlaps(records: Iterable[Mapping[str, Any]]) -> tuple[int, list[Overlap]]:
-    """Rebuild each shard's ownership intervals; return their number and every overlap
-    of two different relays' intervals."""
-    events = lease_events(records)
-    intervals: dict[int, list[tuple[str, float, float]]] = defaultdict(list)
+#: shard -> [(node_id, start, end)], seconds on Redis's clock; end is inf while held
+Intervals = dict[int, list[tuple[str, float, float]]]
+
+
+def ownership_intervals(events: list[Event]) -> Intervals:
+    """Each shard's ownership intervals rebuilt from sorted lease events."""
+    intervals: Intervals = defaultdict(list)
     open_: dict[tuple[int, str], float] = {}
     for at, event, node, shard, _reason in events:
         if event == "shard-acquired":
@@ -81,6 +83,14 @@ def ownership_overlaps(records: Iterable[Mapping[str, Any]]) -> tuple[int, list[
             intervals[shard].append((node, open_.pop((shard, node)), at))
     for (shard, node), since in open_.items():
         intervals[shard].append((node, since, math.inf))
+    return intervals
+
+
+def ownership_overlaps(records: Iterable[Mapping[str, Any]]) -> tuple[int, list[Overlap]]:
+    """Rebuild each shard's ownership intervals; return their number and every overlap
+    of two different relays' intervals."""
+    events = lease_events(records)
+    intervals = ownership_intervals(events)
     overlaps: list[Overlap] = []
     for shard, spans in intervals.items():
         for i, (node, start, end) in enumerate(spans):

@@ -1,0 +1,129 @@
+"""The chaos checks fail on the evidence they exist for (pure data, no services)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from chaos.checks import (
+    KafkaCopy,
+    Observed,
+    Row,
+    drains_clean,
+    duplicates_accounted,
+    key_order,
+    nothing_lost,
+)
+from chaos.config import RunConfig, Timings
+from chaos.faults import FaultRecord
+from chaos.schedule import Fault
+
+pytestmark = pytest.mark.unit
+
+T0 = 1_800_000_000.0
+
+
+class FakeProc:
+    def __init__(self, node_id: str, records: list[dict[str, Any]], **kw: Any) -> None:
+        self.node_id = node_id
+        self.records = records
+        self.fate = kw.get("fate")
+        self.exit_code = kw.get("exit_code")
+        self.stopped_at = kw.get("stopped_at", T0)
+
+    def read_records(self) -> list[dict[str, Any]]:
+        return self.records
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("event") == name]
+
+
+def cfg() -> RunConfig:
+    return RunConfig(
+        name="t",
+        seed=1,
+        events=3,
+        keys=1,
+        relays=1,
+        consumers=1,
+        duration_s=10,
+        faults={},
+        timings=Timings(),
+    )
+
+
+def rows(n: int = 3, shard: int = 5) -> list[Row]:
+    return [Row(i, f"e{i}", "k0", shard, "delivered", 1, T0, T0 + 1) for i in range(1, n + 1)]
+
+
+def observed(copies: list[KafkaCopy], **kw: Any) -> Observed:
+    values: dict[str, Any] = {
+        "rows": rows(),
+        "copies": copies,
+        "effects": Counter({"e1": 1, "e2": 1, "e3": 1}),
+        "relays": [],
+        "consumers": [],
+        "faults": [],
+        "lease_ends": [],
+        "recovery_ahead": set(),
+        "unexpected_exits": [],
+        "dlq_messages": 0,
+        "effect_offsets": {},
+    }
+    values.update(kw)
+    return Observed(**values)
+
+
+def copy(offset: int, event: int, ts: float = T0) -> KafkaCopy:
+    return KafkaCopy(0, offset, "k0", f"e{event}", ts)
+
+
+def test_a_reorder_fails_unless_the_relay_reported_it() -> None:
+    swapped = [copy(0, 1), copy(1, 3), copy(2, 2)]
+    assert key_order(observed(copies=[copy(0, 1), copy(1, 2), copy(2, 3)])).ok
+    assert not key_order(observed(swapped)).ok
+    reported = key_order(observed(swapped, recovery_ahead={3}))
+    assert reported.ok and reported.figures["reported_reorders"] == 1
+
+
+def test_lost_events_and_double_effects_fail() -> None:
+    assert nothing_lost(observed([copy(0, 1), copy(1, 2), copy(2, 3)])).ok
+    assert not nothing_lost(observed([copy(0, 1), copy(1, 2)])).ok
+    twice = Counter({"e1": 2, "e2": 1, "e3": 1})
+    assert not nothing_lost(observed([copy(0, 1), copy(1, 2), copy(2, 3)], effects=twice)).ok
+
+
+def test_a_duplicate_needs_a_fault_in_reach_on_a_relay_that_owned_the_shard() -> None:
+    dup = [copy(0, 1), copy(1, 2), copy(2, 2, T0 + 1), copy(3, 3)]
+    assert not duplicates_accounted(cfg(), observed(dup)).ok
+    owner = FakeProc(
+        "relay-0-g0",
+        [
+            {"event": "shard-acquired", "node_id": "relay-0-g0", "shard": 5, "redis_ms": 1e12},
+        ],
+    )
+    kill = FaultRecord(
+        Fault(0, 0, "relay-kill", "relay-0", 1), T0 + 2, T0 + 3, {"node_id": "relay-0-g0"}
+    )
+    ok = duplicates_accounted(cfg(), observed(dup, relays=[owner], faults=[kill]))
+    assert ok.ok and ok.figures["by_cause"] == {"relay-kill": 1}
+    other = FaultRecord(
+        Fault(0, 0, "relay-kill", "relay-1", 1), T0 + 2, T0 + 3, {"node_id": "relay-1-g0"}
+    )
+    assert not duplicates_accounted(cfg(), observed(dup, relays=[owner], faults=[other])).ok
+    late = FaultRecord(Fault(0, 0, "kafka-kill", "kafka", 1), T0 + 60, T0 + 61, {})
+    assert not duplicates_accounted(cfg(), observed(dup, faults=[late])).ok
+
+
+def test_a_consumer_drain_must_commit_past_what_it_processed() -> None:
+    def drained(committed: int) -> Any:
+        exit_ = {"event": "consumer-exit", "result": "ok", "committed": {"t/0": committed}}
+        proc = FakeProc("consumer-0-g0", [exit_], fate="term", exit_code=0)
+        return drains_clean(
+            observed([], consumers=[proc], effect_offsets={("consumer-0-g0", 0): 41})
+        )
+
+    assert drained(42).ok
+    assert not drained(41).ok
