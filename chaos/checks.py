@@ -33,7 +33,7 @@ DUPLICATE_CAUSES = (
 MAX_EVIDENCE = 20
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     id: int
     event_id: str
@@ -45,7 +45,7 @@ class Row:
     delivered: float | None
 
 
-@dataclass
+@dataclass(slots=True)
 class KafkaCopy:
     partition: int
     offset: int

@@ -138,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--relays", type=int)
     p.add_argument("--consumers", type=int)
     p.add_argument("--only", help="comma-separated fault kinds to keep (replay a subset)")
+    p.add_argument(
+        "--faults", help="per-kind counts, e.g. redis-restart=10,relay-kill=5 (others unchanged)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the named instances' state")
     a = p.parse_args(argv)
     name = a.size or "full"
@@ -148,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if a.duration is not None:
         values["duration_s"] = a.duration
     faults = dict(values.pop("faults"))  # type: ignore[call-overload]
+    for item in filter(None, (a.faults or "").split(",")):
+        kind, _, count = item.partition("=")
+        if kind.strip() not in KINDS or not count.strip().isdigit():
+            p.error(f"bad --faults item {item!r}; known kinds: {', '.join(KINDS)}")
+        faults[kind.strip()] = int(count)
     if a.only:
         keep = {k.strip() for k in a.only.split(",")}
         unknown = keep - set(KINDS)

@@ -1,0 +1,40 @@
+"""The fault schedule is a pure function of the seed and the run size: a seed
+replays the same faults, and every requested fault is in it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chaos.config import KINDS, parse_args
+from chaos.schedule import make_schedule
+
+pytestmark = pytest.mark.unit
+
+
+@settings(max_examples=50, derandomize=True, deadline=None)
+@given(seed=st.integers(1, 10**6), size=st.sampled_from(["--smoke", "--medium"]))
+def test_a_seed_replays_the_same_schedule_with_every_fault_in_the_run(seed: int, size: str) -> None:
+    cfg = parse_args([size, "--seed", str(seed)])
+    schedule = make_schedule(cfg)
+    assert schedule == make_schedule(parse_args([size, "--seed", str(seed)]))
+    assert len(schedule) == cfg.total_faults
+    assert {f.kind for f in schedule} == set(KINDS)
+    times = [f.at_s for f in schedule]
+    assert times == sorted(times)
+    assert times[0] > 0 and times[-1] < cfg.duration_s
+    t = cfg.timings
+    for f in schedule:
+        if f.kind == "relay-stall":
+            assert f.hold_s > max(t.lease_ttl_s, t.shard_lease_ttl_s)
+        if f.kind == "kafka-freeze":
+            assert f.hold_s > t.message_timeout_s
+
+
+def test_the_full_run_has_the_faults_the_issue_asks_for() -> None:
+    cfg = parse_args(["--seed", "1"])
+    assert cfg.events >= 1_000_000 and cfg.keys >= 10_000
+    assert (cfg.relays, cfg.consumers) == (3, 2)
+    assert cfg.total_faults >= 200 and cfg.faults["relay-redeploy"] >= 100
+    assert set(cfg.faults) == set(KINDS)
