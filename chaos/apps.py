@@ -20,8 +20,8 @@ from outboxkit.consumer import Consumer, Message
 EFFECTS = "chaos_effects"
 
 _INSERT = sa.text(
-    f"INSERT INTO {EFFECTS} (event_id, msg_key, node_id, kafka_partition, kafka_offset)"
-    " VALUES (:event_id, :key, :node, :partition, :offset)"
+    f"INSERT INTO {EFFECTS} (event_id, msg_key, node_id, kafka_partition, kafka_offset, at)"
+    " VALUES (:event_id, :key, :node, :partition, :offset, UTC_TIMESTAMP(6))"
 )
 
 
@@ -33,8 +33,8 @@ def create_effect_table(conn: sa.Connection) -> None:
             " event_id VARCHAR(128) NOT NULL, msg_key VARCHAR(64) NULL,"
             " node_id VARCHAR(128) NOT NULL, kafka_partition INT NOT NULL,"
             " kafka_offset BIGINT NOT NULL,"
-            " at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),"
-            " KEY (event_id)) ENGINE=InnoDB"
+            " at DATETIME(6) NOT NULL,"
+            " KEY (event_id), KEY (node_id, kafka_partition, at)) ENGINE=InnoDB"
         )
     )
 

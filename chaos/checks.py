@@ -66,7 +66,8 @@ class Observed:
     recovery_ahead: set[int]
     unexpected_exits: list[dict[str, Any]]
     dlq_messages: int
-    #: (consumer node, partition) -> highest offset whose effect it wrote
+    #: (drained consumer node, partition) -> highest offset whose effect it wrote
+    #: since it was last assigned the partition
     effect_offsets: dict[tuple[str, int], int]
 
 

@@ -222,16 +222,10 @@ class Run:
                     )
                 )
             ]
-            effects: Counter[str] = Counter()
-            offsets: dict[tuple[str, int], int] = {}
-            for e, node, part, off in conn.execute(
-                sa.text(
-                    "SELECT event_id, node_id, kafka_partition, kafka_offset FROM chaos_effects"
-                )
-            ):
-                effects[str(e)] += 1
-                k = (str(node), int(part))
-                offsets[k] = max(offsets.get(k, -1), int(off))
+            effects: Counter[str] = Counter(
+                str(e) for (e,) in conn.execute(sa.text("SELECT event_id FROM chaos_effects"))
+            )
+            offsets = self._processed_since_assignment(conn)
             ahead: set[int] = set()
             for (detail,) in conn.execute(sa.text(RECOVERY_AHEAD)):
                 ahead.update(int(r["row_id"]) for r in json.loads(detail).get("rows", []))
@@ -252,6 +246,31 @@ class Run:
             dlq,
             offsets,
         )
+
+    def _processed_since_assignment(self, conn: sa.Connection) -> dict[tuple[str, int], int]:
+        """For each drained consumer and partition it held at exit: the highest offset
+        whose effect it wrote since it was last assigned that partition (what
+        it processed before a loss is not its to commit)."""
+        out: dict[tuple[str, int], int] = {}
+        for p in self.fleet.history:
+            if p.role != "consumer" or p.fate != "term":
+                continue
+            since: dict[int, str] = {}
+            for r in p.read_records():
+                if r.get("event") == "partitions-assigned":
+                    for tp in r.get("partitions", []):
+                        since[int(str(tp).rsplit("/", 1)[1])] = str(r["ts"])
+            for partition, ts in since.items():
+                top = conn.execute(
+                    sa.text(
+                        "SELECT MAX(kafka_offset) FROM chaos_effects WHERE node_id = :n"
+                        " AND kafka_partition = :p AND at >= :since"
+                    ),
+                    {"n": p.node_id, "p": partition, "since": ts.rstrip("Z").replace("T", " ")},
+                ).scalar()
+                if top is not None:
+                    out[(p.node_id, partition)] = int(top)
+        return out
 
     # -- verdict ---------------------------------------------------------------
     def _summary(
