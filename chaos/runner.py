@@ -427,7 +427,7 @@ def versions(engine: sa.Engine) -> dict[str, str]:
     try:
         import confluent_kafka
 
-        out["confluent-kafka"] = confluent_kafka.version()[0]
+        out["confluent-kafka"] = version("confluent-kafka")
         out["librdkafka"] = confluent_kafka.libversion()[0]
     except ImportError:
         pass
