@@ -211,7 +211,7 @@ class Cluster:
             create_effect_table(conn)
         apply_schema(engine, shards=shards)
         engine.dispose()
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
         futures = admin.create_topics(
             [
                 NewTopic(topic, num_partitions=partitions, replication_factor=1),
@@ -220,6 +220,7 @@ class Cluster:
         )
         for f in futures.values():
             f.result(30)
+        del admin  # its background threads would log every broker kill on stderr
 
     def engine(self) -> sa.Engine:
         return sa.create_engine(self.db_url, pool_pre_ping=True)
