@@ -60,6 +60,8 @@ class RunConfig:
     #: faults per kind
     faults: dict[str, int]
     partitions: int = 6
+    #: worker threads per consumer (each message is one inbox transaction)
+    consumer_concurrency: int = 2
     shards: int = 64
     settle_timeout_s: float = 600.0
     keep: bool = False
@@ -106,6 +108,7 @@ def _preset(name: str) -> dict[str, object]:
         "relays": 3,
         "consumers": 2,
         "duration_s": 1800.0,
+        "consumer_concurrency": 4,
         "faults": per,
     }
 

@@ -76,7 +76,7 @@ class Fleet:
             "OUTBOXKIT_NODE_ID": node_id,
             "OUTBOXKIT_SERVICE": "chaos-consumer",
             "OUTBOXKIT_HEALTH_PORT": "0",
-            "OUTBOXKIT_CONCURRENCY": "2",
+            "OUTBOXKIT_CONCURRENCY": str(self.cfg.consumer_concurrency),
             "OUTBOXKIT_COMMIT_INTERVAL": "1",
             "OUTBOXKIT_WORKER_DRAIN_TIMEOUT": "8",
             "OUTBOXKIT_CLOSE_TIMEOUT": "5",
