@@ -225,7 +225,7 @@ class Run:
             effects: Counter[str] = Counter(
                 str(e) for (e,) in conn.execute(sa.text("SELECT event_id FROM chaos_effects"))
             )
-            offsets = self._processed_since_assignment(conn)
+            offsets = self._processed_at_commit(conn)
             ahead: set[int] = set()
             for (detail,) in conn.execute(sa.text(RECOVERY_AHEAD)):
                 ahead.update(int(r["row_id"]) for r in json.loads(detail).get("rows", []))
@@ -247,11 +247,13 @@ class Run:
             offsets,
         )
 
-    def _processed_since_assignment(self, conn: sa.Connection) -> dict[tuple[str, int], int]:
-        """For each drained consumer and partition it held at exit: the highest offset
-        whose effect it wrote since it was last assigned that partition (what
-        it processed before a loss is not its to commit)."""
-        out: dict[tuple[str, int], int] = {}
+    def _processed_at_commit(self, conn: sa.Connection) -> set[tuple[str, int, int]]:
+        """(node, partition, offset) for each drained consumer whose exit commit
+        stopped at an offset whose effect that consumer had written since it was
+        last assigned the partition: it processed the message and did not commit
+        it. (With several workers a later offset may finish before an earlier
+        one, so only the committed offset itself is evidence.)"""
+        out: set[tuple[str, int, int]] = set()
         for p in self.fleet.history:
             if p.role != "consumer" or p.fate != "term":
                 continue
@@ -260,16 +262,26 @@ class Run:
                 if r.get("event") == "partitions-assigned":
                     for tp in r.get("partitions", []):
                         since[int(str(tp).rsplit("/", 1)[1])] = str(r["ts"])
-            for partition, ts in since.items():
-                top = conn.execute(
+            exits = p.events("consumer-exit")
+            committed = (exits[-1].get("committed") or {}) if exits else {}
+            for tp, offset in committed.items():
+                partition = int(str(tp).rsplit("/", 1)[1])
+                if partition not in since:
+                    continue
+                hit = conn.execute(
                     sa.text(
-                        "SELECT MAX(kafka_offset) FROM chaos_effects WHERE node_id = :n"
-                        " AND kafka_partition = :p AND at >= :since"
+                        "SELECT COUNT(*) FROM chaos_effects WHERE node_id = :n"
+                        " AND kafka_partition = :p AND kafka_offset = :o AND at >= :since"
                     ),
-                    {"n": p.node_id, "p": partition, "since": ts.rstrip("Z").replace("T", " ")},
-                ).scalar()
-                if top is not None:
-                    out[(p.node_id, partition)] = int(top)
+                    {
+                        "n": p.node_id,
+                        "p": partition,
+                        "o": int(offset),
+                        "since": since[partition].rstrip("Z").replace("T", " "),
+                    },
+                ).scalar_one()
+                if hit:
+                    out.add((p.node_id, partition, int(offset)))
         return out
 
     # -- verdict ---------------------------------------------------------------

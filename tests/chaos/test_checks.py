@@ -70,7 +70,7 @@ def observed(copies: list[KafkaCopy], **kw: Any) -> Observed:
         "recovery_ahead": set(),
         "unexpected_exits": [],
         "dlq_messages": 0,
-        "effect_offsets": {},
+        "processed_at_commit": set(),
     }
     values.update(kw)
     return Observed(**values)
@@ -117,13 +117,39 @@ def test_a_duplicate_needs_a_fault_in_reach_on_a_relay_that_owned_the_shard() ->
     assert not duplicates_accounted(cfg(), observed(dup, faults=[late])).ok
 
 
-def test_a_consumer_drain_must_commit_past_what_it_processed() -> None:
+def test_a_consumer_drain_must_not_stop_its_commit_at_a_message_it_processed() -> None:
     def drained(committed: int) -> Any:
         exit_ = {"event": "consumer-exit", "result": "ok", "committed": {"t/0": committed}}
         proc = FakeProc("consumer-0-g0", [exit_], fate="term", exit_code=0)
         return drains_clean(
-            observed([], consumers=[proc], effect_offsets={("consumer-0-g0", 0): 41})
+            observed([], consumers=[proc], processed_at_commit={("consumer-0-g0", 0, 41)})
         )
 
-    assert drained(42).ok
-    assert not drained(41).ok
+    assert drained(42).ok  # stopped at a message it had not processed
+    assert not drained(41).ok  # stopped at one it had
+
+
+def test_a_stalled_relays_batch_first_sent_by_the_next_owner_is_the_stalls() -> None:
+    """The stalled relay owned the shard when the stall began; its lease expired,
+    the next owner sent the batch first and the woken relay sent it again."""
+    dup = [copy(0, 1), copy(1, 2, T0 + 11), copy(2, 2, T0 + 13), copy(3, 3)]
+    stalled = FakeProc(
+        "relay-1-g0",
+        [
+            {"event": "shard-acquired", "node_id": "relay-1-g0", "shard": 5, "redis_ms": 1e12},
+        ],
+    )
+    lease_end = {
+        "event": "shard-lost",
+        "node_id": "relay-1-g0",
+        "shard": 5,
+        "redis_ms": (T0 + 9) * 1000,
+        "reason": "expired-frozen",
+    }
+    stall = FaultRecord(
+        Fault(0, 0, "relay-stall", "relay-1", 11), T0 + 1, T0 + 12, {"node_id": "relay-1-g0"}
+    )
+    check = duplicates_accounted(
+        cfg(), observed(dup, relays=[stalled], faults=[stall], lease_ends=[lease_end])
+    )
+    assert check.ok and check.figures["by_cause"] == {"relay-stall": 1}
