@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,12 @@ CHECKS = {
 
 @pytest.mark.timeout(1200)
 def test_smoke_run_passes_every_check() -> None:
+    built = list((REPO / "chaos" / ".bin").glob("toxiproxy-server-*"))
+    if not built and not (shutil.which("go") or Path("/usr/local/go/bin/go").exists()):
+        reason = "Go is needed to build Toxiproxy for the chaos suite"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
         [str(REPO / "chaos" / "run.sh"), "--smoke", "--seed", str(SEED)],
