@@ -388,7 +388,10 @@ def _per_row_update(table: str, fate: Fate, has_error: bool, refund: bool) -> sa
 
 
 def _bounded(text: str) -> str:
-    clean = redact(text)
+    """``last_error`` as the column can hold it: redacted, bounded, and encodable
+    (an error about a foreign row may quote a lone surrogate, which no UTF-8
+    column accepts; it is written as ``\\udxxx`` instead of failing the batch)."""
+    clean = redact(text).encode("utf-8", "backslashreplace").decode("utf-8")
     return clean if len(clean) <= MAX_LAST_ERROR else clean[: MAX_LAST_ERROR - 3] + "..."
 
 

@@ -32,7 +32,6 @@ log = logging.getLogger("outboxkit.relay.pauses")
 _ADVICE = {
     "unknown-topic": "the topic does not exist and the broker does not auto-create topics: "
     "create it (or fix the topic name the service writes)",
-    "invalid-topic": "the broker rejects the topic name: fix the topic name the service writes",
     "authorization": "the relay's principal may not write to this topic: grant it WRITE "
     "(and IDEMPOTENT_WRITE on the cluster for older brokers)",
     "authentication": "the relay cannot authenticate to Kafka: check the SASL/SSL settings in "

@@ -9,8 +9,9 @@ Errors are classified by what should happen to the row (:class:`ErrorKind`):
 
 * ``RETRIABLE``: timeouts, transport, leader/broker unavailable, anything
   librdkafka flags ``retriable()``; the row is retried later with backoff;
-* ``ROW_FAULT``: the row itself cannot be sent (too large, invalid record,
-  undecodable stored headers); the row is failed;
+* ``ROW_FAULT``: the row itself cannot be sent (too large, invalid record, a
+  topic name Kafka never accepts, stored headers or an event id that cannot
+  travel intact, anything ``produce`` raises for it); the row is failed;
 * ``CONFIG_FAULT``: the relay's configuration is wrong, not the row
   (authentication, authorization, unknown topic with auto-create off); the
   topic is paused and no attempt is used;
@@ -33,7 +34,7 @@ from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.schema.codec import kafka_headers
+from outboxkit.schema.codec import StoredRowError, kafka_headers, shown, topic_problem
 
 __all__ = ["ErrorKind", "InFlight", "Publisher", "Report", "classify", "producer_config"]
 
@@ -57,13 +58,14 @@ _ROW_FAULTS = frozenset(
         KafkaError.INVALID_TIMESTAMP,
         KafkaError._BAD_MSG,
         KafkaError._INVALID_ARG,
+        # The broker says the topic name is illegal: no configuration fixes that.
+        KafkaError.TOPIC_EXCEPTION,
     }
 )
 _CONFIG_FAULTS = {
     KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown-topic",
     KafkaError._UNKNOWN_TOPIC: "unknown-topic",
     KafkaError._UNKNOWN_PARTITION: "unknown-topic",
-    KafkaError.TOPIC_EXCEPTION: "invalid-topic",
     KafkaError.TOPIC_AUTHORIZATION_FAILED: "authorization",
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "authorization",
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "authorization",
@@ -216,17 +218,34 @@ class Publisher:
         rows = list(rows)
         inflight = InFlight(rows)
         for row in rows:
-            self._produce(row, inflight)
+            try:
+                self._produce(row, inflight)
+            except BaseException as exc:  # not a row fault (an interrupt): name the row
+                exc.add_note(f"while producing outbox row id={row.id}")
+                raise
         self.producer.poll(0)
         return inflight
 
     def _produce(self, row: ClaimedRow, inflight: InFlight) -> None:
+        """Produce one row; whatever about this row cannot be sent fails this row only.
+
+        The row's columns are checked first (a foreign writer may have stored
+        anything): librdkafka takes the topic and header names as C strings, so a
+        NUL, a lone surrogate or an illegal name must never reach it.
+        """
         try:
+            problem = topic_problem(row.topic)
+            if problem:
+                raise StoredRowError(problem)
             headers: list[tuple[str, str | bytes | None]] = list(
                 kafka_headers(row.headers, row.event_id)
             )
-        except (ValueError, TypeError, UnicodeError) as exc:
-            inflight.add(_local_report(row.id, KafkaError._BAD_MSG, f"stored headers: {exc}"))
+        except StoredRowError as exc:
+            inflight.add(_row_fault(row.id, f"invalid row: {exc}"))
+            return
+        except Exception as exc:  # a decoder bug must not take the batch down
+            self._log_row_error(row, exc)
+            inflight.add(_row_fault(row.id, f"invalid row: {type(exc).__name__}: {exc}"))
             return
         callback = _callback(inflight, row.id)
         while True:
@@ -241,6 +260,23 @@ class Publisher:
                 err = exc.args[0]
                 inflight.add(_local_report(row.id, err.code(), err.str()))
                 return
+            except Exception as exc:  # TypeError, ValueError...: this row's input
+                self._log_row_error(row, exc)
+                inflight.add(_row_fault(row.id, f"produce raised {type(exc).__name__}: {exc}"))
+                return
+
+    def _log_row_error(self, row: ClaimedRow, exc: Exception) -> None:
+        log_event(
+            log,
+            "row-produce-error",
+            level=logging.ERROR,
+            row_id=row.id,
+            event_id=shown(row.event_id),
+            topic=row.topic,
+            error=f"{type(exc).__name__}: {exc}",
+            action="the row is failed; fix or requeue it by hand",
+            exc_info=exc,
+        )
 
     def wait(self, inflight: InFlight, deadline: Callable[[], float]) -> None:
         """Serve delivery reports until all arrived or ``deadline()`` (monotonic) passed.
@@ -313,6 +349,13 @@ def _callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError | None, A
             inflight.add(Report(row_id, err.code(), text, kind, None, None, now))
 
     return on_delivery
+
+
+def _row_fault(row_id: int, text: str) -> Report:
+    """The row cannot be sent as stored: fail it (no Kafka error code to name)."""
+    return Report(
+        row_id, KafkaError._INVALID_ARG, text, ErrorKind.ROW_FAULT, None, None, time.monotonic()
+    )
 
 
 def _local_report(row_id: int, code: int, text: str) -> Report:
