@@ -48,6 +48,11 @@ class RelayMetrics:
             "in the same batch (a message timeout): that event is in the partition ahead of "
             "the earlier one",
         )
+        self.shard_out_of_range = counter(
+            "outbox_rows_shard_out_of_range",
+            "Rows claimed whose stored shard was outside the table's shard range (written by "
+            "another writer); claimed under the shard of their key's hash",
+        )
         self.lease_lost = counter(
             "outbox_lease_lost", "Finalize/release skipped: the row's lease was no longer ours"
         )
@@ -130,7 +135,7 @@ def sample_ordering_blocked(
     """Waiting rows whose key has an earlier row that holds it back.
 
     Starts from the blocking rows (retryable and not yet due, delivering under a
-    live lease, waiting on a paused topic) — few in a healthy system — and counts
+    live lease, not yet delivered in a paused topic) — few in a healthy system — and counts
     the later ``pending``/``retryable`` rows of their keys through the
     ``(message_key, status, id)`` index, so the cost follows the blockers, not the
     backlog.
@@ -145,7 +150,9 @@ def sample_ordering_blocked(
         blocking.append(
             sa.and_(
                 t.c.topic.in_(sorted(paused_topics)),
-                t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+                t.c.status.in_(
+                    [Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value]
+                ),
             )
         )
     first = (

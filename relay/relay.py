@@ -113,6 +113,7 @@ class Relay:
         self._on_batch = on_batch
         self._publisher: Publisher | None = None
         self._held: _Held | None = None
+        self._shard_count: int | None = None
         self._jittered = False
         self._next_sample = 0.0
         self._crashes_before_drain = 0
@@ -186,11 +187,15 @@ class Relay:
             limit=self.settings.batch_size,
             lease_ttl=self.settings.lease_ttl,
             excluded_topics=self.paused.excluded(),
+            shard_count=self._shard_count,
         )
         if batch is None:
             return None
         self._held = _Held(batch)
         self.metrics.claimed.inc(len(batch))
+        self.metrics.shard_out_of_range.inc(
+            sum(1 for r in batch.rows if r.misplaced_shard is not None)
+        )
         self.metrics.batch_size.observe(len(batch))
         self.metrics.reclaimed.inc(sum(1 for r in batch.rows if r.reclaimed_from is not None))
         return batch
@@ -396,6 +401,7 @@ class Relay:
                 )
             with self.engine.connect() as conn:
                 shard_count = read_shard_count(conn, s.table)
+            self._shard_count = shard_count
             self._publisher = Publisher(s)
             self._open.append("kafka-producer")
             self._publisher.check_reachable(s.connect_timeout)

@@ -294,6 +294,7 @@ def _status_json(
         "topics": t.by_topic,
         "oldest_pending_age_s": t.oldest_pending_age_s,
         "oldest_undelivered_age_s": t.oldest_undelivered_age_s,
+        "shard_out_of_range": t.shard_out_of_range,
         "leases": {
             "live": t.leases_live,
             "expired": t.leases_expired,
@@ -350,6 +351,12 @@ def _status_text(
     )
     for o in t.lease_owners:
         print(f"  {o.owner}: {o.live} live, {o.expired} expired")
+    if t.shard_out_of_range:
+        print(
+            f"shard out of range: {t.shard_out_of_range} undelivered rows have a shard outside "
+            f"0..{(t.shard_count or 1) - 1} (another writer's; relays claim them under "
+            "CRC-32 of their key mod the shard count)"
+        )
     if t.by_topic:
         print()
         _print_table(

@@ -3,8 +3,12 @@ never its batch, its key or the relay."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,6 +26,7 @@ from relay_support import (
     wait_for,
 )
 
+from outboxkit.cli import main
 from outboxkit.relay import publish
 from outboxkit.runtime.testing import capture_json_logs
 
@@ -73,6 +78,24 @@ EVENT_IDS: list[Case] = [
     ("newline", {"event_id": "a\nb"}, "event_id"),
     ("nul", {"event_id": "a\x00b"}, "event_id"),
 ]
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(argv: list[str]) -> CliResult:
+    """``outboxkit ARGV`` in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def settle(engine: sa.Engine, table: str, expected: dict[str, int], *, timeout: float) -> None:
@@ -218,3 +241,44 @@ def test_a_header_name_with_a_lone_surrogate_fails_the_row_not_the_process(
     proc.signal(signal.SIGTERM)
     assert proc.wait(20) == 0
     assert [m.value for m in consume(kafka_bootstrap, topic, expected=2)] == [b"1", b"2"]
+
+
+def test_rows_with_a_shard_out_of_range_are_reported_and_delivered_in_key_order(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """Shards 100 and -3 in an 8-shard table: ``admin status`` counts them, the relay
+    claims them under their key's shard, counts and logs them, and the key's later
+    row (a normal shard) is not delivered ahead of them."""
+    topic = kafka_topics(partitions=1)
+    first = insert_foreign(engine, outbox, topic=topic, key=b"k", payload=b"1", shard=100)
+    insert_foreign(engine, outbox, topic=topic, key=b"k", payload=b"2")
+    insert_foreign(engine, outbox, topic=topic, key=b"n", payload=b"n1", shard=-3)
+    insert_foreign(engine, outbox, topic=topic, key=b"n", payload=b"n2")
+    res = run_cli(["admin", "status", "--json", "--db-url", db_url])
+    assert res.code == 0, res.err
+    assert json.loads(res.out)["shard_out_of_range"] == 2
+    text = run_cli(["admin", "status", "--db-url", db_url]).out
+    assert "shard out of range: 2 undelivered rows have a shard outside 0..7" in text
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(fast_settings(db_url, kafka_bootstrap))
+        settle(engine, outbox, {"delivered": 4}, timeout=20)
+        assert relay.metric("outbox_rows_shard_out_of_range_total") == 2
+        assert relay.stop() == 0
+    (line,) = logs.events("shard-out-of-range")
+    assert line["rows"] == 2 and first in line["row_ids"]  # type: ignore[operator]
+    assert line["stored_shards"] == [100, -3]
+    by_key: dict[bytes | None, list[bytes]] = {}
+    for m in consume(kafka_bootstrap, topic, expected=4):
+        by_key.setdefault(m.key, []).append(m.value)
+    assert by_key == {b"k": [b"1", b"2"], b"n": [b"n1", b"n2"]}
+    assert (
+        json.loads(run_cli(["admin", "status", "--json", "--db-url", db_url]).out)[
+            "shard_out_of_range"
+        ]
+        == 0
+    )
