@@ -59,6 +59,8 @@ log = logging.getLogger("outboxkit.relay.claim")
 
 #: At most this many row ids in one recovery log line / record.
 _MAX_IDS_LOGGED = 200
+#: The ``attempts`` column is a signed 32-bit INT.
+_MAX_ATTEMPTS_STORED = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +359,10 @@ def _claim_statements(table: str) -> tuple[sa.Select[Any], sa.Update]:
             lease_token=sa.bindparam("token"),
             # Server-side, from the same clock every relay compares against.
             lease_expires_at=db_now_plus(sa.bindparam("ttl_us", type_=sa.BigInteger())),
-            attempts=t.c.attempts + 1,
+            # A foreign writer may have stored the column's maximum: "+ 1" must not
+            # overflow (that fails the whole claim, every claim); such a row is
+            # failed as exhausted without being sent.
+            attempts=sa.func.least(t.c.attempts, _MAX_ATTEMPTS_STORED - 1) + 1,
             updated_at=now,
         )
     )

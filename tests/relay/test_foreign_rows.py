@@ -282,3 +282,32 @@ def test_rows_with_a_shard_out_of_range_are_reported_and_delivered_in_key_order(
         ]
         == 0
     )
+
+
+def test_a_row_with_extreme_attempts_does_not_stop_the_claim(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """``attempts`` at the column's maximum: the claim's ``attempts + 1`` must not
+    overflow (that failed every claim, for every key); the row is failed as
+    exhausted, and a negative count is merely more retries."""
+    topic = kafka_topics(partitions=1)
+    insert_foreign(engine, outbox, topic=topic, payload=b"1")
+    top = insert_foreign(engine, outbox, topic=topic, payload=b"top", attempts=2**31 - 1)
+    insert_foreign(engine, outbox, topic=topic, payload=b"low", attempts=-(2**31))
+    insert_foreign(engine, outbox, topic=topic, key=b"other", payload=b"o")
+    relay = embedded(fast_settings(db_url, kafka_bootstrap))
+    settle(engine, outbox, {"delivered": 3, "failed": 1}, timeout=20)
+    assert relay.relay.supervisor.crashes == 0
+    failed = next(r for r in rows(engine, outbox) if r.status == "failed")
+    assert failed.id == top and "without a delivery outcome" in failed.last_error
+    assert relay.stop() == 0
+    assert sorted(m.value for m in consume(kafka_bootstrap, topic, expected=3)) == [
+        b"1",
+        b"low",
+        b"o",
+    ]
