@@ -1,17 +1,19 @@
 """Claim a batch: due rows in id order, leased to this relay under a fresh token.
 
 Eligible rows are ``pending``/``retryable`` rows whose ``next_attempt_at`` has
-passed, and ``delivering`` rows whose lease expired (a *reclaim*: the previous
-owner died or stalled). Per-key order: a candidate is held back while an earlier
-row of the same key is ``retryable`` and not yet due, ``delivering`` under a
-live lease, or in a paused topic in any state but ``delivered``/``failed`` (also
-``delivering`` under an expired lease: a paused topic's rows are not reclaimed
-until its next probe, so they must hold their key meanwhile). An earlier row
-that is itself eligible does not hold it back: it has a smaller id, so it is in
-the same batch and produced first; if it cannot be locked (another claimer holds
-it), or if it goes to another topic (Kafka orders nothing across topics), the
-later rows of its key are dropped from the batch. So a key never overtakes
-itself, and a reclaimed batch comes back whole instead of one row per key per claim.
+passed, and ``delivering`` rows whose lease expired or was never set (a
+*reclaim*: the previous owner died or stalled, or another writer stored it so).
+
+Per-key order: a candidate is held back while an earlier row of the same key
+is ``retryable`` and not yet due, ``delivering`` under a live lease, or in a
+paused topic in any state but ``delivered``/``failed`` (also ``delivering``
+under an expired lease: a paused topic's rows are not reclaimed until its next
+probe, so they must hold their key meanwhile). An earlier row that is itself
+eligible does not hold it back: it has a smaller id, so it is in the same batch
+and produced first; if it cannot be locked (another claimer holds it), or if it
+goes to another topic (Kafka orders nothing across topics), the later rows of
+its key are dropped from the batch. So a key never overtakes itself, and a
+reclaimed batch comes back whole instead of one row per key per claim.
 
 Shards: a row belongs to the shard stored in its ``shard`` column. A row whose
 stored shard is outside ``0..shard_count-1`` (written by another writer) belongs
@@ -135,6 +137,13 @@ def _cached_candidates_query(
     return candidates_query(table, shards, limit, excluded_topics, shard_count=shard_count)
 
 
+def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    """A ``delivering`` row's lease is over: expired, or never set (another writer
+    stored ``delivering`` without a lease; nothing protects it, and left alone it
+    would neither be claimed nor hold its key back)."""
+    return sa.or_(t.c.lease_expires_at <= now, t.c.lease_expires_at.is_(None))
+
+
 def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int]:
     """The shard ``enqueue`` gives a row, computed by the database:
     ``CRC32(message_key, or event_id when keyless) MOD shard_count`` (MySQL's CRC32
@@ -208,7 +217,7 @@ def candidates_query(
     merged = sa.union_all(
         by_status(Status.PENDING, t.c.next_attempt_at <= now),
         by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
-        by_status(Status.DELIVERING, t.c.lease_expires_at <= now),
+        by_status(Status.DELIVERING, _lease_over(t, now)),
     ).subquery("candidates")
     return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
 
@@ -273,7 +282,9 @@ def claim_batch(
                 shard=_effective_shard(r, shard_count),
                 attempts=r.attempts + 1,
                 created_at=r.created_at,
-                reclaimed_from=r.lease_owner if r.status == Status.DELIVERING.value else None,
+                reclaimed_from=(r.lease_owner or "(no owner)")
+                if r.status == Status.DELIVERING.value
+                else None,
                 misplaced_shard=None if r.shard == _effective_shard(r, shard_count) else r.shard,
             )
             for r in locked
@@ -329,7 +340,7 @@ def _claim_statements(table: str) -> tuple[sa.Select[Any], sa.Update]:
             t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
             t.c.next_attempt_at <= now,
         ),
-        sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at <= now),
+        sa.and_(t.c.status == Status.DELIVERING.value, _lease_over(t, now)),
     )
     lock = (
         sa.select(

@@ -262,3 +262,16 @@ def test_a_row_with_a_shard_out_of_range_is_claimed_by_its_keys_shard_owner(
     assert (by_id[second].shard, by_id[second].misplaced_shard) == (home, None)
     assert (by_id[keyless].shard, by_id[keyless].misplaced_shard) == (keyless_home, -3)
     assert batch.shards == {home, keyless_home}
+
+
+def test_a_delivering_row_without_a_lease_expiry_is_reclaimed_in_key_order(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """Another writer stored ``delivering`` with no ``lease_expires_at``: no lease
+    protects it, so it is reclaimed like an expired one, ahead of its key's next row
+    (it used to be neither claimed nor holding its key back)."""
+    first = insert_foreign(engine, outbox, topic="t", key=b"k", status="delivering")
+    second = insert_foreign(engine, outbox, topic="t", key=b"k")
+    batch = claim_batch(engine, outbox, owner="a", shards=ALL, limit=10, lease_ttl=30)
+    assert batch is not None and [r.id for r in batch.rows] == [first, second]
+    assert batch.rows[0].attempts == 1

@@ -4,9 +4,11 @@ never its batch, its key or the relay."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import io
 import json
 import signal
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ from relay_support import (
 
 from outboxkit.cli import main
 from outboxkit.relay import publish
+from outboxkit.relay.claim import ClaimedRow
 from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = pytest.mark.integration
@@ -311,3 +314,34 @@ def test_a_row_with_extreme_attempts_does_not_stop_the_claim(
         b"low",
         b"o",
     ]
+
+
+def test_an_exception_escaping_the_per_row_handling_names_the_row(
+    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a BaseException (an interrupt) gets past the per-row handling; its
+    traceback, which the supervisor logs, says which row was being produced."""
+
+    class Interrupted(Producer):  # type: ignore[misc]
+        def produce(self, *args: Any, **kwargs: Any) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(publish, "Producer", Interrupted)
+    publisher = publish.Publisher(fast_settings("mysql+pymysql://u@h/db", kafka_bootstrap))
+    row = ClaimedRow(
+        id=4711,
+        event_id="e-1",
+        topic="orders",
+        key=b"k",
+        payload=b"p",
+        headers=None,
+        shard=0,
+        attempts=1,
+        created_at=dt.datetime(2024, 1, 1),
+        reclaimed_from=None,
+    )
+    with pytest.raises(KeyboardInterrupt) as caught:
+        publisher.publish([row])
+    text = "".join(traceback.format_exception(caught.value))
+    assert "while producing outbox row id=4711" in text
+    publisher.close(0)
