@@ -1,5 +1,5 @@
 """Fuzz: random bytes and JSON shapes in every column a foreign writer sets (headers,
-message_key, payload, topic, event_id, shard, attempts), inserted
+message_key, payload, topic, event_id, shard, attempts, status), inserted
 with plain SQL beside good rows, against one running relay and real Kafka.
 
 After each example: the relay never crashed (no supervisor restart), nothing is
@@ -116,6 +116,8 @@ def _rows(draw: st.DrawFn, topics: list[str]) -> list[Foreign]:
             "event_id": draw(_GOOD_EVENT_ID) + "-" + uuid.uuid4().hex,
             "shard": draw(_SHARDS),
             "attempts": draw(_ATTEMPTS),
+            # delivering: as another writer may store it, without a lease
+            "status": draw(st.sampled_from(["pending"] * 4 + ["retryable", "delivering"])),
         }
         fault = draw(
             st.sampled_from([None, None, None, "topic", "event_id", "headers", "wild-headers"])
