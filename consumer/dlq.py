@@ -6,6 +6,14 @@ When the write fails or is not acknowledged in time it raises
 :class:`DeadLetterUnavailable`: the caller keeps the message, pauses its
 partition and tries again later. Nothing is skipped.
 
+A **fatal** producer error (the idempotent producer was refused
+``InitProducerId``, e.g. the principal lacks ``WRITE``/``IDEMPOTENT_WRITE``)
+makes that producer useless for good: the send that meets it raises
+:class:`DeadLetterUnavailable`, a ``dlq-producer-fatal`` line is logged, and the
+next send builds a new producer (a new idempotent session). The caller's
+backoff spaces the rebuilds; once the operator fixes the ACL, the partition
+resumes on its own.
+
 The dead-lettered record keeps the original key, value and headers and adds:
 
 =======================  =====================================================
@@ -24,20 +32,23 @@ The dead-lettered record keeps the original key, value and headers and adds:
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outboxkit.consumer.message import Message
 from outboxkit.errors import TransientError
-from outboxkit.runtime.logs import redact
+from outboxkit.runtime.logs import log_event, redact
 
 __all__ = ["DeadLetterUnavailable", "DeadLetters", "Failure"]
 
 MAX_ERROR_MESSAGE = 1000
+
+_log = logging.getLogger("outboxkit.consumer.dlq")
 
 
 class DeadLetterUnavailable(TransientError):
@@ -85,14 +96,58 @@ class DeadLetters:
         self.timeout = timeout
         self.topic_override = topic_override
         self.suffix = suffix
-        self._producer = Producer(
-            {
-                **config,
-                "enable.idempotence": True,
-                "acks": "all",
-                "message.timeout.ms": max(1, int(timeout * 1000)),
-            }
+        self._config: dict[str, Any] = {
+            **config,
+            "enable.idempotence": True,
+            "acks": "all",
+            "message.timeout.ms": max(1, int(timeout * 1000)),
+        }
+        self._lock = threading.Lock()
+        self._producer = Producer(self._config)
+        #: The producer that hit a fatal error (replaced at the next send).
+        self._fatal: Producer | None = None
+        #: Producers built to replace one that hit a fatal error.
+        self.rebuilds = 0
+
+    def _current(self) -> Producer:
+        """The producer to send with; builds a new one if the current one is fatal."""
+        with self._lock:
+            if self._fatal is not None and self._fatal is self._producer:
+                old = self._producer
+                self._producer = Producer(self._config)
+                self._fatal = None
+                self.rebuilds += 1
+                try:
+                    old.purge(in_queue=True, in_flight=True, blocking=False)
+                    old.flush(0)
+                except KafkaException:
+                    pass  # it may raise its fatal error once more; it is dropped anyway
+                log_event(_log, "dlq-producer-rebuilt", rebuilds=self.rebuilds)
+            return self._producer
+
+    def _mark_fatal(self, producer: Producer, err: KafkaError | None) -> None:
+        with self._lock:
+            if self._fatal is producer or producer is not self._producer:
+                return
+            self._fatal = producer
+        log_event(
+            _log,
+            "dlq-producer-fatal",
+            level=logging.ERROR,
+            code=err.name() if err is not None else "_FATAL",
+            error=redact(err.str()) if err is not None else "fatal error",
+            action="the next dead-letter write builds a new producer; if this is an "
+            "authorization error, grant the consumer's principal WRITE on the dead-letter topic",
         )
+
+    def _poll(self, producer: Producer, timeout: float) -> None:
+        try:
+            producer.poll(timeout)
+        except KafkaException as exc:  # confluent-kafka raises fatal errors from poll()
+            err = exc.args[0] if exc.args else None
+            if not isinstance(err, KafkaError) or not err.fatal():
+                raise
+            self._mark_fatal(producer, err)
 
     def topic_for(self, source_topic: str) -> str:
         return self.topic_override or f"{source_topic}{self.suffix}"
@@ -118,8 +173,9 @@ class DeadLetters:
             outcome.append(err)
             done.set()
 
+        producer = self._current()
         try:
-            self._producer.produce(
+            producer.produce(
                 topic,
                 key=message.key,
                 value=message.value,
@@ -127,19 +183,35 @@ class DeadLetters:
                 on_delivery=on_delivery,
             )
         except (BufferError, KafkaException) as exc:
+            err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+            if isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL):
+                self._mark_fatal(producer, err)
             raise DeadLetterUnavailable(f"dead-letter write to {topic} refused: {exc}") from None
         # Every worker polls: whichever serves the callback, each waits for its own.
         deadline = time.monotonic() + self.timeout + 1.0
         while not done.is_set() and time.monotonic() < deadline:
-            self._producer.poll(0.05)
+            self._poll(producer, 0.05)
+            if self._fatal is producer:
+                raise DeadLetterUnavailable(
+                    f"dead-letter write to {topic} failed: the producer hit a fatal error"
+                )
         if not done.is_set():
             raise DeadLetterUnavailable(
                 f"no acknowledgement from {topic} within {self.timeout:g} s"
             )
-        if outcome[0] is not None:
-            raise DeadLetterUnavailable(f"dead-letter write to {topic} failed: {outcome[0]}")
+        error = outcome[0]
+        if error is not None:
+            if isinstance(error, KafkaError) and error.code() == KafkaError._FATAL:
+                self._mark_fatal(producer, None)
+            raise DeadLetterUnavailable(f"dead-letter write to {topic} failed: {error}")
         return topic
 
     def close(self, timeout: float) -> int:
         """Flush (nothing should be pending: every send waits); messages left unsent."""
-        return int(self._producer.flush(timeout))
+        producer = self._producer
+        if self._fatal is producer:
+            return 0
+        try:
+            return int(producer.flush(timeout))
+        except KafkaException:
+            return len(producer)

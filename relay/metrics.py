@@ -84,6 +84,17 @@ class RelayMetrics:
             "Waiting rows held back for an earlier, undelivered row of the same key (sampled)",
             registry=registry,
         )
+        self.producer_fatal = Counter(
+            "outbox_kafka_producer_fatal",
+            "Fatal errors of the Kafka producer (it can send nothing more; a new one is built)",
+            ["reason"],
+            registry=registry,
+        )
+        self.producer_rebuilds = Counter(
+            "outbox_kafka_producer_rebuilds",
+            "Kafka producers built to replace one that hit a fatal error",
+            registry=registry,
+        )
         self.shards_owned = Gauge(
             "outbox_shards_owned", "Shards this relay may claim from", registry=registry
         )

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+import tenacity
 from sqlalchemy.engine import Engine
 
 from outboxkit.admin.purge import run_retention
@@ -34,7 +35,7 @@ from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exh
 from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
 from outboxkit.relay.metrics import RelayMetrics, sample_backlog, sample_ordering_blocked
 from outboxkit.relay.pauses import PausedTopics
-from outboxkit.relay.publish import InFlight, Publisher, Report
+from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker
 from outboxkit.relay.wakeup import RedisWaker
@@ -63,6 +64,11 @@ log = logging.getLogger("outboxkit.relay")
 #: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
 PUSH_JOB = "outboxkit_relay"
 _CLOSE_BUDGET = 5.0
+_FATAL_ADVICE = {
+    "authorization": "grant the relay's principal WRITE on the topics it serves "
+    "(or IDEMPOTENT_WRITE on the cluster for brokers before 2.8)",
+    "authentication": "check the SASL/SSL settings in --kafka-config / OUTBOXKIT_KAFKA_CONFIG",
+}
 
 
 @dataclass
@@ -112,6 +118,7 @@ class Relay:
         self._foreign: ForeignRelayMonitor | None = None
         self._on_batch = on_batch
         self._publisher: Publisher | None = None
+        self._producer_trouble: object | None = None
         self._held: _Held | None = None
         self._jittered = False
         self._next_sample = 0.0
@@ -165,6 +172,9 @@ class Relay:
         self._settle_leftover()
         self._start_jitter()
         while not self.lifecycle.draining.is_set():
+            if self._publisher is not None and self._publisher.fatal is not None:
+                self._rebuild_producer()
+                continue
             self._sample_backlog_if_due()
             batch = self._claim()
             if batch is None:
@@ -235,7 +245,53 @@ class Relay:
 
     def _reports(self, inflight: InFlight) -> dict[int, Report]:
         assert self._publisher is not None
-        return {i: self._publisher.blame(r) for i, r in inflight.snapshot().items()}
+        return self._publisher.settle_reports(inflight)
+
+    def _rebuild_producer(self) -> None:
+        """The producer hit a fatal error (its batch is settled): build new ones,
+        with exponential backoff capped at ``paused_topic_retry``, until one
+        settles without a fatal error or the drain begins."""
+        publisher = self._publisher
+        assert publisher is not None
+
+        def attempt() -> None:
+            fatal = publisher.fatal
+            if fatal is not None:
+                self._producer_trouble = fatal
+                self.metrics.producer_fatal.labels(reason=fatal.reason).inc()
+                log_event(
+                    log,
+                    "kafka-producer-fatal",
+                    level=logging.ERROR,
+                    code=fatal.name,
+                    reason=fatal.reason,
+                    error=fatal.error,
+                    session=publisher.sessions,
+                    action="building a new producer (a new idempotent session); "
+                    + _FATAL_ADVICE.get(fatal.reason, "check the broker log for the cause"),
+                )
+            self.metrics.producer_rebuilds.inc()
+            publisher.rebuild(self.settings.connect_timeout)
+
+        def sleep(seconds: float) -> None:
+            self.lifecycle.wait_draining(seconds)  # a drain ends the wait (and the retries)
+
+        cap = max(0.1, self.settings.paused_topic_retry)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(FatalProducerError),
+            wait=tenacity.wait_exponential(multiplier=0.5, max=cap),
+            stop=lambda _state: self.lifecycle.draining.is_set(),
+            sleep=sleep,
+            reraise=True,
+        )
+        try:
+            retrying(attempt)
+        except FatalProducerError as exc:
+            if exc.fatal is not None:
+                self.metrics.producer_fatal.labels(reason=exc.fatal.reason).inc()
+            return  # draining: the loop ends
+        self._producer_trouble = None
+        log_event(log, "kafka-producer-rebuilt", session=publisher.sessions)
 
     def _settle(self, held: _Held, decisions: list[Decision]) -> None:
         """Write the decisions under the batch's token, then count and log them."""
@@ -376,6 +432,9 @@ class Relay:
 
     def _ready_details(self) -> dict[str, object]:
         details: dict[str, object] = {"paused_topics": self.paused.details()}
+        trouble = self._producer_trouble
+        if trouble is not None:
+            details["kafka_producer"] = f"rebuilding after {trouble}"
         return details
 
     # -- start and stop -------------------------------------------------------------
