@@ -543,9 +543,9 @@ class Relay:
                     effect="rows stay leased until their lease expires",
                 )
         left = len(self._held.batch) if self._held is not None else 0
-        # 2-4. Shard leases only once our rows are settled (the next owner must find
-        #    them settled), then Kafka (its queue holds only released rows' copies),
-        #    then the DB pool.
+        # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
+        #    then Redis (shard leases: the next owner must find our rows settled and
+        #    no copy of them left in our producer), then the DB pool.
         self._close_resources()
         self.lifecycle.set_stopped()
         record = self._exit
@@ -588,13 +588,18 @@ class Relay:
         # database pool goes away.
         if self._retention is not None:
             self._retention.join(timeout=max(0.0, min(10.0, self.lifecycle.remaining() - 1.0)))
-        if "shard-ownership" in self._open and self._ownership is not None:
-            self._step("shard-ownership", self._ownership.release_all)
-            self._step("shard-ownership", self._ownership.close)
+        # Kafka first: once a shard lease is released, the next owner claims the
+        # rows we released and sends them; a copy still in our producer's queue
+        # could then land after the new owner's later events of the same key.
         if "kafka-producer" in self._open and self._publisher is not None:
             publisher = self._publisher
             budget = min(_CLOSE_BUDGET, max(0.0, self.lifecycle.remaining() - 1.0))
             self._step("kafka-producer", lambda: self._log_unsent(publisher.close(budget)))
+        # Then Redis: the shard leases (the rows are settled, our copies are
+        # flushed or purged), then the wake-up subscription.
+        if "shard-ownership" in self._open and self._ownership is not None:
+            self._step("shard-ownership", self._ownership.release_all)
+            self._step("shard-ownership", self._ownership.close)
         if "redis-wakeups" in self._open and isinstance(self._waker, RedisWaker):
             self._step("redis-wakeups", self._waker.close)
         if "database" in self._open and self._engine is not None and self._own_engine:

@@ -37,7 +37,8 @@ class ShardOwnership(Protocol):
 
     def release_all(self) -> None:
         """Give up every shard. Called during drain, after the relay's rows were
-        finalized or released, so the next owner starts from settled rows.
+        finalized or released and its Kafka producer closed, so the next owner
+        starts from settled rows and no stale copy of them can follow its sends.
         """
 
     def close(self) -> None:
