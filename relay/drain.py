@@ -61,6 +61,9 @@ class ExitRecord:
     lease_lost: int = 0
     shutdown_deadline_ms: int = 0
     duration_ms: int = 0
+    #: What the shutdown gave up on: workers still running when the budget ran out
+    #: (their threads are abandoned), or on a forced exit the resources cut.
+    abandoned: list[str] = dataclasses.field(default_factory=list)
     result: str = "clean"
     exit_code: int = 0
     metrics_pushed: bool | None = None

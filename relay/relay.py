@@ -64,6 +64,9 @@ log = logging.getLogger("outboxkit.relay")
 #: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
 PUSH_JOB = "outboxkit_relay"
 _CLOSE_BUDGET = 5.0
+#: Seconds of the shutdown budget kept for disposing the pool, the exit record and
+#: the metrics push after waiting for workers.
+_RECORD_RESERVE = 0.5
 _FATAL_ADVICE = {
     "authorization": "grant the relay's principal WRITE on the topics it serves "
     "(or IDEMPOTENT_WRITE on the cluster for brokers before 2.8)",
@@ -124,6 +127,7 @@ class Relay:
         self._next_sample = 0.0
         self._crashes_before_drain = 0
         self._retention: threading.Thread | None = None
+        self._abandoned: list[str] = []
         self._open: list[str] = []
         self._exit = ExitRecord(signal=None, state="starting")
         self.metrics.track_shutdown_pending(self._shutdown_pending)
@@ -551,8 +555,11 @@ class Relay:
         record = self._exit
         record.left_leased = left
         record.batch_size += left
+        record.abandoned = list(self._abandoned)
         if left:
             record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
+        elif self._abandoned:  # the budget ran out for a worker: not a clean exit
+            record.result, record.exit_code = "forced", EXIT_FORCED
         elif self.supervisor.crashes > self._crashes_before_drain:
             record.result, record.exit_code = "error", EXIT_FAILURE
         elif self.lifecycle.exit_code() != EXIT_OK:
@@ -569,9 +576,9 @@ class Relay:
             return
         retention_s = s.retention
         supervisor = Supervisor(self.lifecycle, logger=log, metrics=self.service_metrics)
-        self._retention = supervisor.spawn(
-            "retention",
-            lambda: run_retention(
+
+        def loop() -> None:
+            run_retention(
                 self.engine,
                 table=s.table,
                 retention_s=retention_s,
@@ -580,14 +587,36 @@ class Relay:
                 batch_size=s.retention_batch_size,
                 pause_s=s.retention_pause,
                 node_id=s.node_id,
-            ),
+            )
+
+        # A daemon thread: a statement stalled on a frozen database must not keep
+        # the process alive after the drain gave up on it (see _join_retention).
+        self._retention = threading.Thread(
+            target=supervisor.run, args=("retention", loop), name="retention", daemon=True
         )
+        self._retention.start()
+
+    def _join_retention(self) -> None:
+        """Wait for retention to stop (it checks the drain between batches) while the
+        shutdown budget lasts; past that it is abandoned, and the exit record says so."""
+        thread = self._retention
+        if thread is None:
+            return
+        thread.join(timeout=max(0.0, self.lifecycle.remaining() - _RECORD_RESERVE))
+        if thread.is_alive():
+            what = "retention (a database statement did not return)"
+            self._abandoned.append(what)
+            log_event(
+                log,
+                "worker-abandoned",
+                level=logging.ERROR,
+                worker="retention",
+                detail=what,
+                effect="the statement's transaction is rolled back by the database when "
+                "the connection drops with the process",
+            )
 
     def _close_resources(self) -> None:
-        # Retention stops within one batch once draining; wait for it before the
-        # database pool goes away.
-        if self._retention is not None:
-            self._retention.join(timeout=max(0.0, min(10.0, self.lifecycle.remaining() - 1.0)))
         # Kafka first: once a shard lease is released, the next owner claims the
         # rows we released and sends them; a copy still in our producer's queue
         # could then land after the new owner's later events of the same key.
@@ -602,6 +631,9 @@ class Relay:
             self._step("shard-ownership", self._ownership.close)
         if "redis-wakeups" in self._open and isinstance(self._waker, RedisWaker):
             self._step("redis-wakeups", self._waker.close)
+        # Retention needs only the database: it stops within one batch once
+        # draining; wait for it (within the budget) before the pool goes away.
+        self._join_retention()
         if "database" in self._open and self._engine is not None and self._own_engine:
             self._step("database", self._engine.dispose)
         self._open.clear()
@@ -636,6 +668,9 @@ class Relay:
                 job=PUSH_JOB,
                 grouping_key={"instance": self.settings.node_id},
                 registry=self.registry,
+                # Within what is left of the shutdown budget (the watchdog is
+                # already disarmed here), but at least a moment to try.
+                timeout=max(0.5, min(5.0, lc.remaining())),
             )
         log_exit_record(record)
 
@@ -657,6 +692,9 @@ class Relay:
     def _cut(self) -> list[str]:
         """Watchdog: the drain overran shutdown_timeout; name what is being abandoned."""
         cut = list(self._open)
+        retention = self._retention
+        if retention is not None and retention.is_alive():
+            cut.append("retention")
         held = self._held
         if held is not None:
             cut.append(f"{len(held.batch)} leased rows (back after lease expiry)")
@@ -670,6 +708,7 @@ class Relay:
         record = self._exit
         record.left_leased = len(held.batch) if held is not None else 0
         record.batch_size += record.left_leased
+        record.abandoned = self._cut()
         record.result, record.exit_code = "forced", EXIT_FORCED
         self._finish_record(record)
 
