@@ -33,7 +33,12 @@ from outboxkit.relay.claim import Batch, claim_batch
 from outboxkit.relay.drain import ExitRecord, log_exit_record, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
-from outboxkit.relay.metrics import RelayMetrics, sample_backlog, sample_ordering_blocked
+from outboxkit.relay.metrics import (
+    RelayMetrics,
+    sample_backlog,
+    sample_ordering_blocked,
+    topics_with_rows,
+)
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
@@ -407,12 +412,12 @@ class Relay:
         if now < self._next_sample:
             return
         self._next_sample = now + self.settings.metrics_interval
+        paused = self.paused.paused_topics()
         try:
             with self.engine.connect() as conn:
                 counts, age = sample_backlog(conn, self.settings.table)
-                blocked = sample_ordering_blocked(
-                    conn, self.settings.table, self.paused.paused_topics()
-                )
+                blocked = sample_ordering_blocked(conn, self.settings.table, paused)
+                gone = paused - topics_with_rows(conn, self.settings.table, paused)
                 if self._foreign is not None:
                     self._foreign.check(conn)
         except Exception as exc:  # a metrics hook never breaks the loop
@@ -422,6 +427,8 @@ class Relay:
             self.metrics.backlog.labels(status=status.value).set(n)
         self.metrics.oldest_pending_age.set(age)
         self.metrics.ordering_blocked.set(blocked)
+        for topic in sorted(gone):  # nothing left to probe with: the pause would never end
+            self.paused.resume(topic, cause="no-rows-left")
 
     def _inflight_shards(self) -> frozenset[int]:
         held = self._held
