@@ -19,9 +19,12 @@ implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
   same deterministic split of shards over the live members
   (:func:`assign_shards`: rendezvous hashing with quotas, every member gets
   ``floor`` or ``ceil`` of ``shards / members``), so nobody coordinates.
-* **Handover**: a shard that is no longer this relay's target stops being
-  claimable at once; it is released (CAS) only after the loop has asked for
-  claimable shards again (so a claim that started before is over) and
+* **Handover**: the loop claims inside ``with leases.claiming() as shards:``;
+  the block holds the shards it was given until it ends, and the claim
+  registers its rows in ``inflight_shards()`` before it does. A shard that is
+  no longer this relay's target stops being given to new blocks at once (the
+  decision and the mark are made under one lock, with the clock read inside
+  it); it is released (CAS) only once no open block holds it and
   ``inflight_shards()`` no longer contains it. A shard whose renewal failed is
   forgotten under the same condition.
 * **Dead relay**: its heartbeat expires just after its leases (both carry the
@@ -39,6 +42,7 @@ loudly that per-key order is no longer guaranteed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import logging
@@ -46,7 +50,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import redis
@@ -281,9 +285,8 @@ class _Lost:
 class RedisShardLeases:
     """Shard ownership through Redis leases; see the module docstring.
 
-    Assumption about the caller (the relay loop): a claim that follows a
-    :meth:`claimable` call has registered its rows in ``inflight_shards()``
-    before :meth:`claimable` is called again.
+    The caller claims inside :meth:`claiming` and registers the claimed rows in
+    ``inflight_shards()`` before the block ends; that is the whole handshake.
     """
 
     def __init__(
@@ -333,7 +336,8 @@ class RedisShardLeases:
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
         self._lost: dict[int, _Lost] = {}
-        self._last_claimable_call = -math.inf
+        #: Shards held by open claiming() blocks (one count per block).
+        self._claiming: dict[int, int] = {}
         self._members: tuple[str, ...] = ()
         self._targets: frozenset[int] = frozenset()
         self._assignment_cache: tuple[tuple[str, ...], dict[str, frozenset[int]]] | None = None
@@ -373,14 +377,34 @@ class RedisShardLeases:
         self._thread.start()
 
     def claimable(self) -> frozenset[int]:
-        now = time.monotonic()
+        """Shards a claim could use now (introspection; claims use :meth:`claiming`)."""
         with self._lock:
-            self._last_claimable_call = now
-            if self._leaving:
-                return frozenset()
-            return frozenset(
-                s for s, h in self._held.items() if h.surplus_since is None and now < h.valid_until
-            )
+            return self._claimable_locked(time.monotonic())
+
+    def _claimable_locked(self, now: float) -> frozenset[int]:
+        if self._leaving:
+            return frozenset()
+        return frozenset(
+            s for s, h in self._held.items() if h.surplus_since is None and now < h.valid_until
+        )
+
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[frozenset[int]]:
+        """Claim from the yielded shards inside this block; register the claimed
+        rows in ``inflight_shards()`` before it ends. None of these shards is
+        released or forgotten while the block is open."""
+        with self._lock:
+            shards = self._claimable_locked(time.monotonic())
+            for s in shards:
+                self._claiming[s] = self._claiming.get(s, 0) + 1
+        try:
+            yield shards
+        finally:
+            with self._lock:
+                for s in shards:
+                    n = self._claiming.pop(s) - 1
+                    if n:
+                        self._claiming[s] = n
 
     def release_all(self) -> None:
         """Leave: stop claiming, release every lease by CAS and drop out of the
@@ -572,29 +596,35 @@ class RedisShardLeases:
             reason=reason, redis_ms=redis_ms,
         )  # fmt: skip
 
-    def _quiet(self, since: float) -> bool:
-        """Has the loop asked for claimable shards since ``since``, i.e. is any
-        claim that could still include a shard given up at ``since`` over?"""
-        with self._lock:
-            return self._last_claimable_call > since
-
     def _hand_over(self) -> None:
-        now = time.monotonic()
         with self._lock:
+            # The clock is read under the lock: a claiming() block either started
+            # before the mark (and holds the shard until it ends) or sees it.
+            now = time.monotonic()
             for shard, h in self._held.items():
                 if shard not in self._targets and h.surplus_since is None:
                     h.surplus_since = now
                 elif shard in self._targets and h.surplus_since is not None:
                     h.surplus_since = None  # the split changed back before we let go
-            surplus = {s: h for s, h in self._held.items() if h.surplus_since is not None}
+            surplus = {
+                s
+                for s, h in self._held.items()
+                if h.surplus_since is not None and s not in self._claiming
+            }
         if not surplus:
             return
+        # A block that ended registered its rows here first; a block that opens
+        # from now on cannot be given these shards.
         inflight = self._inflight()
-        ready = {
-            s: h.value
-            for s, h in surplus.items()
-            if h.surplus_since is not None and self._quiet(h.surplus_since) and s not in inflight
-        }
+        with self._lock:
+            ready = {
+                s: h.value
+                for s, h in self._held.items()
+                if s in surplus
+                and h.surplus_since is not None
+                and s not in self._claiming
+                and s not in inflight
+            }
         if not ready:
             return
         results, redis_ms = self._call_cas(self._release, ready)
@@ -622,8 +652,8 @@ class RedisShardLeases:
             return
         inflight = self._inflight()
         with self._lock:
-            for shard, entry in lost.items():
-                if shard not in inflight and self._last_claimable_call > entry.since:
+            for shard in lost:
+                if shard not in inflight and shard not in self._claiming:
                     self._lost.pop(shard, None)
 
     def _acquire_targets(self) -> None:

@@ -42,7 +42,7 @@ from outboxkit.relay.metrics import (
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker
+from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker, claiming
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime import (
     EXIT_CONFIG,
@@ -193,22 +193,25 @@ class Relay:
 
     def _claim(self) -> Batch | None:
         assert self._ownership is not None
-        shards = self._ownership.claimable()
-        self.metrics.shards_owned.set(len(shards))
-        if not shards or self.lifecycle.draining.is_set():
-            return None
-        batch = claim_batch(
-            self.engine,
-            self.settings.table,
-            owner=self.settings.node_id,
-            shards=shards,
-            limit=self.settings.batch_size,
-            lease_ttl=self.settings.lease_ttl,
-            excluded_topics=self.paused.excluded(),
-        )
-        if batch is None:
-            return None
-        self._held = _Held(batch)
+        # The handshake with shard ownership: none of these shards is handed to
+        # another relay until the block ends, and before it ends the claimed rows
+        # are registered (self._held is what inflight_shards() reports).
+        with claiming(self._ownership) as shards:
+            self.metrics.shards_owned.set(len(shards))
+            if not shards or self.lifecycle.draining.is_set():
+                return None
+            batch = claim_batch(
+                self.engine,
+                self.settings.table,
+                owner=self.settings.node_id,
+                shards=shards,
+                limit=self.settings.batch_size,
+                lease_ttl=self.settings.lease_ttl,
+                excluded_topics=self.paused.excluded(),
+            )
+            if batch is None:
+                return None
+            self._held = _Held(batch)
         self.metrics.claimed.inc(len(batch))
         self.metrics.batch_size.observe(len(batch))
         self.metrics.reclaimed.inc(sum(1 for r in batch.rows if r.reclaimed_from is not None))

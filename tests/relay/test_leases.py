@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -393,3 +394,92 @@ def test_a_second_relay_without_redis_is_reported_once(
     warnings = [r for r in caplog.records if "multiple-relays-without-redis" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert "other-relay" in warnings[0].getMessage()
+
+
+class _OpenClaim:
+    """A claim in progress: ``claiming()`` entered and not yet left (or, for an
+    ownership with only the older protocol, ``claimable()`` called and nothing
+    registered yet)."""
+
+    def __init__(self, leases: RedisShardLeases) -> None:
+        self._cm = leases.claiming() if hasattr(leases, "claiming") else None
+        self.shards = self._cm.__enter__() if self._cm is not None else leases.claimable()
+
+    def close(self) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("moment", ["during-the-mark", "before-the-join"])
+def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
+    moment: str,
+    make_leases: LeasesFactory,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay loop starts a claim, and a second relay joins. ``during-the-mark``:
+    the claim starts at the worst moment, while the lease thread is between reading
+    the clock and marking shards for handover. ``before-the-join``: the claim is
+    open before the rebalance. Either way, the shards that claim got stay this
+    relay's until it ends and its rows are finished."""
+    import outboxkit.relay.leases as leases_module
+
+    inflight = Inflight()
+    a = make_leases("relay-a", shards=16, inflight=inflight)
+    claims: list[_OpenClaim] = []
+    armed = threading.Event()
+    real_time = leases_module.time
+
+    class SlippingClock:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_time, name)
+
+        def monotonic(self) -> float:
+            now = real_time.monotonic()
+            if (
+                armed.is_set()
+                and sys._getframe(1).f_code.co_name == "_hand_over"
+                and a.targets != frozenset(range(16))  # the rebalance happened
+            ):
+                armed.clear()
+                # The loop thread claims right now; give it a moment (it may have
+                # to wait for the lease thread's lock, which is the point).
+                t = threading.Thread(target=lambda: claims.append(_OpenClaim(a)))
+                t.start()
+                t.join(0.3)
+            return now
+
+    monkeypatch.setattr(leases_module, "time", SlippingClock())
+    b_future = assign_shards(16, ["relay-a", "relay-b"])["relay-b"]
+    if moment == "during-the-mark":
+        armed.set()
+    else:
+        claims.append(_OpenClaim(a))
+    b = make_leases("relay-b", shards=16)
+    wait_until(lambda: bool(claims), timeout=5)
+    claim = claims[0]
+    taken = claim.shards & b_future  # shards the open claim may be using
+    client = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 6 * FAST.renew_interval
+        while time.monotonic() < deadline:  # several handover ticks while it is open
+            for s in taken:
+                value = client.get(lease_key(redis_prefix, TABLE, s)) or b""
+                assert value.startswith(b"relay-a:"), f"shard {s} released during its claim"
+            assert not taken & b.claimable(), "two relays may claim the same shard"
+            time.sleep(0.02)
+        # The claim registers its rows (one shard keeps rows in flight) and ends.
+        busy = set(sorted(taken)[:1])
+        inflight.set(busy)
+        claim.close()
+        relays = [a, b]
+        wait_until(
+            lambda: b.claimable() == b_future - busy, timeout=5, tick=lambda: claimable_of(relays)
+        )
+        assert busy <= a.held()
+        inflight.set(set())
+        wait_until(lambda: settled(relays, 16), timeout=5, tick=lambda: claimable_of(relays))
+    finally:
+        client.close()
