@@ -262,6 +262,12 @@ class ShardLeaseMetrics:
             "Shards released to another relay after their in-flight rows were finished",
             registry=registry,
         )
+        self.fenced: Gauge | None = Gauge(
+            "outbox_shard_grants_fenced",
+            "1 while no shard lease is taken because Redis has been up for less than "
+            "the lease TTL (a restart may have forgotten leases others still believe in)",
+            registry=registry,
+        )
         self.rebalances = Counter(
             "outbox_rebalances",
             "Changes of the live relay set that changed this relay's target shards",
@@ -342,6 +348,9 @@ class RedisShardLeases:
         self._targets: frozenset[int] = frozenset()
         self._assignment_cache: tuple[tuple[str, ...], dict[str, frozenset[int]]] | None = None
         self._redis_ok: bool | None = None
+        self._run_id: str | None = None
+        self._fence_logged: str | None = None
+        self._fence_lifted: str | None = None
         self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
         self._stop = threading.Event()
         self._kick = threading.Event()
@@ -661,7 +670,7 @@ class RedisShardLeases:
             if self._leaving:
                 return
             wanted = sorted(self._targets - self._held.keys() - self._lost.keys())
-        if not wanted:
+        if not wanted or self._fenced():
             return
         values = {s: f"{self.node_id}:{secrets.token_hex(8)}" for s in wanted}
         sent = time.monotonic()
@@ -678,6 +687,42 @@ class RedisShardLeases:
                 log_event(
                     self.log, "shard-acquired", table=self.table, shard=shard, redis_ms=redis_ms
                 )
+
+    def _fenced(self) -> bool:
+        """No shard is taken while Redis has been up for less than the lease TTL.
+
+        A Redis restarted without persistence has forgotten every lease, but the
+        previous owners still believe in theirs until their local deadline, which
+        falls within one TTL of their last renewal, so within one TTL of the
+        restart. Waiting out the TTL of the new server's uptime keeps one owner
+        per shard. (A fresh Redis is fenced the same way: nothing tells a first
+        start from a restart.)
+        """
+        info = self._redis.info("server")
+        run_id = str(info.get("run_id", ""))
+        uptime = float(info.get("uptime_in_seconds", 0))
+        fenced = uptime < math.ceil(self.settings.ttl)
+        if fenced and self._fence_logged != run_id:
+            self._fence_logged = run_id
+            log_event(
+                self.log,
+                "shard-grants-fenced",
+                level=logging.WARNING,
+                table=self.table,
+                redis_run_id=run_id,
+                previous_run_id=self._run_id,
+                redis_uptime_s=uptime,
+                wait_s=math.ceil(self.settings.ttl) - uptime,
+                reason="Redis has been up for less than the shard lease TTL: leases it "
+                "forgot in a restart may still be believed in by their previous owners",
+            )
+        elif not fenced and self._fence_logged == run_id and self._fence_lifted != run_id:
+            self._fence_lifted = run_id
+            log_event(self.log, "shard-grants-unfenced", table=self.table, redis_run_id=run_id)
+        if self.metrics.fenced is not None:
+            self.metrics.fenced.set(1 if fenced else 0)
+        self._run_id = run_id
+        return fenced
 
     def _call_cas(self, script: Script, values: dict[int, str]) -> tuple[dict[int, int], int]:
         """Run a per-shard script; returns each shard's result and Redis's clock (ms)."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import os
+import shutil
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
+from support.services import RedisInstance, free_port
 
 from outboxkit.errors import ConfigError
 from outboxkit.relay.leases import (
@@ -483,3 +487,116 @@ def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
         wait_until(lambda: settled(relays, 16), timeout=5, tick=lambda: claimable_of(relays))
     finally:
         client.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisInstance]:
+    instance = RedisInstance(f"leases-{uuid.uuid4().hex[:6]}", free_port())
+    try:
+        instance.start(fresh=True)
+    except Exception as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            raise
+        pytest.skip(f"dedicated Redis did not start: {exc}")
+    yield instance
+    instance.stop()
+    shutil.rmtree(instance.state_dir, ignore_errors=True)
+
+
+class _Grants:
+    """Every successful acquire/renew/release of each relay, on Redis's clock."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, str, int]] = []  # node, shard, kind, redis_ms
+        self._lock = threading.Lock()
+
+    def watch(self, leases: RedisShardLeases) -> None:
+        real = leases._call_cas
+        kinds = {
+            id(leases._acquire): "acquire",
+            id(leases._renew): "renew",
+            id(leases._release): "release",
+        }
+
+        def recording(script: Any, values: dict[int, str]) -> tuple[dict[int, int], int]:
+            results, redis_ms = real(script, values)
+            with self._lock:
+                for shard, result in results.items():
+                    if result == 1:
+                        self.events.append((leases.node_id, shard, kinds[id(script)], redis_ms))
+            return results, redis_ms
+
+        leases._call_cas = recording  # type: ignore[method-assign]
+
+    def overlaps(self, ttl_ms: int) -> list[str]:
+        """Two nodes holding one shard at the same Redis moment. A node holds a shard
+        from an acquire until a release, or until TTL after its last acquire/renew."""
+        with self._lock:
+            events = sorted(self.events, key=lambda e: e[3])
+        spans: dict[int, list[tuple[str, int, int]]] = {}
+        open_: dict[tuple[str, int], tuple[int, int]] = {}  # (node, shard) -> (start, proof)
+        for node, shard, kind, ms in events:
+            key = (node, shard)
+            if kind == "acquire":
+                if key in open_:
+                    start, proof = open_.pop(key)
+                    spans.setdefault(shard, []).append((node, start, min(ms, proof + ttl_ms)))
+                open_[key] = (ms, ms)
+            elif kind == "renew" and key in open_:
+                open_[key] = (open_[key][0], ms)
+            elif kind == "release" and key in open_:
+                start, _ = open_.pop(key)
+                spans.setdefault(shard, []).append((node, start, ms))
+        for (node, shard), (start, proof) in open_.items():
+            spans.setdefault(shard, []).append((node, start, proof + ttl_ms))
+        found = []
+        for shard, items in spans.items():
+            for i, (n1, s1, e1) in enumerate(items):
+                for n2, s2, e2 in items[i + 1 :]:
+                    if n1 != n2 and s1 < e2 and s2 < e1:
+                        found.append(f"shard {shard}: {n1} [{s1}, {e1}] and {n2} [{s2}, {e2}]")
+        return found
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+def test_a_restarted_redis_lends_no_shard_that_an_old_owner_may_still_hold(
+    own_redis: RedisInstance,
+) -> None:
+    """Redis restarted without persistence forgets every lease. The relays must not
+    take shards from it until the previous owners' leases could have run out, so
+    no two relays ever hold one shard at the same moment by Redis's clock."""
+    timing = LeaseSettings(ttl=3.0, renew_interval=0.3, batch_budget=0.8, prefix="t:")
+    inflight = Inflight()
+    grants = _Grants()
+    made: list[RedisShardLeases] = []
+
+    def start(node_id: str) -> RedisShardLeases:
+        leases = RedisShardLeases(
+            own_redis.url, table=TABLE, node_id=node_id, shard_count=8, settings=timing
+        )
+        grants.watch(leases)
+        made.append(leases)
+        leases.start(inflight)
+        return leases
+
+    try:
+        a = start("relay-a")
+        b = start("relay-b")
+        relays = [a, b]
+        wait_until(lambda: settled(relays, 8), timeout=15, tick=lambda: claimable_of(relays))
+        own_redis.kill()
+        own_redis.start()
+        restarted = time.monotonic()
+        # Both come back to a fair split; meanwhile no shard is claimable twice.
+        wait_until(
+            lambda: time.monotonic() - restarted > 1.0 and settled(relays, 8),
+            timeout=20,
+            tick=lambda: claimable_of(relays),
+        )
+        ttl_ms = round(timing.ttl * 1000)
+        assert grants.overlaps(ttl_ms) == []
+        assert time.monotonic() - restarted >= timing.ttl - 1.0, "granted before the fence"
+    finally:
+        for leases in made:
+            leases.close()
