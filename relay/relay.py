@@ -297,8 +297,7 @@ class Relay:
         m.lease_lost.inc(len(result.lease_lost))
         lost = set(result.lease_lost)
         for d in decisions:
-            if d.row.id in lost:
-                continue
+            # Reported even when the lease was lost: the copy is in the partition.
             if d.acked_ahead_of is not None:
                 earlier, error = d.acked_ahead_of
                 m.acked_out_of_order.inc()
@@ -318,6 +317,8 @@ class Relay:
                         "key; it is sent again after it, so the last copies are in order"
                     ),
                 )
+            if d.row.id in lost:
+                continue
             if d.fate is Fate.DELIVERED:
                 if d.acked_mono is not None:
                     age = batch.db_time(d.acked_mono) - d.row.created_at

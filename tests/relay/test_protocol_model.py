@@ -88,8 +88,9 @@ class SimBatch:
     batch: Batch
     reports: dict[int, Report] | None = None  # set once published
     expired: bool = False
-    #: Rows acknowledged ahead of an earlier row of their key by this batch's publish.
-    acked_ahead: set[int] = field(default_factory=set)
+    #: Rows this batch's publish acknowledged ahead of earlier rows of their key:
+    #: row id -> the earlier rows it overtook.
+    acked_ahead: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def ids(self) -> list[int]:
@@ -193,7 +194,10 @@ class ProtocolModel(RuleBasedStateMachine):
         failed_keys: set[str] = set()
         for r in sim.batch.rows:
             if exhausted(r, MAX_ATTEMPTS) is not None:
-                continue  # the relay fails it without sending
+                # The relay fails it without sending; it can only come back by a
+                # requeue, and a failed row does not hold its key back.
+                self.failed_ever.add(r.id)
+                continue
             key, _ = self.rows[r.id]
             # A message behind one still queued (no report yet) has no report either:
             # one key goes to one partition, and a partition's reports come in order.
@@ -237,7 +241,7 @@ class ProtocolModel(RuleBasedStateMachine):
             assert ahead, (
                 f"row {row_id} (key {key}) first acknowledged before earlier rows {overtaken}"
             )
-            sim.acked_ahead.add(row_id)
+            sim.acked_ahead[row_id] = overtaken
             self.ahead_unreported[row_id] = sim
 
     # ------------------------------------------------------------------ settle
@@ -325,12 +329,12 @@ class ProtocolModel(RuleBasedStateMachine):
             if d.fate is Fate.FAILED:
                 self.failed_ever.add(row_id)
         reported = self._reported_ahead()
-        for row_id in sim.acked_ahead:
+        for row_id, overtaken in sim.acked_ahead.items():
             if self.ahead_unreported.get(row_id) is sim:
-                if row_id in lost:
-                    # Another relay took the rows over; this relay cannot write about them.
-                    self.lost_reports += 1
-                else:
+                if not all(e in self.failed_ever for e in overtaken):
+                    # (Overtaking rows that failed is allowed: a failed row does not
+                    # hold its key.) Reported even when another relay took the rows
+                    # over meanwhile: what Kafka holds does not depend on the lease.
                     assert row_id in reported, (
                         f"row {row_id} was acknowledged ahead of an earlier row of its key "
                         "and finalized without an acked-out-of-order report"
@@ -505,4 +509,27 @@ def test_model_catches_a_key_overtaking_an_expired_row_of_a_paused_topic(
     m.expire(first)
     m.write("k0", "tb", 1)
     m.claim("r1", 5)
+    m.protocol_holds()
+
+
+def test_model_catches_an_unreported_reorder_by_a_relay_that_lost_its_lease(
+    model_engine: sa.Engine,
+) -> None:
+    """A relay whose lease expired while a later row of a key was acknowledged
+    ahead of a failed earlier one still reports it when it finalizes."""
+    ProtocolModel.engine = model_engine
+    m = ProtocolModel()
+    m.write("k0", "ta", 2)
+    stale = m.claim("r0", 5)
+    assert isinstance(stale, SimBatch)
+    first, second = stale.batch.rows
+    stale.reports = {
+        first.id: m._report(first.id, RETRIABLE),
+        second.id: m._report(second.id, ACK),
+    }
+    m._acked(stale, stale.reports[second.id], ahead=True)
+    m.expire(stale)
+    taken_over = m.claim("r1", 5)
+    assert isinstance(taken_over, SimBatch)
+    m.finalize_batch(stale)
     m.protocol_holds()
