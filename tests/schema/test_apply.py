@@ -122,6 +122,9 @@ def test_missing_db_url_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_schema_sql_prints_ddl_for_each_dialect() -> None:
     mysql = schema_sql("mysql")
     assert "CREATE TABLE IF NOT EXISTS outbox_events" in mysql
+    exact = "VARCHAR(64) CHARACTER SET utf8mb4 COLLATE {} NOT NULL"
+    assert f"event_id {exact.format('utf8mb4_0900_bin')}" in mysql
+    assert f"event_id {exact.format('utf8mb4_nopad_bin')}" in schema_sql("mariadb")
     assert "ENUM('pending','delivering','delivered','retryable','failed')" in mysql
     assert "DATETIME(6)" in mysql
     assert "CREATE INDEX ix_outbox_events_status_id ON outbox_events (status, id)" in mysql
@@ -209,12 +212,19 @@ def _dump(engine: sa.Engine) -> dict[str, list[tuple[object, ...]]]:
         }
 
 
+def _binary_collation(engine: sa.Engine) -> str:
+    """MariaDB's and MySQL's names for the binary NO PAD utf8mb4 collation."""
+    with engine.connect() as conn:
+        version = str(conn.execute(sa.text("SELECT VERSION()")).scalar())
+    return "utf8mb4_nopad_bin" if "mariadb" in version.lower() else "utf8mb4_0900_bin"
+
+
 def _create_v1_tables_with_rows(engine: sa.Engine) -> None:
     """The tables exactly as release 1 created them (its DDL, saved), with rows in them."""
     with engine.begin() as conn:
         for statement in OLD_DDL.read_text().split(";\n"):
-            if statement.strip():
-                conn.execute(sa.text(statement))
+            if statement.strip():  # MySQL 8 has no CREATE INDEX IF NOT EXISTS
+                conn.execute(sa.text(statement.replace("INDEX IF NOT EXISTS", "INDEX")))
         conn.execute(
             sa.text("INSERT INTO outboxkit_meta VALUES ('outbox_events', 8, 1, UTC_TIMESTAMP(6))")
         )
@@ -256,8 +266,9 @@ def test_apply_upgrades_release_1_tables_to_byte_exact_identifiers(
 
     assert first.returncode == 0, first.stderr
     changed = [line for line in first.stdout.splitlines() if line.startswith("changed column")]
+    binary = _binary_collation(engine)
     assert sorted(changed) == sorted(
-        f"changed column {t}.{c}: collation {old[(t, c)]} -> utf8mb4_nopad_bin"
+        f"changed column {t}.{c}: collation {old[(t, c)]} -> {binary}"
         for t, columns in expected.items()
         for c in columns
     ), first.stdout
@@ -265,7 +276,7 @@ def test_apply_upgrades_release_1_tables_to_byte_exact_identifiers(
     now = _collations(engine)
     for t, columns in expected.items():
         for c in columns:
-            assert now[(t, c)] == "utf8mb4_nopad_bin", (t, c)
+            assert now[(t, c)] == binary, (t, c)
     assert _dump(engine) == before  # every row kept, every value unchanged
     with engine.begin() as conn:  # and ids that differ only in case are now two events
         conn.execute(
