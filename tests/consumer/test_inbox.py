@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kafkahelp import committed, produce, wait_for
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
-from outboxkit.consumer.inbox import Inbox
+from outboxkit.consumer.inbox import Inbox, inbox_group_key, inbox_key
 from outboxkit.schema import apply_schema
 
 pytestmark = pytest.mark.integration
@@ -331,3 +331,28 @@ def test_events_that_only_look_alike_are_each_handled_once_on_kafka(
         keys = conn.execute(sa.text("SELECT event_id FROM outbox_inbox")).scalars().all()
     assert len(keys) == 2 * (len(everything) - 1)
     assert all(len(k) <= 255 and "\ufffd" not in k for k in keys)
+
+
+_any_topic = st.one_of(st.sampled_from(["orders", "ORDERS"]), st.text(max_size=300))
+_any_record = st.tuples(
+    st.tuples(_any_topic, st.integers(0, 3), st.integers(0, 2**63 - 1)),
+    st.one_of(st.none(), st.sampled_from(_HOSTILE_IDS), st.binary(max_size=300)),
+)
+
+
+@pytest.mark.unit
+@hypothesis_settings(max_examples=500, deadline=None, derandomize=True)
+@given(a=_any_record, b=_any_record, group=st.text(max_size=300))
+def test_inbox_keys_are_equal_only_for_the_same_event_and_always_storable(
+    a: tuple[Coordinates, bytes | None], b: tuple[Coordinates, bytes | None], group: str
+) -> None:
+    def identity(record: tuple[Coordinates, bytes | None]) -> object:
+        coords, event_id = record
+        return event_id if event_id else coords
+
+    ka, kb = inbox_key(_message(*a)), inbox_key(_message(*b))
+    assert (ka == kb) is (identity(a) == identity(b))
+    for key in (ka, kb, inbox_group_key(group)):
+        assert len(key) <= 255 and "\x00" not in key
+        key.encode("utf-8")  # storable: no lone surrogates
+    assert (inbox_group_key(group) == inbox_group_key(group + "x")) is False
