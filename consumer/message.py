@@ -138,7 +138,9 @@ class Message:
 
     @property
     def identity(self) -> str:
-        """What the inbox deduplicates on: ``event_id``, else ``topic/partition/offset``.
+        """``event_id``, else ``topic/partition/offset``: for logs and your own records.
+
+        The inbox keys on the exact bytes instead (``consumer.inbox.inbox_key``).
 
         The fallback only catches redelivery of the *same record*; a producer that
         sends the same event twice without an ``event_id`` is not deduplicated.
