@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from outboxkit.errors import (
+    DuplicateEventIdError,
     EnqueueError,
     InvalidEventIdError,
     InvalidHeadersError,
@@ -109,6 +110,7 @@ def enqueue_many(
     rows = [_row(_as_event(e), max_payload_bytes) for e in events]
     if not rows:
         return []
+    _refuse_repeated_ids(rows)
     conn = target.connection() if isinstance(target, Session) else target
     shard_count = _shard_count(conn, table)
     for row in rows:
@@ -128,6 +130,19 @@ def enqueue_many(
         conn.execute(stmt, chunk)
     mark_enqueued(target, conn, table)  # for wake-up hints after commit, when enabled
     return [row["event_id"] for row in rows]
+
+
+def _refuse_repeated_ids(rows: list[dict[str, Any]]) -> None:
+    # The unique index would refuse the repeat, but only when its chunk is sent:
+    # earlier chunks would already sit in the caller's transaction.
+    first: dict[str, int] = {}
+    for n, row in enumerate(rows):
+        seen = first.setdefault(row["event_id"], n)
+        if seen != n:
+            raise DuplicateEventIdError(
+                f"event id {row['event_id']!r} is given more than once in one batch "
+                f"(events {seen} and {n}); nothing was written"
+            )
 
 
 def _as_event(e: Event | Mapping[str, Any]) -> Event:

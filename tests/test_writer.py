@@ -117,6 +117,49 @@ def test_duplicate_event_id_is_refused_by_the_database(engine: sa.Engine, outbox
     assert len(rows(engine)) == 1
 
 
+def test_duplicate_event_ids_in_one_batch_write_nothing(engine: sa.Engine, outbox: str) -> None:
+    # 1,001 events, the last repeating the first id: the statements would be split
+    # in two chunks, so a database-level refusal of the second could leave the
+    # first 1,000 rows in a transaction a careless caller then commits.
+    events = [Event(topic="t", payload=i, event_id=f"ev-{i}") for i in range(1000)]
+    events.append(Event(topic="t", payload="again", event_id="ev-0"))
+    with engine.connect() as conn:
+        try:
+            enqueue_many(conn, events)
+        except Exception as exc:  # what a careless caller does: swallow and commit
+            caught: Exception = exc
+        conn.commit()
+    assert len(rows(engine)) == 0
+    assert isinstance(caught, outboxkit.EnqueueError), repr(caught)
+    assert isinstance(caught, outboxkit.DuplicateEventIdError)
+    assert "ev-0" in str(caught) and "0 and 1000" in str(caught)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ids=st.lists(
+        st.one_of(st.sampled_from(["a", "b", "c"]), st.uuids().map(str), st.uuids()),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_batches_with_repeated_ids_raise_before_writing(
+    engine: sa.Engine, outbox: str, ids: list[str | uuid.UUID]
+) -> None:
+    events = [Event(topic="t", payload=n, event_id=e) for n, e in enumerate(ids)]
+    repeated = len({str(e) for e in ids}) < len(ids)
+    with engine.connect() as conn:
+        if repeated:
+            with pytest.raises(outboxkit.DuplicateEventIdError, match="more than once"):
+                enqueue_many(conn, events)
+        else:
+            assert enqueue_many(conn, events) == [str(e) for e in ids]
+        conn.rollback()
+    assert rows(engine) == []
+
+
 def test_missing_schema_is_a_clear_error(engine: sa.Engine) -> None:
     with (
         pytest.raises(outboxkit.SchemaNotAppliedError, match="schema apply"),
