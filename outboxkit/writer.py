@@ -229,6 +229,9 @@ def _headers_text(headers: Mapping[str, HeaderValue] | None) -> str | None:
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
             raise InvalidHeadersError(f"header names must be non-empty str, got {name!r}")
+        if "\x00" in name:
+            # librdkafka takes header names as C strings: the name would arrive cut short.
+            raise InvalidHeadersError(f"header name {name!r} contains a NUL character")
         if name in RESERVED_HEADERS:
             raise InvalidHeadersError(f"header {name!r} is set by outboxkit itself")
         if not isinstance(value, str | bytes | bytearray | memoryview):
@@ -240,7 +243,9 @@ def _headers_text(headers: Mapping[str, HeaderValue] | None) -> str | None:
             if isinstance(value, str):
                 value.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidHeadersError(f"header {name!r} is not valid UTF-8") from None
+            raise InvalidHeadersError(
+                f"header {name!r} is not valid UTF-8 (a lone surrogate cannot be sent)"
+            ) from None
     text = encode_headers({k: v if isinstance(v, str) else bytes(v) for k, v in headers.items()})
     if text is not None and len(text.encode("utf-8")) > MAX_HEADERS_BYTES:
         raise InvalidHeadersError(f"headers exceed {MAX_HEADERS_BYTES} bytes once serialised")

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 
 import outboxkit
 from outboxkit import Event, enqueue, enqueue_many
 from outboxkit.schema import decode_headers, outbox_table
+from outboxkit.schema.codec import kafka_headers
 
 pytestmark = pytest.mark.integration
 
@@ -184,6 +185,10 @@ BAD_INPUTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"headers": {"": "v"}}, outboxkit.InvalidHeadersError, "non-empty"),
     ({"headers": {1: "v"}}, outboxkit.InvalidHeadersError, "non-empty"),
     ({"headers": {"h": 1}}, outboxkit.InvalidHeadersError, "str or bytes"),
+    ({"headers": {"a\x00b": "v"}}, outboxkit.InvalidHeadersError, "NUL"),
+    ({"headers": {"\ud800": "v"}}, outboxkit.InvalidHeadersError, "UTF-8"),
+    ({"headers": {"h": "\udfff"}}, outboxkit.InvalidHeadersError, "UTF-8"),
+    ({"headers": {b"h": "v"}}, outboxkit.InvalidHeadersError, "non-empty str"),
     ({"headers": {"event_id": "x"}}, outboxkit.InvalidHeadersError, "outboxkit"),
     ({"headers": ["h", "v"]}, outboxkit.InvalidHeadersError, "mapping"),
     ({"key": "k" * 513}, outboxkit.InvalidKeyError, "limit"),
@@ -227,13 +232,30 @@ def test_payload_limit_is_configurable(engine: sa.Engine, outbox: str) -> None:
     assert [r.payload for r in rows(engine)] == [b"1234"]
 
 
-topics = st.text(
-    alphabet=st.sampled_from("abcXYZ019._-") | st.characters(), min_size=0, max_size=260
+topics = st.one_of(
+    st.text(alphabet="abcXYZ019._-", min_size=1, max_size=20),
+    st.text(alphabet=st.sampled_from("abcXYZ019._-") | st.characters(), min_size=0, max_size=260),
 )
-header_values = st.one_of(st.text(max_size=30), st.binary(max_size=30))
+# Every code point, lone surrogates included, and NUL often: names and values
+# that cannot travel to Kafka intact must be refused, not stored.
+any_text = st.one_of(
+    st.text(alphabet="\x00ab\ud800\udfff", min_size=1, max_size=4),
+    st.text(alphabet=st.characters(codec=None, categories=None), max_size=12),
+)
+header_values = st.one_of(any_text, st.binary(max_size=30))
 headers = st.one_of(
     st.none(),
-    st.dictionaries(st.one_of(st.text(max_size=12), st.integers()), header_values, max_size=4),
+    st.dictionaries(
+        st.one_of(
+            st.text(alphabet="\x00ab", min_size=1, max_size=4),
+            any_text,
+            st.integers(),
+            st.binary(max_size=4),
+        ),
+        header_values,
+        min_size=1,
+        max_size=3,
+    ),
 )
 payloads = st.one_of(
     st.binary(max_size=300),
@@ -244,11 +266,15 @@ payloads = st.one_of(
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     topic=topics, hdrs=headers, payload=payloads, key=st.one_of(st.none(), st.binary(max_size=40))
 )
+@example(topic="t", hdrs={"a\x00b": "v"}, payload=b"", key=None)
 def test_arbitrary_input_round_trips_or_raises_documented_error(
     engine: sa.Engine, outbox: str, topic: str, hdrs: Any, payload: Any, key: bytes | None
 ) -> None:
@@ -273,3 +299,9 @@ def test_arbitrary_input_round_trips_or_raises_documented_error(
     )
     assert row.payload == expected
     assert decode_headers(row.headers) == (hdrs or {})
+    # What the relay hands to librdkafka: names are C strings there (a NUL would
+    # cut them short) and everything is UTF-8 on the wire.
+    for name, value in kafka_headers(row.headers, event_id):
+        assert "\x00" not in name
+        assert name.encode("utf-8").decode("utf-8") == name
+        assert isinstance(value, bytes)
