@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -177,7 +178,7 @@ BAD_INPUTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"topic": "ümlaut"}, outboxkit.InvalidTopicError, "illegal"),
     ({"topic": "a" * 250}, outboxkit.InvalidTopicError, "249"),
     ({"topic": None}, outboxkit.InvalidTopicError, "non-empty"),
-    ({"payload": b"x" * (1024 * 1024 + 1)}, outboxkit.PayloadTooLargeError, "limit"),
+    ({"payload": b"x" * 1_000_000}, outboxkit.PayloadTooLargeError, "message.max.bytes"),
     ({"payload": {"x": {1, 2}}}, outboxkit.UnserializablePayloadError, "JSON"),
     ({"payload": float("nan")}, outboxkit.UnserializablePayloadError, "JSON"),
     ({"payload": None}, outboxkit.UnserializablePayloadError, "required"),
@@ -229,7 +230,100 @@ def test_payload_limit_is_configurable(engine: sa.Engine, outbox: str) -> None:
         with pytest.raises(outboxkit.PayloadTooLargeError):
             enqueue(conn, topic="t", payload=b"12345", max_payload_bytes=4)
         enqueue(conn, topic="t", payload=b"1234", max_payload_bytes=4)
-    assert [r.payload for r in rows(engine)] == [b"1234"]
+        # a relay whose message.max.bytes was raised: the writer is told the same
+        with pytest.raises(outboxkit.PayloadTooLargeError, match="at most 1000000"):
+            enqueue(conn, topic="t", payload=b"x" * 1_000_000)
+        enqueue(conn, topic="t", payload=b"x" * 1_000_000, max_message_bytes=2_000_000)
+    assert [len(r.payload) for r in rows(engine)] == [4, 1_000_000]
+
+
+@pytest.fixture(scope="module")
+def relay_producer(kafka_bootstrap: str) -> Iterator[Any]:
+    """A producer configured exactly as the relay configures its own (default settings).
+
+    ``produce`` checks a record's size against ``message.max.bytes`` before
+    anything is sent, so no broker is needed to learn what it accepts.
+    """
+    from confluent_kafka import Producer
+
+    from outboxkit.relay.publish import producer_config
+    from outboxkit.relay.settings import RelaySettings
+
+    settings = RelaySettings(
+        db_url="mysql+pymysql://u@127.0.0.1/db", kafka_bootstrap=kafka_bootstrap
+    )
+    producer = Producer(producer_config(settings, error_cb=lambda err: None))
+    yield producer
+    producer.purge()
+
+
+def _largest_payload_produced(
+    producer: Any, key: bytes | None, headers: dict[str, str | bytes], event_id: str
+) -> int:
+    """Binary search of the largest payload the producer takes with this key and headers."""
+    from confluent_kafka import KafkaException
+
+    pairs = [(k, v.encode() if isinstance(v, str) else v) for k, v in headers.items()]
+    pairs.append(("event_id", event_id.encode()))
+    lo, hi = 0, 1_100_000
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            producer.produce("t", value=b"x" * mid, key=key, headers=pairs)
+        except KafkaException:
+            hi = mid - 1
+        else:
+            lo = mid
+            producer.purge(in_queue=True)
+            producer.poll(0)  # serve the purge's reports, which frees the queue
+    return lo
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    key=st.one_of(st.none(), st.binary(max_size=512)),
+    headers=st.dictionaries(
+        st.text(alphabet="abcé-", min_size=1, max_size=200),
+        st.one_of(st.text(max_size=300), st.binary(max_size=20_000)),
+        max_size=4,
+    ),
+    event_id=st.one_of(st.uuids().map(str), st.text(alphabet="ab0:", min_size=0, max_size=63)),
+)
+def test_the_size_limit_is_what_the_relays_producer_accepts(
+    engine: sa.Engine,
+    outbox: str,
+    relay_producer: Any,
+    key: bytes | None,
+    headers: dict[str, str | bytes],
+    event_id: str,
+) -> None:
+    event_id = "e" + event_id  # must start with a letter or digit
+    limit = _largest_payload_produced(relay_producer, key, headers, event_id)
+    with engine.connect() as conn:
+        try:
+            enqueue(
+                conn, topic="t", payload=b"x" * limit, key=key, headers=headers, event_id=event_id
+            )
+        except outboxkit.EnqueueError as exc:
+            pytest.fail(f"refused a payload of {limit} bytes the relay can send: {exc}")
+        with pytest.raises(outboxkit.PayloadTooLargeError) as info:
+            other_id = event_id[:-1] + ("a" if event_id[-1] != "a" else "b")  # same length
+            enqueue(
+                conn,
+                topic="t",
+                payload=b"x" * (limit + 1),
+                key=key,
+                headers=headers,
+                event_id=other_id,
+            )
+        conn.rollback()
+    message = str(info.value)
+    assert "message.max.bytes" in message and "headers" in message and "key" in message
 
 
 topics = st.one_of(
