@@ -64,8 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         # The socket timeout covers every read: a client that sends nothing, or
         # half a request, gets the connection closed (handle_one_request stops).
-        self.timeout = self.server.health.idle_timeout
         super().setup()
+        self.connection.settimeout(self.server.health.idle_timeout)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: no per-request lines
