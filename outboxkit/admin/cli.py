@@ -27,8 +27,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from outboxkit.admin._parse import format_ts, parse_retention, parse_time
+from outboxkit.admin.discard import discard
 from outboxkit.admin.purge import count_purgeable, purge
-from outboxkit.admin.requeue import RequeueResult, Selection, requeue
+from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, requeue
 from outboxkit.admin.rows import list_failed, read_recovery, show_row
 from outboxkit.admin.settings import AdminSettings
 from outboxkit.admin.status import (
@@ -123,6 +124,30 @@ def register(sub: Any) -> None:
     r.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     r.set_defaults(func=_requeue)
 
+    d = asub.add_parser(
+        "discard",
+        parents=[common],
+        help="delete failed rows for good, each recorded in the recovery log",
+        description=(
+            "Delete selected failed rows: their events are never sent. Only rows with "
+            "status failed are deleted; rows a relay holds (delivering) and every other "
+            "status are never touched, rows locked at that instant are skipped and "
+            "reported. Each chunk of deleted rows is recorded, in the same transaction, "
+            "as a 'discard' recovery event (ids, event ids, topics, keys, errors, "
+            "--reason): see `outboxkit admin recovery --kind discard`. Selectors as for "
+            "requeue."
+        ),
+    )
+    d.add_argument("--id", action="append", type=_id_list, default=[], help="row id(s), 1,2,3")
+    d.add_argument("--event-id", action="append", default=[], help="event id (repeatable)")
+    d.add_argument("--topic", action="append", default=[], help="rows of this topic (repeatable)")
+    d.add_argument("--since", help="created at or after this time (ISO 8601)")
+    d.add_argument("--until", help="created before this time (ISO 8601)")
+    d.add_argument("--all-failed", action="store_true", help="every failed row")
+    d.add_argument("--reason", help="why, kept in the recovery log (e.g. a ticket)")
+    d.add_argument("--dry-run", action="store_true", help="print what would go; change nothing")
+    d.set_defaults(func=_discard, include_retryable=False)
+
     pu = asub.add_parser(
         "purge",
         parents=[common],
@@ -152,7 +177,8 @@ def register(sub: Any) -> None:
     )
     rc.add_argument("--limit", type=_positive_int, default=20, help="events to show [20]")
     rc.add_argument(
-        "--kind", help="only this kind: lease-reclaimed, acked-out-of-order, requeue, purge"
+        "--kind",
+        help="only this kind: lease-reclaimed, acked-out-of-order, requeue, discard, purge",
     )
     rc.add_argument(
         "--all-tables", action="store_true", help="events of every outbox table, not just --table"
@@ -532,12 +558,66 @@ def _requeue_text(table: str, selection: Selection, result: RequeueResult) -> No
             f"{prefix}{verb} {result.count} row{'s' if result.count != 1 else ''} in {table} "
             f"({statuses} -> pending, attempts 0): ids {_ids_text(result.ids, result.count)}"
         )
-    if result.skipped:
-        print(f"skipped {len(result.skipped)} selected row(s):")
-        for s in result.skipped[:_SHOWN_IDS]:
+    _skipped_text(result.skipped)
+
+
+def _skipped_text(skipped: Sequence[Skipped]) -> None:
+    if skipped:
+        print(f"skipped {len(skipped)} selected row(s):")
+        for s in skipped[:_SHOWN_IDS]:
             print(f"  id {s.id} (event {_safe(s.event_id)}): {_safe(s.reason)}")
-        if len(result.skipped) > _SHOWN_IDS:
-            print(f"  (+{len(result.skipped) - _SHOWN_IDS} more)")
+        if len(skipped) > _SHOWN_IDS:
+            print(f"  (+{len(skipped) - _SHOWN_IDS} more)")
+
+
+# -- discard -------------------------------------------------------------------------
+
+
+def _discard(args: argparse.Namespace) -> int:
+    selection = _selection(args)
+    selection.validate()  # bad input fails before any connection is made
+
+    def body(settings: AdminSettings, engine: sa.Engine) -> int:
+        result = discard(
+            engine,
+            table=settings.table,
+            selection=selection,
+            reason=args.reason,
+            dry_run=args.dry_run,
+        )
+        if args.json:
+            _print_json(
+                {
+                    "dry_run": result.dry_run,
+                    "count": result.count,
+                    "ids": result.ids,
+                    "skipped": [dataclasses.asdict(s) for s in result.skipped],
+                }
+            )
+            return EXIT_OK
+        table = settings.table
+        if result.count == 0:
+            print(
+                f"no failed rows matched in {table}: nothing "
+                + ("would be " if result.dry_run else "")
+                + "discarded"
+            )
+        elif result.dry_run:
+            print(
+                f"dry run: would discard {result.count} failed row"
+                f"{'s' if result.count != 1 else ''} from {table}: ids "
+                f"{_ids_text(result.ids, result.count)}"
+            )
+        else:
+            print(
+                f"discarded {result.count} failed row{'s' if result.count != 1 else ''} "
+                f"from {table} for good: ids {_ids_text(result.ids, result.count)}; "
+                "recorded in the recovery log (outboxkit admin recovery --kind discard)"
+            )
+        _skipped_text(result.skipped)
+        return EXIT_OK
+
+    return _run(body)(args)
 
 
 # -- purge ---------------------------------------------------------------------------
