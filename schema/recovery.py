@@ -1,8 +1,9 @@
 """The recovery log: what was recovered or changed by hand, for operators.
 
-Lease reclaims (a relay died holding rows), requeues and purges each leave one
-row here, so that after a restart an operator can see what happened.  The log is
-bounded: ``record_recovery`` trims it to the newest ``MAX_RECOVERY_EVENTS`` rows.
+Lease reclaims (a relay died holding rows), out-of-order acknowledgements,
+requeues, discards and purges each leave one row here, so that after a restart
+an operator can see what happened.  The log is bounded: ``record_recovery``
+trims it to the newest ``MAX_RECOVERY_EVENTS`` rows.
 
 Each event's ``detail`` is valid JSON of at most ``MAX_DETAIL_BYTES`` bytes (the
 column is a TEXT, 65,535 bytes).  A detail that fits is stored exactly.  One that

@@ -173,7 +173,8 @@ def register(sub: Any) -> None:
     rc = asub.add_parser(
         "recovery",
         parents=[common],
-        help="recent recovery events: lease reclaims, requeues, purges",
+        help="recent recovery events: lease reclaims, out-of-order acks, requeues, discards, "
+        "purges",
     )
     rc.add_argument("--limit", type=_positive_int, default=20, help="events to show [20]")
     rc.add_argument(
