@@ -18,7 +18,12 @@ The dead-lettered record keeps the original key, value and headers and adds:
 ``dlq.attempts``         handler attempts made (decimal)
 ``dlq.failed_at``        UTC time of the give-up, ISO 8601
 ``event_id``             the original ``event_id`` (kept from the original headers)
+``dlq.headers.dropped``  only when the original headers could not be decoded (a
+                         header name that is not UTF-8): why they are missing
 =======================  =====================================================
+
+confluent-kafka cannot hand out header names that are not UTF-8, so such a
+record's copy carries its key and value byte for byte but not its headers.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from outboxkit.runtime.logs import redact
 __all__ = ["DeadLetterUnavailable", "DeadLetters", "Failure"]
 
 MAX_ERROR_MESSAGE = 1000
+_UNDECODABLE = b"the original headers could not be decoded (a header name is not UTF-8)"
 
 
 class DeadLetterUnavailable(TransientError):
@@ -100,8 +106,9 @@ class DeadLetters:
     def send(self, message: Message, failure: Failure) -> str:
         """Write ``message`` to its dead-letter topic and wait for the ack; the topic."""
         topic = self.topic_for(message.topic)
+        original = message._readable_headers()
         headers: list[tuple[str, str | bytes | None]] = [
-            *message.headers,
+            *(original if original is not None else [("dlq.headers.dropped", _UNDECODABLE)]),
             ("dlq.original.topic", message.topic.encode()),
             ("dlq.original.partition", str(message.partition).encode()),
             ("dlq.original.offset", str(message.offset).encode()),

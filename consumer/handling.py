@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from outboxkit.consumer.dlq import DeadLetters, DeadLetterUnavailable, Failure
-from outboxkit.consumer.errors import Classification
+from outboxkit.consumer.errors import Classification, InvalidMessageError
 from outboxkit.consumer.inbox import Inbox
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics
@@ -92,6 +92,13 @@ class Handling:
         started = time.monotonic()
         item.first_attempt_at = item.first_attempt_at or started
         item.attempts += 1
+        try:
+            # The headers are read once, here, before any handler: a record whose
+            # headers cannot be decoded is the record's fault, whatever classify says.
+            item.message.headers  # noqa: B018
+        except InvalidMessageError as exc:
+            self._give_up(item, exc, Classification.PERMANENT)
+            return None
         timer = time.perf_counter()
         try:
             try:
@@ -121,6 +128,12 @@ class Handling:
                     error=text,
                 )
                 return Result(Outcome.RETRY, delay=delay, error=text)
+        self._give_up(item, error, kind)
+        return None
+
+    def _give_up(self, item: WorkItem, error: BaseException, kind: Classification) -> None:
+        """Record why the handler gave up (dead-letter it next); log and call the hook."""
+        text = redact(f"{type(error).__name__}: {error}")
         item.failure = Failure.of(
             error, attempts=item.attempts, permanent=kind is Classification.PERMANENT
         )
@@ -135,7 +148,6 @@ class Handling:
             exc_info=error,
         )
         self._call_on_failure(item.message, error, item.attempts)
-        return None
 
     def _run(self, message: Message) -> bool:
         if self.inbox is None:
@@ -177,9 +189,13 @@ class Handling:
 
 
 def _where(message: Message) -> dict[str, object]:
+    try:
+        event_id = message.event_id
+    except InvalidMessageError:  # undecodable headers: no event id to show
+        event_id = None
     return {
         "topic": message.topic,
         "partition": message.partition,
         "offset": message.offset,
-        "event_id": message.event_id,
+        "event_id": event_id,
     }

@@ -1,0 +1,76 @@
+"""Records from producers outboxkit does not control: never a crash, never a stalled partition.
+
+Header names that are not UTF-8 cannot be produced with confluent-kafka's Python
+producer; ``rawkafka`` writes them through librdkafka's C API, as any other
+client could.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kafkahelp import FAST_GROUP, committed, headers_of, read_all, wait_for
+from procs import ConsumerProcess
+from rawkafka import RawRecord, produce_raw
+
+pytestmark = pytest.mark.integration
+
+
+def _env(bootstrap: str, topic: str, group: str) -> dict[str, str]:
+    return {
+        "OUTBOXKIT_KAFKA_BOOTSTRAP": bootstrap,
+        "OUTBOXKIT_KAFKA_CONFIG": ",".join(f"{k}={v}" for k, v in FAST_GROUP.items()),
+        "OUTBOXKIT_HEALTH_PORT": "0",
+        "OUTBOXKIT_TOPICS": topic,
+        "OUTBOXKIT_GROUP_ID": group,
+        "OUTBOXKIT_COMMIT_INTERVAL": "0.5",
+        "OUTBOXKIT_DLQ_TIMEOUT": "5",
+    }
+
+
+def test_a_header_name_that_is_not_utf8_is_dead_lettered_with_its_bytes_not_a_crash(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], tmp_path: Path
+) -> None:
+    topic = kafka_topics(1)
+    dlq = kafka_topics(1, name=f"{topic}.dlq")
+    group = f"g-{topic}"
+    produce_raw(
+        kafka_bootstrap,
+        topic,
+        [
+            RawRecord(b"k\xff", b"\x00raw\xfe", [(b"\xff\xfename", b"x"), (b"event_id", b"e-0")]),
+            RawRecord(b"k", b"fine", [(b"event_id", b"e-1")]),
+        ],
+    )
+    proc = ConsumerProcess(
+        "consumer_apps:ReadsHeaders", env=_env(kafka_bootstrap, topic, group), cwd=tmp_path
+    )
+    try:
+        handled = proc.wait_event("handled", 60, lambda r: r["offset"] == 1)
+        assert handled["event_id"] == "e-1"
+        wait_for(
+            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2},
+            30,
+            0.2,
+            "offset 2 committed",
+        )
+        assert proc.proc.poll() is None, "the consumer died"
+        assert [r["offset"] for r in proc.events("handled")] == [1]
+        assert proc.events("worker-crashed") == []
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+
+    letters = read_all(kafka_bootstrap, dlq, expect=1)
+    assert len(letters) == 1
+    letter = letters[0]
+    assert (letter.key(), letter.value()) == (b"k\xff", b"\x00raw\xfe")  # the raw bytes
+    h = headers_of(letter)
+    assert h["dlq.error.class"] == "outboxkit.consumer.errors.InvalidMessageError"
+    assert "not UTF-8" in h["dlq.error.message"]
+    assert h["dlq.original.offset"] == "0"
+    assert "dlq.headers.dropped" in h
