@@ -10,11 +10,14 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from kafkahelp import FAST_GROUP, committed, headers_of, read_all, wait_for
+from kafkahelp import FAST_GROUP, committed, headers_of, produce, read_all, wait_for
 from procs import ConsumerProcess
 from rawkafka import RawRecord, produce_raw
+
+from outboxkit.consumer import Consumer, ConsumerSettings, Message, PermanentError
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +77,66 @@ def test_a_header_name_that_is_not_utf8_is_dead_lettered_with_its_bytes_not_a_cr
     assert "not UTF-8" in h["dlq.error.message"]
     assert h["dlq.original.offset"] == "0"
     assert "dlq.headers.dropped" in h
+
+
+class GivesUpOnBig(Consumer):
+    """Dead-letters (PermanentError) every value of 10,000 bytes or more; records the rest."""
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        super().__init__(settings)
+        self.handled: list[int] = []
+
+    def handle(self, message: Message) -> None:
+        if len(message.value or b"") >= 10_000:
+            raise PermanentError("no room for this one")
+        self.handled.append(message.offset)
+
+
+@pytest.mark.parametrize(
+    ("size", "dlq_limit"),
+    [
+        # The producer's own message.max.bytes (1,000,000) refuses the copy: its headers
+        # push a value that fitted the source topic over the limit.
+        (999_700, None),
+        # The dead-letter topic's max.message.bytes is lower than the source's: the
+        # broker refuses the copy.
+        (200_000, "50000"),
+    ],
+    ids=["producer-limit", "topic-limit"],
+)
+def test_a_message_too_large_to_copy_is_dead_lettered_trimmed_and_the_partition_moves_on(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    run_consumer: Any,
+    size: int,
+    dlq_limit: str | None,
+) -> None:
+    topic = kafka_topics(1)
+    dlq = kafka_topics(
+        1, name=f"{topic}.dlq", config={"max.message.bytes": dlq_limit} if dlq_limit else None
+    )
+    group = f"g-{topic}"
+    big = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    produce(kafka_bootstrap, topic, [(b"big", big, "e-big"), (b"k", b"next", "e-next")])
+    consumer = GivesUpOnBig(settings(group_id=group, topics=(topic,), dlq_timeout=5.0))
+    with run_consumer(consumer) as running:
+        wait_for(lambda: consumer.handled == [1], 30, what="the next message handled")
+        wait_for(
+            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2},
+            20,
+            0.2,
+            what="offset 2 committed",
+        )
+        assert running.stop() == 0
+
+    letters = read_all(kafka_bootstrap, dlq, expect=1)
+    assert len(letters) == 1
+    letter = letters[0]
+    h = headers_of(letter)
+    assert letter.key() == b"big"
+    assert h["event_id"] == "e-big"
+    assert h["dlq.original.offset"] == "0"
+    assert h["dlq.value.truncated"] == str(size)  # the original length
+    assert big.startswith(letter.value() or b"")  # a prefix (possibly empty) of the original
+    assert len(letter.value() or b"") < size
