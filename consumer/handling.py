@@ -112,6 +112,9 @@ class Handling:
 
         kind = self.classify(error)
         text = redact(f"{type(error).__name__}: {error}")
+        if kind is Classification.UNAVAILABLE:
+            return self._wait_for_dependency(item, text)
+        item.outages = 0
         if kind is Classification.TRANSIENT:
             delay = self.policy.next_delay(
                 attempts=item.attempts, started_at=item.first_attempt_at, now=time.monotonic()
@@ -130,6 +133,26 @@ class Handling:
                 return Result(Outcome.RETRY, delay=delay, error=text)
         self._give_up(item, error, kind)
         return None
+
+    def _wait_for_dependency(self, item: WorkItem, text: str) -> Result:
+        """A dependency failed, not the message: retry it with capped backoff for as
+        long as that lasts. The attempt and the time are not counted against the
+        message's retry budget, and it is never dead-lettered for this."""
+        item.attempts -= 1
+        item.first_attempt_at = None
+        item.outages += 1
+        delay = self.policy.backoff(item.outages)
+        log_event(
+            _log,
+            "handler-retry",
+            level=logging.WARNING,
+            **_where(item.message),
+            classification=Classification.UNAVAILABLE.value,
+            outages=item.outages,
+            retry_in_s=round(delay, 3),
+            error=text,
+        )
+        return Result(Outcome.RETRY, delay=delay, error=text)
 
     def _give_up(self, item: WorkItem, error: BaseException, kind: Classification) -> None:
         """Record why the handler gave up (dead-letter it next); log and call the hook."""
