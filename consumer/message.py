@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
+from outboxkit.consumer._rawheaders import header_names_decodable
 from outboxkit.consumer.errors import InvalidMessageError
 
 __all__ = ["EVENT_ID_HEADER", "Message"]
@@ -17,9 +18,10 @@ __all__ = ["EVENT_ID_HEADER", "Message"]
 EVENT_ID_HEADER = "event_id"
 
 # confluent-kafka decodes header names as UTF-8 and does not check the result: a
-# name that is not UTF-8 makes the first ``headers()`` call raise SystemError and
-# leaves NULL entries behind that crash the interpreter on the next call. So a
-# record's headers are read once, under this lock, and a failure is remembered.
+# name that is not UTF-8 makes ``headers()`` raise SystemError, or return NULL
+# entries that crash the interpreter when used. So the names are checked first
+# (``_rawheaders``), ``headers()`` is called at most once per record, under this
+# lock, and a failure is remembered.
 _HEADERS_ONCE = threading.Lock()
 
 
@@ -264,7 +266,11 @@ class _KafkaMessage(Message):
         return self._headers
 
     def _decode_headers(self) -> None:
-        """Call the record's ``headers()`` exactly once; keep the result or the failure."""
+        """Call the record's ``headers()`` exactly once, and only when every name is
+        UTF-8 (see ``_rawheaders``); keep the result or the failure."""
+        if header_names_decodable(self._record) is False:
+            self._header_error = "header names are not UTF-8"
+            return
         try:
             raw: Sequence[tuple[str, bytes | None]] = self._record.headers() or ()
             headers = tuple([(name, value or b"") for name, value in raw])

@@ -13,11 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Consumer as KafkaConsumer
 from kafkahelp import FAST_GROUP, committed, headers_of, produce, read_all, wait_for
 from procs import ConsumerProcess
 from rawkafka import RawRecord, produce_raw
 
-from outboxkit.consumer import Consumer, ConsumerSettings, Message, PermanentError
+from outboxkit.consumer import (
+    Consumer,
+    ConsumerSettings,
+    InvalidMessageError,
+    Message,
+    PermanentError,
+)
+from outboxkit.consumer._rawheaders import header_names_decodable
 
 pytestmark = pytest.mark.integration
 
@@ -140,3 +148,52 @@ def test_a_message_too_large_to_copy_is_dead_lettered_trimmed_and_the_partition_
     assert h["dlq.value.truncated"] == str(size)  # the original length
     assert big.startswith(letter.value() or b"")  # a prefix (possibly empty) of the original
     assert len(letter.value() or b"") < size
+
+
+def test_header_names_are_checked_before_the_client_decodes_them(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str]
+) -> None:
+    """The check reads the client's C struct; a client whose layout changed makes this
+    fail (None: cannot tell) instead of silently going back to crashing."""
+    topic = kafka_topics(1)
+    produce_raw(
+        kafka_bootstrap,
+        topic,
+        [
+            RawRecord(b"k", b"v", [(b"event_id", b"e"), (b"caf\xc3\xa9", None)]),
+            RawRecord(None, None, [(b"ok", b"x"), (b"\xc3(", None)]),
+            RawRecord(b"k", None, []),
+        ],
+    )
+    records = _consume(kafka_bootstrap, topic, 3)
+    assert [header_names_decodable(r) for r in records] == [True, False, True]
+    good = Message.from_kafka(records[0])
+    assert good.headers == (("event_id", b"e"), ("café", b""))
+    bad = Message.from_kafka(records[1])
+    for _ in range(3):  # asked again and again: the same clear error, never a crash
+        with pytest.raises(InvalidMessageError, match="not UTF-8"):
+            bad.headers  # noqa: B018
+    assert "headers=None" in repr(bad)
+
+
+def _consume(bootstrap: str, topic: str, n: int) -> list[Any]:
+    c = KafkaConsumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{topic}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    out: list[Any] = []
+    try:
+        c.subscribe([topic])
+        wait_for(
+            lambda: out.extend(m for m in c.consume(10, 0.2) if not m.error()) or len(out) >= n,
+            30,
+            0,
+            what=f"{n} records",
+        )
+    finally:
+        c.close()
+    return out
