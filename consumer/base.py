@@ -43,7 +43,7 @@ from outboxkit.consumer.metrics import ConsumerMetrics
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, WorkItem
-from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.errors import ConfigError, DependencyError, is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_metrics
@@ -343,8 +343,13 @@ class Consumer:
         try:
             with self._engine.connect() as conn:
                 present = sa.inspect(conn).has_table(s.inbox_table)
-        except sa.exc.OperationalError as exc:
-            raise DependencyError(f"database unreachable: {type(exc.orig).__name__}") from None
+        except Exception as exc:
+            if not is_infrastructure_error(exc):
+                raise
+            cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
+            raise DependencyError(
+                f"database unreachable: {redact(f'{type(cause).__name__}: {cause}')}"
+            ) from None
         if not present:
             raise ConfigError(
                 f"inbox table {s.inbox_table} does not exist: run outboxkit schema apply"

@@ -53,6 +53,7 @@ from outboxkit.runtime import (
     push_metrics,
     redact,
 )
+from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -412,6 +413,10 @@ class Relay:
         except ConfigError as exc:
             return self._failed_start("config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
+            return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
+        except Exception as exc:
+            if not is_infrastructure_error(exc):  # e.g. a driver's unwrapped login failure
+                raise
             return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
         log_event(
             log,
