@@ -1,6 +1,7 @@
 """Fixtures for the deploy/ artefact tests.
 
-These tests read files only; they never import outboxkit. A tool they need
+Most of these tests read files only. test_shipped_settings.py and
+test_alerts_live.py run real processes against the local services. A tool they need
 (promtool, PyYAML) that is missing skips the test locally but fails it under
 CI (``CI=true``), so a CI machine without it cannot pass silently.
 """
