@@ -50,9 +50,9 @@ from outboxkit.runtime import (
     Supervisor,
     describe,
     log_event,
-    push_metrics,
     redact,
 )
+from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -60,8 +60,9 @@ __all__ = ["PUSH_JOB", "Relay"]
 
 log = logging.getLogger("outboxkit.relay")
 
-#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
-PUSH_JOB = "outboxkit_relay"
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
+#: (the convention of every process: outboxkit/runtime/metrics.py).
+PUSH_JOB = push_job("relay")
 _CLOSE_BUDGET = 5.0
 
 
@@ -567,11 +568,11 @@ class Relay:
         if started is not None:
             record.duration_ms = round((time.monotonic() - started) * 1000)
         if self.settings.pushgateway_url:
-            record.metrics_pushed = push_metrics(
+            record.metrics_pushed = push_exit_metrics(
                 self.settings.pushgateway_url,
-                job=PUSH_JOB,
-                grouping_key={"instance": self.settings.node_id},
-                registry=self.registry,
+                component="relay",
+                node_id=self.settings.node_id,
+                metrics=(self.metrics.shutdown_pending, *self.service_metrics.exit_metrics()),
             )
         log_exit_record(record)
 
