@@ -385,6 +385,10 @@ class Relay:
         """Connect to the database and Kafka and bind the health port; an exit code on failure."""
         s = self.settings
         try:
+            # First, so probes get answers while the relay connects: live 200,
+            # ready 503 ("starting"); a dependency that takes connect_timeout to
+            # give up must not look like a dead process.
+            self.health.start()
             if self._engine is None:
                 self._engine = _create_engine(s)
             else:  # no gap locks in the claim; see claim.py
@@ -408,7 +412,6 @@ class Relay:
                 channel = wakeup_channel(s.table, s.redis_prefix)
                 self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
                 self._open.append("redis-wakeups")
-            self.health.start()
         except ConfigError as exc:
             return self._failed_start("config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
@@ -461,6 +464,7 @@ class Relay:
         self.lifecycle.drain("start-failed")
         self._close_resources()
         self.lifecycle.set_stopped()
+        self.health.stop()
         self._exit.state = "stopped"
         self._exit.signal = self.lifecycle.signal_name
         self._exit.result = f"{kind}-error"
