@@ -249,3 +249,97 @@ def test_runbook_query_is_read_only_and_runs(query: str, seeded: Seeded) -> None
     with seeded.engine.connect() as conn:
         rows = conn.execute(sa.text(sql)).all()
     assert rows, sql
+
+
+# --- PromQL in the runbooks -----------------------------------------------------------
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "bool", "offset"}
+
+
+def promql(text: str) -> list[str]:
+    """Inline spans that are PromQL: metric names, selectors, function calls."""
+    from outboxkit.schema.table import DEFAULT_TABLE
+
+    promql_chars = re.compile(r"[\w:{}()\[\]=\"'!~,. <>*+/-]+")
+    metric = re.compile(r"\b(?:outbox|worker|service)_\w+|\bup\b")
+    found = [
+        span
+        for span in _spans(text)
+        if span != DEFAULT_TABLE
+        and not re.match(r"SELECT\s", span, re.I)
+        and promql_chars.fullmatch(span)
+        and metric.search(span)
+    ]
+    return list(dict.fromkeys(found))
+
+
+def metric_names(query: str) -> set[str]:
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", query)
+    names = set()
+    for match in re.finditer(r"[a-zA-Z_:][\w:]*", bare):
+        after = bare[match.end() :].lstrip()
+        if after.startswith("(") or match.group(0) in PROMQL_WORDS:
+            continue
+        names.add(match.group(0))
+    return names
+
+
+def exported_metric_names() -> set[str]:
+    """Every family and series name the relay and the consumer export, plus ``up``."""
+    from prometheus_client import CollectorRegistry
+
+    from outboxkit.consumer.metrics import ConsumerMetrics
+    from outboxkit.relay.leases import ShardLeaseMetrics
+    from outboxkit.relay.metrics import RelayMetrics
+    from outboxkit.runtime import ServiceMetrics
+
+    names = {"up"}
+    for build in (
+        lambda r: RelayMetrics(r),
+        lambda r: ConsumerMetrics(r),
+        lambda r: ServiceMetrics(r, service="x"),
+        lambda r: ShardLeaseMetrics(r, owned_gauge=False),
+    ):
+        registry = CollectorRegistry()
+        build(registry)
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(sample.name for sample in family.samples)
+            if family.type == "counter":
+                names.add(family.name + "_total")
+    return names
+
+
+def test_runbook_promql_names_exported_metrics_and_parses(tmp_path: Path) -> None:
+    import shutil
+
+    queries_found = promql(RUNBOOK)
+    assert "sum(outbox_shards_owned)" in queries_found, queries_found
+    known = exported_metric_names()
+    unknown = {q: sorted(metric_names(q) - known) for q in queries_found}
+    assert {q: n for q, n in unknown.items() if n} == {}
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("promtool not found (CI=true: a failure, not a skip)")
+        pytest.skip("promtool not found; install Debian's `prometheus` package")
+    rules = tmp_path / "runbook.rules.yml"
+    body = "".join(
+        f"      - record: runbook:query{i}\n        expr: '{q.replace(chr(39), chr(39) * 2)}'\n"
+        for i, q in enumerate(queries_found)
+    )
+    rules.write_text(f"groups:\n  - name: runbook\n    rules:\n{body}")
+    result = subprocess.run(
+        [promtool, "check", "rules", str(rules)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_renamed_metric_in_a_runbook_is_caught() -> None:
+    text = "## Alert runbook\n\nsee `rate(outbox_rows_delivred_total[5m])` and `outbox_events`\n"
+    (query,) = promql(text)
+    assert metric_names(query) - exported_metric_names() == {"outbox_rows_delivred_total"}
