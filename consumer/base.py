@@ -46,11 +46,15 @@ from outboxkit.consumer.workers import Dispatcher, WorkItem
 from outboxkit.runtime.errors import ConfigError, DependencyError, is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.runtime.metrics import push_metrics
+from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import describe
 
-__all__ = ["Consumer"]
+__all__ = ["PUSH_JOB", "Consumer"]
+
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
+#: (the convention of every process: outboxkit/runtime/metrics.py).
+PUSH_JOB = push_job("consumer")
 
 _log = logging.getLogger("outboxkit.consumer")
 
@@ -524,11 +528,18 @@ class Consumer:
     def _push_metrics(self) -> None:
         url = self.settings.pushgateway_url
         if url:
-            push_metrics(
+            # Exit metrics only: a pushed worker_consumer_lag would stay in the
+            # Pushgateway after this process is gone and keep a lag alert firing.
+            m = self.metrics
+            push_exit_metrics(
                 url,
-                job="outboxkit-consumer",
-                grouping_key={"service": self.settings.service, "node_id": self.settings.node_id},
-                registry=self.registry,
+                component="consumer",
+                node_id=self.settings.node_id,
+                metrics=(
+                    m.shutdown_released,
+                    m.shutdown_committed,
+                    *self.service_metrics.exit_metrics(),
+                ),
             )
 
     def _cut(self) -> list[str]:

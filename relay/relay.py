@@ -50,10 +50,10 @@ from outboxkit.runtime import (
     Supervisor,
     describe,
     log_event,
-    push_metrics,
     redact,
 )
 from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -61,8 +61,9 @@ __all__ = ["PUSH_JOB", "Relay"]
 
 log = logging.getLogger("outboxkit.relay")
 
-#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
-PUSH_JOB = "outboxkit_relay"
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
+#: (the convention of every process: outboxkit/runtime/metrics.py).
+PUSH_JOB = push_job("relay")
 _CLOSE_BUDGET = 5.0
 
 
@@ -386,6 +387,10 @@ class Relay:
         """Connect to the database and Kafka and bind the health port; an exit code on failure."""
         s = self.settings
         try:
+            # First, so probes get answers while the relay connects: live 200,
+            # ready 503 ("starting"); a dependency that takes connect_timeout to
+            # give up must not look like a dead process.
+            self.health.start()
             if self._engine is None:
                 self._engine = _create_engine(s)
             else:  # no gap locks in the claim; see claim.py
@@ -409,7 +414,6 @@ class Relay:
                 channel = wakeup_channel(s.table, s.redis_prefix)
                 self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
                 self._open.append("redis-wakeups")
-            self.health.start()
         except ConfigError as exc:
             return self._failed_start("config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
@@ -466,6 +470,7 @@ class Relay:
         self.lifecycle.drain("start-failed")
         self._close_resources()
         self.lifecycle.set_stopped()
+        self.health.stop()
         self._exit.state = "stopped"
         self._exit.signal = self.lifecycle.signal_name
         self._exit.result = f"{kind}-error"
@@ -573,11 +578,11 @@ class Relay:
         if started is not None:
             record.duration_ms = round((time.monotonic() - started) * 1000)
         if self.settings.pushgateway_url:
-            record.metrics_pushed = push_metrics(
+            record.metrics_pushed = push_exit_metrics(
                 self.settings.pushgateway_url,
-                job=PUSH_JOB,
-                grouping_key={"instance": self.settings.node_id},
-                registry=self.registry,
+                component="relay",
+                node_id=self.settings.node_id,
+                metrics=(self.metrics.shutdown_pending, *self.service_metrics.exit_metrics()),
             )
         log_exit_record(record)
 
