@@ -9,7 +9,7 @@ from outboxkit.runtime.errors import ConfigError
 
 __all__ = ["format_ts", "parse_retention", "parse_time"]
 
-_DURATION = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>ms|s|m|h|d|w)?\s*$")
+_DURATION = re.compile(r"\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>ms|s|m|h|d|w)?\s*", re.ASCII)
 _UNIT_SECONDS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _UNIT_SECONDS["w"] = 7 * 86400.0
 
@@ -20,7 +20,7 @@ def parse_retention(text: str) -> float:
     Raises ``ValueError`` with the accepted forms (the settings framework and the
     CLI turn it into a message naming the setting).
     """
-    m = _DURATION.match(text)
+    m = _DURATION.fullmatch(text)
     if not m:
         raise ValueError("must be a duration like 7d, 12h, 30m, 90s or a number of seconds")
     seconds = float(m.group("num")) * _UNIT_SECONDS[m.group("unit")]

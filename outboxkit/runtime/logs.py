@@ -52,7 +52,7 @@ _SENSITIVE_NAME = (
     r"(?:pass(?:word|wd)|secret|token|api[_.\-]?key|authorization|credentials?|private[_.\-]?key)"
     r"[A-Za-z0-9_.\-]*"
 )
-_SENSITIVE_NAME_RE = re.compile(rf"^{_SENSITIVE_NAME}$", re.IGNORECASE)
+_SENSITIVE_NAME_RE = re.compile(_SENSITIVE_NAME, re.IGNORECASE)
 
 # scheme://user:password@host  (the password may itself contain '@'; the host part
 # after the last '@' must end at '/', '?', '#', whitespace, a quote or the end).
@@ -147,7 +147,7 @@ def redact_url(url: str) -> str:
 
 def is_secret_key(name: str) -> bool:
     """True when a field or property name denotes a secret (``sasl.password``, ``token``...)."""
-    return bool(_SENSITIVE_NAME_RE.match(name))
+    return bool(_SENSITIVE_NAME_RE.fullmatch(name))
 
 
 def sanitize(value: object, *, _depth: int = 0) -> object:

@@ -182,7 +182,8 @@ def env_name(field_name: str) -> str:
 # -- parsers ---------------------------------------------------------------
 
 _DURATION_RE = re.compile(
-    r"^\s*(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>ms|s|m|h)?\s*$"
+    r"\s*(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>ms|s|m|h)?\s*",
+    re.ASCII,
 )
 _UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
 _TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
@@ -191,7 +192,7 @@ _FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
 
 def parse_duration(text: str) -> float:
     """Seconds as float: ``"1.5"``, ``"500ms"``, ``"2s"``, ``"1m"``, ``"1h"``."""
-    m = _DURATION_RE.match(text)
+    m = _DURATION_RE.fullmatch(text)
     if not m:
         raise ValueError("must be a number of seconds or a duration like 500ms, 2s, 1m")
     return float(m.group("num")) * _UNIT_SECONDS[m.group("unit")]
