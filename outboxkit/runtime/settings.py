@@ -19,8 +19,8 @@ Parsers by annotation:
 * ``tuple[str, ...]`` (comma-separated).
 
 An empty environment variable counts as unset. Secrets (fields marked
-``secret=True``, the password of any URL value, ``kafka_config`` values whose
-key contains ``password`` or ``secret``) are registered with
+``secret=True``, the password of any URL value, ``kafka_config`` values of
+properties that hold key material or credentials) are registered with
 :func:`outboxkit.runtime.logs.register_secret` when loaded, so they never appear
 in a log line, and :func:`describe` masks them.
 """
@@ -423,7 +423,7 @@ def _shown(f: _Field, raw: object) -> str:
     return redact(str(raw))
 
 
-def _register_url_password(value: str) -> None:
+def _register_url_password(value: str, source: str) -> None:
     if "://" not in value:
         return
     try:
@@ -431,36 +431,41 @@ def _register_url_password(value: str) -> None:
     except ValueError:
         return
     if password:
-        register_secret(password)
-        register_secret(unquote(password))
+        register_secret(password, source=f"{source} (URL password)")
+        register_secret(unquote(password), source=f"{source} (URL password)")
+
+
+# Sensitive but not secret as a literal: masked in fields, never hunted in free text.
+_NOT_LITERAL = frozenset({"sasl.username"})
 
 
 def _register_secrets(f: _Field, value: object) -> None:
     if value is None:
         return
+    source = f"{f.flag} / {f.env}"
     if f.spec.secret:
         if isinstance(value, Mapping):
             for v in value.values():
-                register_secret(str(v))
+                register_secret(str(v), source=source)
         elif isinstance(value, tuple | list):
             for v in value:
-                register_secret(str(v))
+                register_secret(str(v), source=source)
         else:
-            register_secret(str(value))
+            register_secret(str(value), source=source)
         return
     if isinstance(value, str):
-        _register_url_password(value)
+        _register_url_password(value, source)
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            key = str(k).lower()
-            if "password" in key or "secret" in key or is_secret_key(str(k)):
-                register_secret(str(v))
+            if is_secret_key(str(k)):
+                if str(k).lower() not in _NOT_LITERAL:
+                    register_secret(str(v), source=f"{source} {k}")
             elif isinstance(v, str):
-                _register_url_password(v)
+                _register_url_password(v, f"{source} {k}")
     elif isinstance(value, tuple | list):
         for v in value:
             if isinstance(v, str):
-                _register_url_password(v)
+                _register_url_password(v, source)
 
 
 def _check(f: _Field, value: Any) -> None:
@@ -505,7 +510,7 @@ def _load_field(
             errors.append(f"missing {where}: required{help_}")
         return
     if f.spec.secret and isinstance(raw, str):
-        register_secret(raw)
+        register_secret(raw, source=where)
     try:
         if isinstance(raw, bool) and f.kind == "bool":
             value: Any = raw
