@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, guarded_problems, librdkafka_problem
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
@@ -112,6 +113,10 @@ class ConsumerSettings(RuntimeSettings):
 
     def validate(self) -> list[str]:
         problems = [*super().validate()]
+        problems.extend(guarded_problems(self.kafka_config, CONSUMER_GUARDED))
+        rejected = librdkafka_problem(self.kafka_config, "consumer")
+        if rejected:
+            problems.append(rejected)
         if self.worker_drain_timeout + self.close_timeout >= self.shutdown_timeout:
             problems.append(
                 "invalid --worker-drain-timeout / OUTBOXKIT_WORKER_DRAIN_TIMEOUT: "

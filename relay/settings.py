@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 
 from outboxkit.admin._parse import parse_retention
+from outboxkit.runtime.kafkaconf import RELAY_GUARDED, guarded_problems, librdkafka_problem
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
@@ -199,6 +200,10 @@ class RelaySettings(RuntimeSettings):
             problems.append(
                 "missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP: required by the relay"
             )
+        problems.extend(guarded_problems(self.kafka_config, RELAY_GUARDED))
+        rejected = librdkafka_problem(self.kafka_config, "producer")
+        if rejected:
+            problems.append(rejected)
         try:
             timeout_ms = self.message_timeout_ms()
         except ValueError as exc:

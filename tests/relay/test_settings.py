@@ -136,3 +136,33 @@ def test_the_alias_alone_drives_every_derived_budget() -> None:
         },
     )
     assert same.message_timeout_ms() == 5000
+
+
+@pytest.mark.parametrize(
+    ("props", "name"),
+    [
+        ("enable.idempotence=false", "enable.idempotence"),
+        ("acks=1", "acks"),
+        ("acks=0", "acks"),
+        ("request.required.acks=1", "request.required.acks"),
+        ("delivery.report.only.error=true", "delivery.report.only.error"),
+        ("transactional.id=relay-1", "transactional.id"),
+        ("partitioner=random", "partitioner"),
+        ("error_cb=x", "error_cb"),
+        ("no.such.property=1", "no.such.property"),
+        ("linger.ms=soon", "linger.ms"),
+    ],
+)
+def test_properties_the_guarantees_depend_on_are_refused_at_load(props: str, name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(RelaySettings, environ={**_BASE, "OUTBOXKIT_KAFKA_CONFIG": props})
+    message = str(info.value)
+    assert "--kafka-config / OUTBOXKIT_KAFKA_CONFIG" in message and name in message
+
+
+@pytest.mark.parametrize(
+    "props",
+    ["enable.idempotence=true", "acks=all", "acks=-1", "partitioner=murmur2", "linger.ms=5"],
+)
+def test_values_that_keep_the_guarantees_are_accepted(props: str) -> None:
+    load(RelaySettings, environ={**_BASE, "OUTBOXKIT_KAFKA_CONFIG": props})

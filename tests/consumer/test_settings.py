@@ -1,0 +1,87 @@
+"""Consumer settings: the Kafka properties the offset guarantees depend on are
+forced or refused at load time (exit 2 naming --kafka-config), and librdkafka
+itself vets the rest before anything connects."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from procs import HERE
+
+from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.runtime import ConfigError, load
+from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED
+
+pytestmark = pytest.mark.unit
+
+_WHERE = "--kafka-config / OUTBOXKIT_KAFKA_CONFIG"
+
+
+def _refused_value(name: str) -> str:
+    return {
+        "enable.auto.commit": "false",
+        "enable.auto.offset.store": "true",
+        "partition.assignment.strategy": "range",
+        "group.protocol": "consumer",
+    }.get(name, "x")
+
+
+@pytest.mark.parametrize("name", sorted(CONSUMER_GUARDED))
+def test_guarded_properties_are_refused_with_the_reason(name: str) -> None:
+    value = _refused_value(name)
+    with pytest.raises(ConfigError) as info:
+        load(ConsumerSettings, environ={"OUTBOXKIT_KAFKA_CONFIG": f"{name}={value}"})
+    message = str(info.value)
+    assert _WHERE in message and name in message
+    assert CONSUMER_GUARDED[name].reason in message
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        "enable.auto.commit=true",
+        "enable.auto.offset.store=false",
+        "partition.assignment.strategy=cooperative-sticky",
+        "isolation.level=read_uncommitted",
+        "isolation.level=read_committed",
+        "group.protocol=classic",
+        "session.timeout.ms=10000",
+    ],
+)
+def test_values_that_change_nothing_are_accepted(props: str) -> None:
+    load(ConsumerSettings, environ={"OUTBOXKIT_KAFKA_CONFIG": props})
+
+
+@pytest.mark.parametrize(
+    "props",
+    ["no.such.property=1", "session.timeout.ms=soon", "fetch.min.bytes=-5"],
+)
+def test_librdkafka_refuses_unknown_properties_and_bad_values_at_load(props: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(ConsumerSettings, environ={"OUTBOXKIT_KAFKA_CONFIG": props})
+    assert _WHERE in str(info.value)
+
+
+def test_the_console_exits_2_before_connecting(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    for prop in ("enable.auto.commit=false", "no.such.property=1"):
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "outboxkit", "consume", "consumer_apps:Sleepy",
+                "--kafka-bootstrap", "127.0.0.1:1", "--group-id", "g", "--topics", "t",
+                "--kafka-config", prop, "--health-port", "0",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert _WHERE in done.stderr and prop.split("=")[0] in done.stderr
