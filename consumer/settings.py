@@ -14,6 +14,7 @@ from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, guarded_problems, libr
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
+    at_most,
     non_negative,
     positive,
     setting,
@@ -23,8 +24,14 @@ from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
 __all__ = ["ConsumerSettings"]
 
 
+#: One thread per worker: far beyond this the process runs out of threads.
+MAX_CONCURRENCY = 1024
+
+
 def _optional_at_least_one(value: int | None) -> str | None:
-    return None if value is None else at_least_one(value)
+    if value is None:
+        return None
+    return at_least_one(value) or at_most(MAX_CONCURRENCY)(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,8 +81,8 @@ class ConsumerSettings(RuntimeSettings):
     )
     concurrency: int | None = setting(
         None,
-        help="worker threads; above 1, messages of one partition run in parallel "
-        "across keys, in order per key (default: the class's concurrency, else 1)",
+        help="worker threads (at most 1024); above 1, messages of one partition run in "
+        "parallel across keys, in order per key (default: the class's concurrency, else 1)",
         validate=_optional_at_least_one,
     )
     max_buffered: int = setting(

@@ -17,16 +17,19 @@ from outboxkit.runtime.kafkaconf import RELAY_GUARDED, guarded_problems, librdka
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
+    at_most,
     non_negative,
     positive,
     setting,
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
-__all__ = ["COMPRESSION_CODECS", "RelaySettings"]
+__all__ = ["COMPRESSION_CODECS", "MAX_PAUSE_S", "RelaySettings"]
 
 COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 
+#: Longest pause between purge batches: a longer one holds a purge for hours.
+MAX_PAUSE_S = 60.0
 #: librdkafka's own default (300 s) would outlive any sensible lease.
 DEFAULT_MESSAGE_TIMEOUT_MS = 30_000
 #: librdkafka's range for message.timeout.ms (0 means "no timeout" and is refused).
@@ -70,6 +73,10 @@ def effective_message_timeout_ms(kafka_config: Mapping[str, str]) -> int:
             "set one of them (or both to the same value)"
         )
     return next(iter(found.values()), DEFAULT_MESSAGE_TIMEOUT_MS)
+
+
+def _pause(value: float) -> str | None:
+    return non_negative(value) or at_most(MAX_PAUSE_S)(value)
 
 
 def _positive_or_unset(value: float | None) -> str | None:
@@ -156,8 +163,9 @@ class RelaySettings(RuntimeSettings):
     )
     retention_pause: float = setting(
         0.2,
-        help="seconds of pause between retention batches, so the service's writes keep flowing",
-        validate=non_negative,
+        help="seconds of pause between retention batches, so the service's writes keep flowing "
+        "(at most 60 s)",
+        validate=_pause,
     )
     # Several relays: shard leases and wake-up hints in Redis (--redis-url); docs/scaling.md.
     redis_prefix: str = setting(
