@@ -26,6 +26,16 @@ __all__ = ["ConsumerSettings"]
 
 #: One thread per worker: far beyond this the process runs out of threads.
 MAX_CONCURRENCY = 1024
+#: librdkafka's range of auto.commit.interval.ms and statistics.interval.ms (1 day).
+MAX_KAFKA_INTERVAL_S = 86400.0
+
+
+def _kafka_interval(value: float) -> str | None:
+    return positive(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
+
+
+def _kafka_interval_or_off(value: float) -> str | None:
+    return non_negative(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
 
 
 def _optional_at_least_one(value: int | None) -> str | None:
@@ -91,7 +101,9 @@ class ConsumerSettings(RuntimeSettings):
         validate=at_least_one,
     )
     commit_interval: float = setting(
-        5.0, help="seconds between periodic commits of processed offsets", validate=positive
+        5.0,
+        help="seconds between periodic commits of processed offsets (at most 1 day)",
+        validate=_kafka_interval,
     )
     revoke_timeout: float = setting(
         10.0,
@@ -106,8 +118,8 @@ class ConsumerSettings(RuntimeSettings):
     )
     stats_interval: float = setting(
         5.0,
-        help="seconds between librdkafka statistics (consumer lag metric); 0 = off",
-        validate=non_negative,
+        help="seconds between librdkafka statistics (consumer lag metric); 0 = off; at most 1 day",
+        validate=_kafka_interval_or_off,
     )
     inbox: bool = setting(
         False, help="run each handler in a DB transaction that records the event in the inbox"

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from procs import HERE
 
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.runtime import ConfigError, load
-from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED
+from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, librdkafka_problem
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +87,34 @@ def test_the_console_exits_2_before_connecting(tmp_path: Path) -> None:
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr
         assert _WHERE in done.stderr and prop.split("=")[0] in done.stderr
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    commit=st.floats(min_value=0.001, max_value=604800),
+    stats=st.floats(min_value=0, max_value=604800),
+    dlq=st.floats(min_value=0.001, max_value=604800),
+)
+def test_accepted_intervals_are_values_librdkafka_takes(
+    commit: float, stats: float, dlq: float
+) -> None:
+    """What the consumer derives from its settings must be a valid librdkafka config,
+    or the consumer would pass validation and then fail when it connects."""
+    try:
+        s = load(
+            ConsumerSettings,
+            environ={
+                "OUTBOXKIT_COMMIT_INTERVAL": f"{commit:.3f}",
+                "OUTBOXKIT_STATS_INTERVAL": f"{stats:.3f}",
+                "OUTBOXKIT_DLQ_TIMEOUT": f"{dlq:.3f}",
+            },
+        )
+    except ConfigError:
+        return
+    derived = {
+        "auto.commit.interval.ms": str(int(s.commit_interval * 1000)),
+        "statistics.interval.ms": str(int(s.stats_interval * 1000)),
+    }
+    assert librdkafka_problem(derived, "consumer") is None, derived
+    dlq_timeout = {"message.timeout.ms": str(max(1, int(s.dlq_timeout * 1000)))}
+    assert librdkafka_problem(dlq_timeout, "producer") is None, dlq_timeout
