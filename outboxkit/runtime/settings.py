@@ -720,6 +720,16 @@ def _non_empty(value: str) -> str | None:
     return None if value.strip() else "must not be empty"
 
 
+#: The node id is stored as a row's lease owner (VARCHAR(255)).
+MAX_NODE_ID_LENGTH = 255
+
+
+def _node_id(value: str) -> str | None:
+    if len(value) > MAX_NODE_ID_LENGTH:
+        return f"must be at most {MAX_NODE_ID_LENGTH} characters (it is stored as lease owner)"
+    return _non_empty(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RuntimeSettings:
     """Settings every outboxkit process has; components inherit and add their own.
@@ -736,7 +746,7 @@ class RuntimeSettings:
         default_factory=default_node_id,
         help="identity of this process in logs, leases and metrics",
         default_help="<hostname>-<pid>-<4 hex>",
-        validate=_non_empty,
+        validate=_node_id,
     )
     health_host: str = setting("127.0.0.1", help="address of the health/metrics HTTP server")
     health_port: int = setting(

@@ -270,3 +270,14 @@ def test_unsupported_annotation_needs_a_parser() -> None:
         ratio: complex = setting(1j, help="?", parse=complex)
 
     assert load(Custom, environ={"OUTBOXKIT_RATIO": "2+1j"}).ratio == 2 + 1j
+
+
+def test_node_id_must_fit_the_lease_owner_column() -> None:
+    """The node id is written as every claimed row's lease_owner (VARCHAR(255)); a
+    longer one must be refused at start, not by the database at the first claim."""
+    from outboxkit.schema.table import MAX_OWNER_LENGTH
+
+    ok = load(RuntimeSettings, environ={"OUTBOXKIT_NODE_ID": "n" * MAX_OWNER_LENGTH})
+    assert len(ok.node_id) == MAX_OWNER_LENGTH
+    with pytest.raises(ConfigError, match="--node-id / OUTBOXKIT_NODE_ID"):
+        load(RuntimeSettings, environ={"OUTBOXKIT_NODE_ID": "n" * (MAX_OWNER_LENGTH + 1)})
