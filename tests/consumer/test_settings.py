@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -118,3 +119,52 @@ def test_accepted_intervals_are_values_librdkafka_takes(
     assert librdkafka_problem(derived, "consumer") is None, derived
     dlq_timeout = {"message.timeout.ms": str(max(1, int(s.dlq_timeout * 1000)))}
     assert librdkafka_problem(dlq_timeout, "producer") is None, dlq_timeout
+
+
+_PEM_KEY = (
+    "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcw\nKeyBodyLine2xyz\n"
+    "-----END PRIVATE KEY-----"
+)
+
+
+@pytest.mark.integration
+def test_consumer_start_line_masks_key_material(
+    kafka_bootstrap: str, kafka_topics: Any, tmp_path: Path
+) -> None:
+    """The consumer's start line, as the operator reads it, never shows a TLS key or
+    SASL secret, and a short DB password does not cut words."""
+    from procs import ConsumerProcess
+
+    topic = kafka_topics(partitions=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["OUTBOXKIT_DB_URL"] = "mysql+pymysql://app:short@127.0.0.1:3306/db"
+    proc = ConsumerProcess(
+        "consumer_apps:Sleepy",
+        env=env,
+        args=[
+            "--kafka-bootstrap", kafka_bootstrap, "--group-id", f"g-{topic}", "--topics", topic,
+            "--health-port", "0", "--service", "orders-consumer",
+            "--kafka-config", f"ssl.key.pem={_PEM_KEY}",
+            "--kafka-config", "ssl.key.password=KeyPassphrase-123",
+            "--kafka-config", "sasl.oauthbearer.client.secret=OauthSecret-456",
+        ],
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        started = proc.wait_event("consumer-starting", timeout=30)
+        proc.health_url(timeout=30)
+        proc.signal()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    text = "".join(proc.raw)
+    for leaked in ("KeyBodyLine2xyz", "MIIEvQIBADAN", "KeyPassphrase-123", "OauthSecret-456"):
+        assert leaked not in text
+    config = started["settings"]["kafka_config"]
+    assert config["ssl.key.pem"] == config["ssl.key.password"] == "***"
+    assert config["sasl.oauthbearer.client.secret"] == "***"
+    assert started["settings"]["db_url"] == "mysql+pymysql://app:***@127.0.0.1:3306/db"
+    assert all(r["service"] == "orders-consumer" for r in proc.lines)
+    assert [r["setting"] for r in proc.events("secret-too-short")] == [
+        "--db-url / OUTBOXKIT_DB_URL (URL password)"
+    ]
