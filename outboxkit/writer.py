@@ -68,8 +68,8 @@ _RECORD_OVERHEAD = 36
 MAX_HEADERS_BYTES = 60_000
 RESERVED_HEADERS = frozenset({"event_id"})
 
-_TOPIC = re.compile(r"^[a-zA-Z0-9._-]+$")
-_EVENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
+_EVENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 #: Rows per INSERT statement, and a byte budget so one statement stays well under
 #: the server's max_allowed_packet.
 _CHUNK_ROWS = 1000
@@ -251,7 +251,7 @@ def validate_topic(topic: object) -> str:
         raise InvalidTopicError(
             f"topic is {len(topic)} chars long; Kafka allows {MAX_TOPIC_LENGTH}"
         )
-    if topic in (".", "..") or not _TOPIC.match(topic):
+    if topic in (".", "..") or not _TOPIC.fullmatch(topic):
         raise InvalidTopicError(
             f"illegal topic name {topic!r}: use [a-zA-Z0-9._-], and not '.' or '..'"
         )
@@ -339,7 +339,7 @@ def _event_id(event_id: str | uuid.UUID | None) -> str:
     if (
         not isinstance(event_id, str)
         or len(event_id) > MAX_EVENT_ID_LENGTH
-        or not _EVENT_ID.match(event_id)
+        or not _EVENT_ID.fullmatch(event_id)
     ):
         raise InvalidEventIdError(
             f"malformed event id {event_id!r}: 1-{MAX_EVENT_ID_LENGTH} chars of "

@@ -38,7 +38,7 @@ MAX_OWNER_LENGTH = 255
 #: Inbox ``group_id`` and ``event_id`` (characters); longer ids are stored hashed.
 MAX_INBOX_ID_LENGTH = 255
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 class Status(enum.StrEnum):
@@ -56,7 +56,7 @@ STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
 
 def validate_identifier(name: str, *, what: str = "table name") -> str:
     """Return ``name`` if it is a plain SQL identifier, else raise InvalidIdentifierError."""
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
         raise InvalidIdentifierError(
             f"invalid {what} {name!r}: "
             "use 1-64 characters of [A-Za-z0-9_], not starting with a digit"

@@ -166,7 +166,9 @@ def register(sub: Any) -> None:
     pu.add_argument(
         "--batch-size", type=_positive_int, default=1000, help="rows per transaction [1000]"
     )
-    pu.add_argument("--pause", default="0.2", help="pause between batches, seconds or 200ms [0.2]")
+    pu.add_argument(
+        "--pause", default="0.2", help="pause between batches, seconds or 200ms, at most 60 s [0.2]"
+    )
     pu.add_argument("--dry-run", action="store_true", help="count what would be deleted")
     pu.set_defaults(func=_purge)
 
@@ -190,28 +192,35 @@ def register(sub: Any) -> None:
 # -- argument types ------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+#: Row counts (LIMIT, batch sizes) fit MySQL's signed INT; row ids its BIGINT.
+_MAX_COUNT = 2**31 - 1
+_MAX_ID = 2**63 - 1
+_INT = re.compile(r"\s*[0-9]+\s*", re.ASCII)
+#: Longest pause between purge batches (a longer one holds the purge for hours).
+_MAX_PAUSE_S = 60.0
+
+
+def _int_in(text: str, low: int, high: int) -> int:
+    if not _INT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    value = int(text)
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
+    if value > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high} (got {value})")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_in(text, 1, _MAX_COUNT)
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
+    return _int_in(text, 0, _MAX_ID)
 
 
 def _id_list(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",") if part.strip()]
+    return [_int_in(part, 1, _MAX_ID) for part in text.split(",") if part.strip()]
 
 
 # -- plumbing --------------------------------------------------------------------
@@ -649,8 +658,11 @@ def _purge(args: argparse.Namespace) -> int:
         pause = parse_duration(args.pause)
     except ValueError as exc:
         raise ConfigError(f"invalid --pause: {exc} (got {args.pause!r})") from None
-    if pause < 0:
-        raise ConfigError(f"invalid --pause: must be >= 0 (got {args.pause!r})")
+    if not 0 <= pause <= _MAX_PAUSE_S:
+        raise ConfigError(
+            f"invalid --pause: must be between 0 and {_MAX_PAUSE_S:g} s, or the purge holds "
+            f"for hours between batches (got {args.pause!r})"
+        )
 
     def body(settings: AdminSettings, engine: sa.Engine) -> int:
         if args.dry_run:
