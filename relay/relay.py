@@ -56,9 +56,10 @@ from outboxkit.runtime import (
     Supervisor,
     describe,
     log_event,
-    push_metrics,
     redact,
 )
+from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -66,8 +67,9 @@ __all__ = ["PUSH_JOB", "Relay"]
 
 log = logging.getLogger("outboxkit.relay")
 
-#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
-PUSH_JOB = "outboxkit_relay"
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
+#: (the convention of every process: outboxkit/runtime/metrics.py).
+PUSH_JOB = push_job("relay")
 _CLOSE_BUDGET = 5.0
 #: Seconds of the shutdown budget kept for disposing the pool, the exit record and
 #: the metrics push after waiting for workers.
@@ -365,8 +367,7 @@ class Relay:
         m.lease_lost.inc(len(result.lease_lost))
         lost = set(result.lease_lost)
         for d in decisions:
-            if d.row.id in lost:
-                continue
+            # Reported even when the lease was lost: the copy is in the partition.
             if d.acked_ahead_of is not None:
                 earlier, error = d.acked_ahead_of
                 m.acked_out_of_order.inc()
@@ -386,6 +387,8 @@ class Relay:
                         "key; it is sent again after it, so the last copies are in order"
                     ),
                 )
+            if d.row.id in lost:
+                continue
             if d.fate is Fate.DELIVERED:
                 if d.acked_mono is not None:
                     age = batch.db_time(d.acked_mono) - d.row.created_at
@@ -457,6 +460,10 @@ class Relay:
         """Connect to the database and Kafka and bind the health port; an exit code on failure."""
         s = self.settings
         try:
+            # First, so probes get answers while the relay connects: live 200,
+            # ready 503 ("starting"); a dependency that takes connect_timeout to
+            # give up must not look like a dead process.
+            self.health.start()
             if self._engine is None:
                 self._engine = _create_engine(s)
             else:  # no gap locks in the claim; see claim.py
@@ -480,10 +487,13 @@ class Relay:
                 channel = wakeup_channel(s.table, s.redis_prefix)
                 self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
                 self._open.append("redis-wakeups")
-            self.health.start()
         except ConfigError as exc:
             return self._failed_start("config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
+            return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
+        except Exception as exc:
+            if not is_infrastructure_error(exc):  # e.g. a driver's unwrapped login failure
+                raise
             return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
         log_event(
             log,
@@ -533,6 +543,7 @@ class Relay:
         self.lifecycle.drain("start-failed")
         self._close_resources()
         self.lifecycle.set_stopped()
+        self.health.stop()
         self._exit.state = "stopped"
         self._exit.signal = self.lifecycle.signal_name
         self._exit.result = f"{kind}-error"
@@ -673,11 +684,11 @@ class Relay:
         if started is not None:
             record.duration_ms = round((time.monotonic() - started) * 1000)
         if self.settings.pushgateway_url:
-            record.metrics_pushed = push_metrics(
+            record.metrics_pushed = push_exit_metrics(
                 self.settings.pushgateway_url,
-                job=PUSH_JOB,
-                grouping_key={"instance": self.settings.node_id},
-                registry=self.registry,
+                component="relay",
+                node_id=self.settings.node_id,
+                metrics=(self.metrics.shutdown_pending, *self.service_metrics.exit_metrics()),
                 # Within what is left of the shutdown budget (the watchdog is
                 # already disarmed here), but at least a moment to try.
                 timeout=max(0.5, min(5.0, lc.remaining())),

@@ -19,6 +19,7 @@ import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from support.services import RedisInstance, free_port
+from support.waiting import bound
 
 from outboxkit.errors import ConfigError
 from outboxkit.relay.leases import (
@@ -105,8 +106,8 @@ def wait_until(
             tick()
         if cond():
             return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
+        if time.monotonic() - start > bound(timeout):
+            raise AssertionError(f"condition not met within {bound(timeout):g} s")
         time.sleep(0.02)
 
 

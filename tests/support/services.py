@@ -219,6 +219,14 @@ class RedisInstance(ServiceInstance):
         return f"redis://127.0.0.1:{self.port}/0"
 
 
+class PushgatewayInstance(ServiceInstance):
+    service = "pushgateway"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
 class MariaDBInstance(ServiceInstance):
     service = "mariadb"
 
