@@ -203,7 +203,9 @@ def finalize(
                 mine = [d for d in decisions if d.row.id in held]
                 groups = _groups(mine)
                 _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver)
-                _record_acked_ahead(conn, table, batch, mine)
+                # All of them, held or not: what this relay put in the partition does
+                # not depend on whether its lease survived.
+                _record_acked_ahead(conn, table, batch, decisions)
     for (fate, _, _), group in groups.items():
         result.counts[fate] += len(group)
     result.lease_lost = [i for i in ids if i not in held]

@@ -15,7 +15,13 @@ from sqlalchemy.engine import Connection
 
 from outboxkit.schema.table import Status, db_now, outbox_table
 
-__all__ = ["BACKLOG_STATUSES", "RelayMetrics", "sample_backlog", "sample_ordering_blocked"]
+__all__ = [
+    "BACKLOG_STATUSES",
+    "RelayMetrics",
+    "sample_backlog",
+    "sample_ordering_blocked",
+    "topics_with_rows",
+]
 
 #: ``delivered`` is history, not backlog; counting it would grow without bound.
 BACKLOG_STATUSES = (Status.PENDING, Status.RETRYABLE, Status.DELIVERING, Status.FAILED)
@@ -87,6 +93,17 @@ class RelayMetrics:
         self.ordering_blocked = Gauge(
             "outbox_ordering_blocked_rows",
             "Waiting rows held back for an earlier, undelivered row of the same key (sampled)",
+            registry=registry,
+        )
+        self.producer_fatal = Counter(
+            "outbox_kafka_producer_fatal",
+            "Fatal errors of the Kafka producer (it can send nothing more; a new one is built)",
+            ["reason"],
+            registry=registry,
+        )
+        self.producer_rebuilds = Counter(
+            "outbox_kafka_producer_rebuilds",
+            "Kafka producers built to replace one that hit a fatal error",
             registry=registry,
         )
         self.shards_owned = Gauge(
@@ -171,3 +188,21 @@ def sample_ordering_blocked(
         )
     )
     return int(conn.execute(query).scalar_one())
+
+
+def topics_with_rows(conn: Connection, table: str, topics: Collection[str]) -> frozenset[str]:
+    """Which of ``topics`` still have a row waiting or in flight.
+
+    Only asked for paused topics (few, and rarely): a paused topic none of whose
+    rows is left is resumed, or its pause would never end.
+    """
+    if not topics:
+        return frozenset()
+    t = outbox_table(table)
+    waiting = [Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value]
+    query = (
+        sa.select(t.c.topic)
+        .where(t.c.status.in_(waiting), t.c.topic.in_(sorted(topics)))
+        .distinct()
+    )
+    return frozenset(str(topic) for topic in conn.execute(query).scalars())

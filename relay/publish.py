@@ -16,6 +16,16 @@ Errors are classified by what should happen to the row (:class:`ErrorKind`):
   (authentication, authorization, unknown topic with auto-create off); the
   topic is paused and no attempt is used;
 * ``UNKNOWN``: anything else; retried with backoff, so ``max_attempts`` bounds it.
+
+A **fatal** error (librdkafka gives up on the producer instance: an idempotent
+producer refused ``InitProducerId`` for lack of ``IDEMPOTENT_WRITE``/``WRITE``,
+a fenced producer, a broken sequence) is not any row's fault. The publisher
+records it (:attr:`Publisher.fatal`), stops waiting for the batch, and turns the
+batch's unsent rows into config-fault reports (authorization, authentication:
+the topics are paused) or drops their reports (released, attempt refunded).
+The relay then builds a new producer (:meth:`Publisher.rebuild`), a new
+idempotent session, with backoff. confluent-kafka raises a fatal error from
+``poll()`` instead of calling ``error_cb``; both paths are handled.
 """
 
 from __future__ import annotations
@@ -36,7 +46,16 @@ from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.schema.codec import StoredRowError, kafka_headers, shown, topic_problem
 
-__all__ = ["ErrorKind", "InFlight", "Publisher", "Report", "classify", "producer_config"]
+__all__ = [
+    "ErrorKind",
+    "FatalProducerError",
+    "InFlight",
+    "ProducerFatal",
+    "Publisher",
+    "Report",
+    "classify",
+    "producer_config",
+]
 
 log = logging.getLogger("outboxkit.relay.publish")
 
@@ -92,6 +111,12 @@ _RETRIABLE = frozenset(
 #: Seconds after a producer-level authentication error during which message
 #: timeouts are blamed on it (the messages never had a chance).
 _AUTH_BLAME_WINDOW = 120.0
+#: After a fatal error, how long to keep serving reports of the batch (messages
+#: acknowledged just before it still report success); the rest are unsent.
+_FATAL_GRACE_S = 1.0
+#: After building a new producer, how long to watch it for a fatal error
+#: (InitProducerId is sent as soon as a broker connection is up).
+_REBUILD_SETTLE_S = 1.0
 
 
 def classify(code: int, *, retriable: bool = False) -> ErrorKind:
@@ -107,6 +132,37 @@ def classify(code: int, *, retriable: bool = False) -> ErrorKind:
 def config_fault_reason(code: int) -> str:
     """Short label for the ``reason`` of ``outbox_topic_paused``."""
     return _CONFIG_FAULTS.get(code, "config")
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerFatal:
+    """A fatal error of the producer instance: it can send nothing any more."""
+
+    code: int
+    name: str
+    error: str
+    mono: float
+
+    @property
+    def config_fault(self) -> bool:
+        """Authorization/authentication: the relay's configuration, so pause topics."""
+        return classify(self.code) is ErrorKind.CONFIG_FAULT
+
+    @property
+    def reason(self) -> str:
+        """``authorization``, ``authentication``... or ``fatal`` (metric label)."""
+        return _CONFIG_FAULTS.get(self.code, "fatal")
+
+    def __str__(self) -> str:
+        return f"fatal {self.name}: {self.error}"
+
+
+class FatalProducerError(DependencyError):
+    """A freshly built producer hit a fatal error too (or could not be built)."""
+
+    def __init__(self, fatal: ProducerFatal | None, text: str | None = None) -> None:
+        super().__init__(text or str(fatal))
+        self.fatal = fatal
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +255,71 @@ class Publisher:
     def __init__(self, settings: RelaySettings) -> None:
         self._auth_error: tuple[float, int, str] | None = None
         self._last_error_logged: tuple[int, float] | None = None
+        self._settings = settings
+        #: Set when librdkafka reports a fatal error; cleared by :meth:`rebuild`.
+        self.fatal: ProducerFatal | None = None
+        #: Producers built so far (1 + rebuilds).
+        self.sessions = 0
+        self.producer = self._build()
+
+    def _build(self) -> Producer:
         try:
-            self.producer = Producer(producer_config(settings, error_cb=self._on_error))
+            producer = Producer(producer_config(self._settings, error_cb=self._on_error))
         except KafkaException as exc:
             raise ConfigError(
                 f"invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: {redact(str(exc))}"
             ) from None
+        self.sessions += 1
+        return producer
+
+    def rebuild(self, timeout: float) -> None:
+        """Drop the producer (fatal: it can send nothing) and build a new one, a new
+        idempotent session. Raises :class:`FatalProducerError` if the new one is not
+        reachable within ``timeout`` s or hits a fatal error while it settles.
+
+        Only call it with no batch in flight: the old producer's queue is purged.
+        """
+        old = self.producer
+        try:
+            old.purge(in_queue=True, in_flight=True, blocking=False)
+            old.flush(0)
+        except KafkaException:
+            pass  # a fatal producer may raise its error once more; it is gone anyway
+        self.fatal = None
+        self.producer = self._build()
+        try:
+            self.producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            if not self._record_fatal(exc):
+                raise FatalProducerError(None, f"Kafka unreachable: {redact(str(exc))}") from None
+        settle_until = time.monotonic() + _REBUILD_SETTLE_S
+        while self.fatal is None and time.monotonic() < settle_until:
+            self._poll(0.05)
+        if self.fatal is not None:
+            raise FatalProducerError(self.fatal)
+
+    def _poll(self, timeout: float) -> None:
+        """``producer.poll`` that records a fatal error instead of raising it."""
+        try:
+            self.producer.poll(timeout)
+        except KafkaException as exc:
+            if not self._record_fatal(exc):
+                raise
+
+    def _record_fatal(self, exc: KafkaException) -> bool:
+        err = exc.args[0] if exc.args else None
+        if not isinstance(err, KafkaError) or not err.fatal():
+            return False
+        self._set_fatal(err)
+        return True
+
+    def _set_fatal(self, err: KafkaError) -> None:
+        now = time.monotonic()
+        fatal = ProducerFatal(err.code(), err.name(), redact(err.str()), now)
+        if fatal.config_fault:
+            self._auth_error = (now, fatal.code, f"{fatal.name}: {fatal.error}")
+        if self.fatal is None:
+            self.fatal = fatal
 
     def check_reachable(self, timeout: float) -> None:
         """Raise DependencyError unless a broker answers within ``timeout`` s."""
@@ -223,7 +338,7 @@ class Publisher:
             except BaseException as exc:  # not a row fault (an interrupt): name the row
                 exc.add_note(f"while producing outbox row id={row.id}")
                 raise
-        self.producer.poll(0)
+        self._poll(0)
         return inflight
 
     def _produce(self, row: ClaimedRow, inflight: InFlight) -> None:
@@ -255,7 +370,10 @@ class Publisher:
                 )
                 return
             except BufferError:  # local queue full: serve reports, then retry
-                self.producer.poll(0.1)
+                self._poll(0.1)
+                if self.fatal is not None:  # nothing more can be sent with it
+                    inflight.add(_local_report(row.id, KafkaError._FATAL, "producer fatal"))
+                    return
             except KafkaException as exc:
                 err = exc.args[0]
                 inflight.add(_local_report(row.id, err.code(), err.str()))
@@ -282,12 +400,42 @@ class Publisher:
         """Serve delivery reports until all arrived or ``deadline()`` (monotonic) passed.
 
         ``deadline`` is re-read on every turn: a drain or a hurry moves it closer.
+        After a fatal error only a short grace is left (nothing more will be sent).
         """
         while not inflight.done():
-            left = deadline() - time.monotonic()
+            limit = deadline()
+            fatal = self.fatal
+            if fatal is not None:
+                limit = min(limit, fatal.mono + _FATAL_GRACE_S)
+            left = limit - time.monotonic()
             if left <= 0:
                 return
-            self.producer.poll(min(0.05, left))
+            self._poll(min(0.05, left))
+
+    def settle_reports(self, inflight: InFlight) -> dict[int, Report]:
+        """The batch's reports as the finalize step should see them.
+
+        Timeouts after an authentication failure are blamed on it (:meth:`blame`).
+        After a fatal error, rows that were not acknowledged were not sent by any
+        fault of theirs: with an authorization/authentication cause they get a
+        config-fault report (the topic is paused, the attempt refunded), otherwise
+        no report (released, the attempt refunded).
+        """
+        reports = {i: self.blame(r) for i, r in inflight.snapshot().items()}
+        fatal = self.fatal
+        if fatal is None:
+            return reports
+        out: dict[int, Report] = {}
+        for row_id in inflight.expected:
+            report = reports.get(row_id)
+            if report is not None and (report.ok or report.code != KafkaError._FATAL):
+                out[row_id] = report
+            elif fatal.config_fault:
+                error = f"{report.error} after {fatal}" if report is not None else str(fatal)
+                out[row_id] = Report(
+                    row_id, fatal.code, error, ErrorKind.CONFIG_FAULT, None, None, fatal.mono
+                )
+        return out
 
     def blame(self, report: Report) -> Report:
         """A timeout shortly after an authentication failure is the relay's config."""
@@ -315,13 +463,22 @@ class Publisher:
         """Drop messages whose rows were already released, flush the rest within
         ``timeout`` s; returns the messages still unsent (0 after a clean drain).
         """
+        if self.fatal is not None:  # nothing can be sent any more
+            self.producer.purge(in_queue=True, in_flight=True, blocking=False)
+            return len(self.producer)
         self.producer.purge(in_queue=True, in_flight=False, blocking=False)
-        left = int(self.producer.flush(max(0.0, timeout)))
-        return left
+        try:
+            return int(self.producer.flush(max(0.0, timeout)))
+        except KafkaException as exc:
+            if not self._record_fatal(exc):
+                raise
+            return len(self.producer)
 
     def _on_error(self, err: KafkaError) -> None:
         code = err.code()
         now = time.monotonic()
+        if err.fatal():  # today confluent-kafka raises these from poll() instead
+            self._set_fatal(err)
         if classify(code) is ErrorKind.CONFIG_FAULT:
             self._auth_error = (now, code, f"{err.name()}: {err.str()}")
         last = self._last_error_logged

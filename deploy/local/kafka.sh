@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Local Kafka broker for tests (KRaft, single node, broker+controller combined):
 #   kafka.sh start|stop|status|kill [--name N] [--port P] [--controller-port C]
-#                                   [--message-max-bytes B] [--heap H]
+#                                   [--message-max-bytes B] [--heap H] [--sasl-port S]
+#
+# --sasl-port S adds a SASL_PLAINTEXT (PLAIN) listener on S with an authorizer
+# (StandardAuthorizer, deny when no ACL matches). Principals there: User:admin
+# (password admin-secret, super user) and User:limited (password limited-secret,
+# no ACLs until a test grants some). The PLAINTEXT port stays open to everyone
+# as super user (User:ANONYMOUS), for the readiness check and test set-up. Test
+# brokers only: the passwords are fixed and public.
 #
 # Jars come from Maven Central (kafka/pom.xml) into .kafka/lib on first use.
 # Each instance has its own config, data dir, pid and log under .state/kafka-<name>/.
@@ -10,13 +17,14 @@ SERVICE=kafka
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-EXTRA_FLAGS=(controller-port message-max-bytes heap)
+EXTRA_FLAGS=(controller-port message-max-bytes heap sasl-port)
 parse_args "$@"
 load_settings
 PORT="${PORT:-9092}"
 CONTROLLER_PORT="${CONTROLLER_PORT:-$((PORT + 1))}"
 MESSAGE_MAX_BYTES="${MESSAGE_MAX_BYTES:-}"
 HEAP="${HEAP:-512m}"
+SASL_PORT="${SASL_PORT:-}"
 
 KAFKA_HOME="$LOCAL_DIR/.kafka"
 LIB_DIR="$KAFKA_HOME/lib"
@@ -91,6 +99,20 @@ EOF
     if [[ -n "$MESSAGE_MAX_BYTES" ]]; then
         echo "message.max.bytes=$MESSAGE_MAX_BYTES" >>"$PROPS"
     fi
+    if [[ -n "$SASL_PORT" ]]; then
+        sed -i \
+            -e "s|^listeners=.*|listeners=PLAINTEXT://127.0.0.1:$PORT,SASL_PLAINTEXT://127.0.0.1:$SASL_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT|" \
+            -e "s|^advertised.listeners=.*|advertised.listeners=PLAINTEXT://127.0.0.1:$PORT,SASL_PLAINTEXT://127.0.0.1:$SASL_PORT|" \
+            -e "s|^listener.security.protocol.map=.*|listener.security.protocol.map=PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT|" \
+            "$PROPS"
+        cat >>"$PROPS" <<EOF
+sasl.enabled.mechanisms=PLAIN
+listener.name.sasl_plaintext.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_admin="admin-secret" user_limited="limited-secret";
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:ANONYMOUS;User:admin
+EOF
+    fi
     cat >"$LOG4J" <<EOF
 <?xml version="1.0" encoding="UTF-8"?>
 <Configuration status="WARN">
@@ -134,8 +156,11 @@ start() {
     else
         require_free_port "$PORT"
         require_free_port "$CONTROLLER_PORT"
+        if [[ -n "$SASL_PORT" ]]; then
+            require_free_port "$SASL_PORT"
+        fi
         mkdir -p "$INSTANCE_DIR"
-        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP
+        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP SASL_PORT
         write_config
         java_cmd
         if [[ ! -f "$DATA_DIR/meta.properties" ]]; then
