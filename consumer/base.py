@@ -43,14 +43,18 @@ from outboxkit.consumer.metrics import ConsumerMetrics
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, WorkItem
-from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.errors import ConfigError, DependencyError, is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.runtime.metrics import push_metrics
+from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import describe
 
-__all__ = ["Consumer"]
+__all__ = ["PUSH_JOB", "Consumer"]
+
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
+#: (the convention of every process: outboxkit/runtime/metrics.py).
+PUSH_JOB = push_job("consumer")
 
 _log = logging.getLogger("outboxkit.consumer")
 
@@ -343,8 +347,13 @@ class Consumer:
         try:
             with self._engine.connect() as conn:
                 present = sa.inspect(conn).has_table(s.inbox_table)
-        except sa.exc.OperationalError as exc:
-            raise DependencyError(f"database unreachable: {type(exc.orig).__name__}") from None
+        except Exception as exc:
+            if not is_infrastructure_error(exc):
+                raise
+            cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
+            raise DependencyError(
+                f"database unreachable: {redact(f'{type(cause).__name__}: {cause}')}"
+            ) from None
         if not present:
             raise ConfigError(
                 f"inbox table {s.inbox_table} does not exist: run outboxkit schema apply"
@@ -519,11 +528,18 @@ class Consumer:
     def _push_metrics(self) -> None:
         url = self.settings.pushgateway_url
         if url:
-            push_metrics(
+            # Exit metrics only: a pushed worker_consumer_lag would stay in the
+            # Pushgateway after this process is gone and keep a lag alert firing.
+            m = self.metrics
+            push_exit_metrics(
                 url,
-                job="outboxkit-consumer",
-                grouping_key={"service": self.settings.service, "node_id": self.settings.node_id},
-                registry=self.registry,
+                component="consumer",
+                node_id=self.settings.node_id,
+                metrics=(
+                    m.shutdown_released,
+                    m.shutdown_committed,
+                    *self.service_metrics.exit_metrics(),
+                ),
             )
 
     def _cut(self) -> list[str]:

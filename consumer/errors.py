@@ -6,17 +6,23 @@ The tree, rooted in :class:`~outboxkit.errors.OutboxError`::
     ├── TransientError          retried in place with backoff
     │   └── RetryableError      (alias, reads better in handlers)
     └── PermanentError          dead-lettered at once
-        └── InvalidMessageError the message cannot be decoded (bad JSON, no value)
+        └── InvalidMessageError the message cannot be decoded (bad JSON, no value,
+                                header names that are not UTF-8)
 
 A handler raises whatever it likes. :func:`classify` decides:
 
 1. a class listed in the consumer's ``permanent_errors`` -> permanent;
 2. a class listed in the consumer's ``transient_errors`` -> transient;
-3. :class:`PermanentError` -> permanent, :class:`TransientError` -> transient;
-4. connection trouble: ``OSError`` (``ConnectionError``, ``TimeoutError``) and
-   SQLAlchemy's ``OperationalError``/``DisconnectionError``/pool ``TimeoutError``
+3. :class:`PermanentError` -> permanent;
+4. infrastructure (:func:`~outboxkit.runtime.errors.is_infrastructure_error`:
+   cannot connect, cannot log in, server gone; DB-API ``OperationalError`` /
+   ``InterfaceError``, anything raised while a database connection is made,
+   such as PyMySQL's ``RuntimeError`` for a MySQL 8 login without
+   ``cryptography``) -> unavailable: retried with capped backoff for as long as
+   it lasts, **never** dead-lettered, since it is not the message's fault;
+5. :class:`TransientError`, ``OSError`` (``ConnectionError``, ``TimeoutError``)
    -> transient;
-5. anything else (a bug, a ``KeyError`` on a missing field) -> permanent: a retry
+6. anything else (a bug, a ``KeyError`` on a missing field) -> permanent: a retry
    would fail the same way, and the message waits in the dead-letter topic for a
    fix instead of blocking its partition.
 """
@@ -25,9 +31,8 @@ from __future__ import annotations
 
 import enum
 
-import sqlalchemy.exc as sa_exc
-
 from outboxkit.errors import PermanentError, TransientError
+from outboxkit.runtime.errors import is_infrastructure_error
 
 __all__ = [
     "Classification",
@@ -44,17 +49,12 @@ class InvalidMessageError(PermanentError, ValueError):
 
 
 class Classification(enum.Enum):
-    TRANSIENT = "transient"
-    PERMANENT = "permanent"
+    TRANSIENT = "transient"  # retried, up to max_attempts / retry_max_time, then dead-lettered
+    PERMANENT = "permanent"  # dead-lettered at once
+    UNAVAILABLE = "unavailable"  # a dependency is down: retried while it lasts, never dead-lettered
 
 
-_TRANSIENT_BY_DEFAULT: tuple[type[BaseException], ...] = (
-    TransientError,
-    OSError,
-    sa_exc.OperationalError,
-    sa_exc.DisconnectionError,
-    sa_exc.TimeoutError,
-)
+_TRANSIENT_BY_DEFAULT: tuple[type[BaseException], ...] = (TransientError, OSError)
 
 
 def classify(
@@ -70,6 +70,8 @@ def classify(
         return Classification.TRANSIENT
     if isinstance(exc, PermanentError):
         return Classification.PERMANENT
+    if is_infrastructure_error(exc):
+        return Classification.UNAVAILABLE
     if isinstance(exc, _TRANSIENT_BY_DEFAULT):
         return Classification.TRANSIENT
     return Classification.PERMANENT

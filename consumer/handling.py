@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from outboxkit.consumer.dlq import DeadLetters, DeadLetterUnavailable, Failure
-from outboxkit.consumer.errors import Classification
+from outboxkit.consumer.errors import Classification, InvalidMessageError
 from outboxkit.consumer.inbox import Inbox
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics
@@ -92,6 +92,13 @@ class Handling:
         started = time.monotonic()
         item.first_attempt_at = item.first_attempt_at or started
         item.attempts += 1
+        try:
+            # The headers are read once, here, before any handler: a record whose
+            # headers cannot be decoded is the record's fault, whatever classify says.
+            item.message.headers  # noqa: B018
+        except InvalidMessageError as exc:
+            self._give_up(item, exc, Classification.PERMANENT)
+            return None
         timer = time.perf_counter()
         try:
             try:
@@ -105,6 +112,9 @@ class Handling:
 
         kind = self.classify(error)
         text = redact(f"{type(error).__name__}: {error}")
+        if kind is Classification.UNAVAILABLE:
+            return self._wait_for_dependency(item, text)
+        item.outages = 0
         if kind is Classification.TRANSIENT:
             delay = self.policy.next_delay(
                 attempts=item.attempts, started_at=item.first_attempt_at, now=time.monotonic()
@@ -121,6 +131,32 @@ class Handling:
                     error=text,
                 )
                 return Result(Outcome.RETRY, delay=delay, error=text)
+        self._give_up(item, error, kind)
+        return None
+
+    def _wait_for_dependency(self, item: WorkItem, text: str) -> Result:
+        """A dependency failed, not the message: retry it with capped backoff for as
+        long as that lasts. The attempt and the time are not counted against the
+        message's retry budget, and it is never dead-lettered for this."""
+        item.attempts -= 1
+        item.first_attempt_at = None
+        item.outages += 1
+        delay = self.policy.backoff(item.outages)
+        log_event(
+            _log,
+            "handler-retry",
+            level=logging.WARNING,
+            **_where(item.message),
+            classification=Classification.UNAVAILABLE.value,
+            outages=item.outages,
+            retry_in_s=round(delay, 3),
+            error=text,
+        )
+        return Result(Outcome.RETRY, delay=delay, error=text)
+
+    def _give_up(self, item: WorkItem, error: BaseException, kind: Classification) -> None:
+        """Record why the handler gave up (dead-letter it next); log and call the hook."""
+        text = redact(f"{type(error).__name__}: {error}")
         item.failure = Failure.of(
             error, attempts=item.attempts, permanent=kind is Classification.PERMANENT
         )
@@ -135,7 +171,6 @@ class Handling:
             exc_info=error,
         )
         self._call_on_failure(item.message, error, item.attempts)
-        return None
 
     def _run(self, message: Message) -> bool:
         if self.inbox is None:
@@ -177,9 +212,13 @@ class Handling:
 
 
 def _where(message: Message) -> dict[str, object]:
+    try:
+        event_id = message.event_id
+    except InvalidMessageError:  # undecodable headers: no event id to show
+        event_id = None
     return {
         "topic": message.topic,
         "partition": message.partition,
         "offset": message.offset,
-        "event_id": message.event_id,
+        "event_id": event_id,
     }

@@ -12,7 +12,12 @@ A crash anywhere before the commit leaves neither the effects nor the inbox
 row; a crash after it leaves both, and the redelivered message is then a
 duplicate: the handler is skipped. A commit whose outcome is unknown (the
 connection dropped during ``COMMIT``) is retried as transient and resolved the
-same way. ``identity`` is the ``event_id`` header, else ``topic/partition/offset``.
+same way.
+
+The identity is exact and unambiguous (:func:`inbox_key`): the ``event_id``
+header's bytes, else the record's topic, partition and offset, each kept apart
+from the other and stored in a binary column, so two keys are equal only when
+their events are the same.
 
 Each worker thread keeps its connection between messages (checked out of the
 pool once, not per message): a checkout costs a pre-ping and a check-in a reset
@@ -25,21 +30,96 @@ handler retry), and when the worker stops (:meth:`release`).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from outboxkit.consumer.message import Message
+from outboxkit.consumer.message import EVENT_ID_HEADER, Message
 from outboxkit.errors import TransientError
-from outboxkit.schema.table import db_now, inbox_table
+from outboxkit.schema.table import MAX_INBOX_ID_LENGTH, db_now, inbox_table
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "inbox_group_key", "inbox_key"]
 
-_MAX_ID = 255
 _IDLE_RECHECK = 10.0
+#: ``(event_id, topic, kafka_partition, kafka_offset)`` of an inbox row.
+_InboxRow = sa.Row[Any, Any, Any, Any]
+#: Keys the inbox makes itself start with this; an event id that does is hashed.
+RESERVED_PREFIX = "outboxkit:"
+
+
+def inbox_key(message: Message) -> str:
+    """The inbox row's ``event_id`` for ``message``: equal only for the same event.
+
+    * the ``event_id`` header, verbatim, when it is UTF-8 without NUL, fits the
+      column (255 characters) and does not start with ``outboxkit:`` (the common
+      case, and what earlier releases stored);
+    * without an ``event_id`` (absent or empty): the record itself,
+      ``outboxkit:record:<partition>:<offset>:<topic>``, so no event id can equal it;
+    * anything else (an id too long, not UTF-8, with NUL, or starting with
+      ``outboxkit:``; a fallback too long): ``outboxkit:sha256:<hex>``, the SHA-256
+      of the raw bytes tagged with their kind. Never truncated, never decoded with
+      replacement characters, so two different ids cannot share a key.
+    """
+    raw = message.header(EVENT_ID_HEADER)
+    if raw:
+        text = _plain(raw)
+        if text is not None and not text.startswith(RESERVED_PREFIX):
+            return text
+        return _hashed(b"id\x00" + raw)
+    topic, partition, offset = message.topic, message.partition, message.offset
+    key = f"{RESERVED_PREFIX}record:{partition}:{offset}:{topic}"
+    if _plain(key.encode("utf-8", "surrogatepass")) == key:
+        return key
+    return _hashed(
+        f"record\x00{partition}:{offset}:".encode() + topic.encode("utf-8", "surrogatepass")
+    )
+
+
+def inbox_group_key(group_id: str) -> str:
+    """The inbox row's ``group_id``: the group id verbatim, or hashed like an event id."""
+    raw = group_id.encode("utf-8", "surrogatepass")
+    text = _plain(raw)
+    if text is not None and not text.startswith(RESERVED_PREFIX):
+        return text
+    return _hashed(b"group\x00" + raw)
+
+
+def _v1_fallback_of_another_record(row: _InboxRow, message: Message) -> bool:
+    """Is ``row`` release 1's key for a record without event id, other than ``message``?
+
+    Release 1 keyed such a record ``topic/partition/offset``, a string an event id
+    may equal. A row whose key spells its own coordinates that way is such a row (an
+    event id cannot know the offset its record will get).
+    """
+    if row.topic is None or row.kafka_partition is None or row.kafka_offset is None:
+        return False
+    spelled = f"{row.topic}/{row.kafka_partition}/{row.kafka_offset}"[:MAX_INBOX_ID_LENGTH]
+    same_record = (row.topic, row.kafka_partition, row.kafka_offset) == (
+        message.topic,
+        message.partition,
+        message.offset,
+    )
+    return row.event_id == spelled and not same_record
+
+
+def _plain(raw: bytes) -> str | None:
+    """``raw`` as text when it can be stored and compared as is, else None."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if len(text) > MAX_INBOX_ID_LENGTH or "\x00" in text:
+        return None
+    return text
+
+
+def _hashed(tagged: bytes) -> str:
+    return f"{RESERVED_PREFIX}sha256:{hashlib.sha256(tagged).hexdigest()}"
 
 
 class _Held(threading.local):
@@ -51,6 +131,7 @@ class Inbox:
     def __init__(self, engine: Engine, *, group_id: str, table: str) -> None:
         self.engine = engine
         self.group_id = group_id
+        self._group_key = inbox_group_key(group_id)
         self.table = inbox_table(table)
         self._insert = self.table.insert().values(processed_at=db_now())
         self._held = _Held()
@@ -83,14 +164,17 @@ class Inbox:
     def _run(
         self, conn: sa.Connection, message: Message, handler: Callable[[Message], None]
     ) -> bool:
-        identity = message.identity[:_MAX_ID]
+        key = inbox_key(message)
         tx = conn.begin()
+        if key.startswith(RESERVED_PREFIX) and self._seen_as_v1_fallback(conn, message):
+            tx.rollback()
+            return True
         try:
             conn.execute(
                 self._insert,
                 {
-                    "group_id": self.group_id,
-                    "event_id": identity,
+                    "group_id": self._group_key,
+                    "event_id": key,
                     "topic": message.topic,
                     "kafka_partition": message.partition,
                     "kafka_offset": message.offset,
@@ -98,7 +182,11 @@ class Inbox:
             )
         except sa.exc.IntegrityError:
             tx.rollback()
-            if self.seen(conn, identity):
+            row = self._seen(conn, key)
+            if row is not None and _v1_fallback_of_another_record(row, message):
+                self._rekey_v1_row(conn, row)
+                return self._run(conn, message, handler)  # the row no longer clashes
+            if row is not None:
                 return True
             # The row that clashed was rolled back meanwhile: try again later.
             raise TransientError(
@@ -112,10 +200,58 @@ class Inbox:
         tx.commit()
         return False
 
-    def seen(self, conn: sa.Connection, identity: str) -> bool:
+    def _seen(self, conn: sa.Connection, key: str) -> _InboxRow | None:
         t = self.table
         row = conn.execute(
-            sa.select(t.c.event_id).where(t.c.group_id == self.group_id, t.c.event_id == identity)
+            sa.select(t.c.event_id, t.c.topic, t.c.kafka_partition, t.c.kafka_offset).where(
+                t.c.group_id == self._group_key, t.c.event_id == key
+            )
         ).first()
         conn.rollback()
+        return row
+
+    def _rekey_v1_row(self, conn: sa.Connection, row: _InboxRow) -> None:
+        """Give a release-1 fallback row its current key, so an event id can use the old one.
+
+        If the record was also handled since the upgrade (a row under the current key
+        exists), the old row is redundant and goes.
+        """
+        t = self.table
+        record = Message(
+            topic=row.topic,
+            partition=row.kafka_partition,
+            offset=row.kafka_offset,
+            key=None,
+            value=None,
+        )
+        this = sa.and_(t.c.group_id == self._group_key, t.c.event_id == row.event_id)
+        try:
+            with conn.begin():
+                conn.execute(t.update().where(this).values(event_id=inbox_key(record)))
+        except sa.exc.IntegrityError:
+            with conn.begin():
+                conn.execute(t.delete().where(this))
+
+    def _seen_as_v1_fallback(self, conn: sa.Connection, message: Message) -> bool:
+        """Was this very record handled by a release that spelled its key differently?
+
+        Release 1 stored a record without ``event_id`` as ``topic/partition/offset``,
+        which an event id could equal. A row with that key *and* this record's own
+        topic, partition and offset can only be this record, so a redelivery across
+        the upgrade is still recognised. Only records without a plain event id pay
+        this lookup (one primary-key read).
+        """
+        if message.header(EVENT_ID_HEADER):
+            return False
+        t = self.table
+        legacy = f"{message.topic}/{message.partition}/{message.offset}"[:MAX_INBOX_ID_LENGTH]
+        row = conn.execute(
+            sa.select(t.c.event_id).where(
+                t.c.group_id == self._group_key,
+                t.c.event_id == legacy,
+                t.c.topic == message.topic,
+                t.c.kafka_partition == message.partition,
+                t.c.kafka_offset == message.offset,
+            )
+        ).first()
         return row is not None

@@ -130,8 +130,8 @@ class PollLoop:
         self.dispatcher.submit_many(items)
         for tp in touched:
             tracker = self.offsets.get(tp)
-            if tracker is not None and tracker.unfinished >= self.max_buffered:
-                self._pause(tp, "full")
+            if tracker is not None and tracker.window >= self.max_buffered:
+                self._pause(tp, "full")  # bounds memory: see offsets.py
 
     def collect(self) -> None:
         """Apply what the workers reported; store the offsets that moved."""
@@ -191,7 +191,7 @@ class PollLoop:
         stored = tracker.finished(item.message.offset)
         if stored is not None:
             to_store[tp] = stored
-        if tp in self.paused and tracker.unfinished < max(1, self.max_buffered // 2):
+        if tp in self.paused and tracker.window < max(1, self.max_buffered // 2):
             self._resume(tp, "full")
 
     def _store(self, offsets: dict[TopicPartition, int]) -> None:

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
+from outboxkit.consumer._rawheaders import header_names_decodable
 from outboxkit.consumer.errors import InvalidMessageError
 
 __all__ = ["EVENT_ID_HEADER", "Message"]
 
 #: The header the outbox relay puts on every event.
 EVENT_ID_HEADER = "event_id"
+
+# confluent-kafka decodes header names as UTF-8 and does not check the result: a
+# name that is not UTF-8 makes ``headers()`` raise SystemError, or return NULL
+# entries that crash the interpreter when used. So the names are checked first
+# (``_rawheaders``), ``headers()`` is called at most once per record, under this
+# lock, and a failure is remembered.
+_HEADERS_ONCE = threading.Lock()
 
 
 class Message:
@@ -63,6 +72,7 @@ class Message:
         m = _KafkaMessage.__new__(_KafkaMessage)
         m._record = record
         m._headers = None
+        m._header_error = None
         m._tx = None
         return m
 
@@ -95,6 +105,10 @@ class Message:
         assert self._headers is not None
         return self._headers
 
+    def _readable_headers(self) -> tuple[tuple[str, bytes], ...] | None:
+        """The headers, or None when they cannot be decoded (never raises)."""
+        return self.headers
+
     def _fields(self) -> tuple[object, ...]:
         return (
             self.topic,
@@ -102,7 +116,7 @@ class Message:
             self.offset,
             self.key,
             self.value,
-            self.headers,
+            self._readable_headers(),
             self.timestamp_ms,
         )
 
@@ -118,7 +132,7 @@ class Message:
         return (
             f"Message(topic={self.topic!r}, partition={self.partition!r}, "
             f"offset={self.offset!r}, key={self.key!r}, value={self.value!r}, "
-            f"headers={self.headers!r}, timestamp_ms={self.timestamp_ms!r})"
+            f"headers={self._readable_headers()!r}, timestamp_ms={self.timestamp_ms!r})"
         )
 
     def header(self, name: str) -> bytes | None:
@@ -138,7 +152,9 @@ class Message:
 
     @property
     def identity(self) -> str:
-        """What the inbox deduplicates on: ``event_id``, else ``topic/partition/offset``.
+        """``event_id``, else ``topic/partition/offset``: for logs and your own records.
+
+        The inbox keys on the exact bytes instead (``consumer.inbox.inbox_key``).
 
         The fallback only catches redelivery of the *same record*; a producer that
         sends the same event twice without an ``event_id`` is not deduplicated.
@@ -200,9 +216,10 @@ class _KafkaMessage(Message):
     field or two: copying every field (and decoding the headers) up front was
     the largest per-message cost of the loop."""
 
-    __slots__ = ("_record",)
+    __slots__ = ("_header_error", "_record")
 
     _record: Any
+    _header_error: str | None
 
     @property
     def topic(self) -> str:
@@ -237,15 +254,36 @@ class _KafkaMessage(Message):
 
     @property
     def headers(self) -> tuple[tuple[str, bytes], ...]:
-        headers = self._headers
+        """The headers; :class:`InvalidMessageError` (permanent) if a name is not UTF-8."""
+        headers = self._readable_headers()
         if headers is None:
-            # Two threads may both decode; they get equal tuples, either may stay.
-            raw: Sequence[tuple[str, bytes | None]] = self._record.headers() or ()
-            headers = tuple([(name, value or b"") for name, value in raw])
-            self._headers = headers
+            raise InvalidMessageError(f"{self._where()}: {self._header_error}")
         return headers
 
+    def _readable_headers(self) -> tuple[tuple[str, bytes], ...] | None:
+        if self._headers is None and self._header_error is None:
+            with _HEADERS_ONCE:
+                if self._headers is None and self._header_error is None:
+                    self._decode_headers()
+        return self._headers
+
+    def _decode_headers(self) -> None:
+        """Call the record's ``headers()`` exactly once, and only when every name is
+        UTF-8 (see ``_rawheaders``); keep the result or the failure."""
+        if header_names_decodable(self._record) is False:
+            self._header_error = "header names are not UTF-8"
+            return
+        try:
+            raw: Sequence[tuple[str, bytes | None]] = self._record.headers() or ()
+            headers = tuple([(name, value or b"") for name, value in raw])
+        except Exception as exc:  # SystemError/UnicodeDecodeError from the client
+            self._header_error = f"header names are not UTF-8 ({type(exc).__name__})"
+            return
+        self._headers = headers
+
     def with_tx(self, tx: Connection | None) -> Message:
+        self._readable_headers()  # decoded here, once, not again by the copy
         m = _KafkaMessage.__new__(_KafkaMessage)
         m._record, m._headers, m._tx = self._record, self._headers, tx
+        m._header_error = self._header_error
         return m

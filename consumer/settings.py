@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, guarded_problems, librdkafka_problem
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
+    at_most,
     non_negative,
     positive,
     setting,
@@ -22,8 +24,24 @@ from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
 __all__ = ["ConsumerSettings"]
 
 
+#: One thread per worker: far beyond this the process runs out of threads.
+MAX_CONCURRENCY = 1024
+#: librdkafka's range of auto.commit.interval.ms and statistics.interval.ms (1 day).
+MAX_KAFKA_INTERVAL_S = 86400.0
+
+
+def _kafka_interval(value: float) -> str | None:
+    return positive(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
+
+
+def _kafka_interval_or_off(value: float) -> str | None:
+    return non_negative(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
+
+
 def _optional_at_least_one(value: int | None) -> str | None:
-    return None if value is None else at_least_one(value)
+    if value is None:
+        return None
+    return at_least_one(value) or at_most(MAX_CONCURRENCY)(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,8 +91,8 @@ class ConsumerSettings(RuntimeSettings):
     )
     concurrency: int | None = setting(
         None,
-        help="worker threads; above 1, messages of one partition run in parallel "
-        "across keys, in order per key (default: the class's concurrency, else 1)",
+        help="worker threads (at most 1024); above 1, messages of one partition run in "
+        "parallel across keys, in order per key (default: the class's concurrency, else 1)",
         validate=_optional_at_least_one,
     )
     max_buffered: int = setting(
@@ -83,7 +101,9 @@ class ConsumerSettings(RuntimeSettings):
         validate=at_least_one,
     )
     commit_interval: float = setting(
-        5.0, help="seconds between periodic commits of processed offsets", validate=positive
+        5.0,
+        help="seconds between periodic commits of processed offsets (at most 1 day)",
+        validate=_kafka_interval,
     )
     revoke_timeout: float = setting(
         10.0,
@@ -98,8 +118,8 @@ class ConsumerSettings(RuntimeSettings):
     )
     stats_interval: float = setting(
         5.0,
-        help="seconds between librdkafka statistics (consumer lag metric); 0 = off",
-        validate=non_negative,
+        help="seconds between librdkafka statistics (consumer lag metric); 0 = off; at most 1 day",
+        validate=_kafka_interval_or_off,
     )
     inbox: bool = setting(
         False, help="run each handler in a DB transaction that records the event in the inbox"
@@ -112,6 +132,10 @@ class ConsumerSettings(RuntimeSettings):
 
     def validate(self) -> list[str]:
         problems = [*super().validate()]
+        problems.extend(guarded_problems(self.kafka_config, CONSUMER_GUARDED))
+        rejected = librdkafka_problem(self.kafka_config, "consumer")
+        if rejected:
+            problems.append(rejected)
         if self.worker_drain_timeout + self.close_timeout >= self.shutdown_timeout:
             problems.append(
                 "invalid --worker-drain-timeout / OUTBOXKIT_WORKER_DRAIN_TIMEOUT: "

@@ -48,6 +48,7 @@ class WorkItem:
     first_attempt_at: float | None = None
     failure: object | None = None  # set once the handler gave up: the DLQ write is pending
     dlq_attempts: int = 0
+    outages: int = 0  # failures a dependency caused in a row (not counted as attempts)
     dlq_blocked: bool = False  # owned by the poll loop
 
 

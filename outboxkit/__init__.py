@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from outboxkit.errors import (
     ConfigError,
+    DuplicateEventIdError,
     EnqueueError,
     InvalidEventIdError,
     InvalidHeadersError,
@@ -31,6 +32,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
 
 __all__ = [
     "ConfigError",
+    "DuplicateEventIdError",
     "EnqueueError",
     "Event",
     "InvalidEventIdError",

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from outboxkit import __version__
 from outboxkit.runtime.errors import ConfigError
@@ -26,8 +27,33 @@ COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``outboxkit relay: error: ... (see --help)``), exit 2.
+
+    Subcommand parsers inherit the class, so every command answers the same way.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _not_utf8(argv: Sequence[str]) -> str | None:
+    """The first argument that is not valid UTF-8 text (decoded with surrogateescape)."""
+    for n, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            before = argv[n - 2] if n >= 2 else ""
+            return f"argument {n}" + (
+                f" (the value of {before})" if before.startswith("--") else ""
+            )
+        if "\x00" in arg:
+            return f"argument {n}"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="outboxkit",
         description="Transactional outbox for MySQL/MariaDB and Kafka.",
     )
@@ -39,8 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    bad = _not_utf8(arguments)
+    if bad:
+        # The value itself is not printed: it may be a secret, and it cannot be shown.
+        print(f"outboxkit: {bad} is not valid UTF-8 text", file=sys.stderr)
+        return EXIT_CONFIG
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     try:
         code: int = args.func(args)
     except ConfigError as exc:

@@ -18,6 +18,7 @@ from outboxkit.runtime.errors import (
 __all__ = [
     "ConfigError",
     "DependencyError",
+    "DuplicateEventIdError",
     "EnqueueError",
     "InvalidEventIdError",
     "InvalidHeadersError",
@@ -60,6 +61,10 @@ class InvalidKeyError(EnqueueError):
 
 class InvalidEventIdError(EnqueueError):
     """A caller-supplied event id is malformed."""
+
+
+class DuplicateEventIdError(InvalidEventIdError):
+    """One ``enqueue_many`` call names the same event id twice; nothing was written."""
 
 
 class SchemaError(OutboxError):

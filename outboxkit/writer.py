@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from outboxkit.errors import (
+    DuplicateEventIdError,
     EnqueueError,
     InvalidEventIdError,
     InvalidHeadersError,
@@ -46,16 +47,29 @@ from outboxkit.schema.table import (
 )
 from outboxkit.wakeup import mark_enqueued
 
-__all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "Event", "enqueue", "enqueue_many", "uuid7"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "Event",
+    "enqueue",
+    "enqueue_many",
+    "kafka_record_size",
+    "uuid7",
+]
 
-#: Kafka's default ``message.max.bytes`` is about 1 MiB; larger rows would only fail later.
-DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+#: librdkafka's default ``message.max.bytes``, which the relay's producer keeps
+#: unless ``--kafka-config`` sets it: the largest record the relay can send.
+#: A row over it would only ever end ``failed``.
+DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
+#: librdkafka's worst-case framing of one v2 record (length, attributes, timestamp
+#: and offset deltas, key/value lengths, header count: RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD),
+#: counted in its ``message.max.bytes`` check along with key, value and headers.
+_RECORD_OVERHEAD = 36
 #: Serialised headers live in a TEXT column.
 MAX_HEADERS_BYTES = 60_000
 RESERVED_HEADERS = frozenset({"event_id"})
 
-_TOPIC = re.compile(r"^[a-zA-Z0-9._-]+$")
-_EVENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
+_EVENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 #: Rows per INSERT statement, and a byte budget so one statement stays well under
 #: the server's max_allowed_packet.
 _CHUNK_ROWS = 1000
@@ -85,16 +99,29 @@ def enqueue(
     headers: Mapping[str, HeaderValue] | None = None,
     event_id: str | uuid.UUID | None = None,
     table: str = DEFAULT_TABLE,
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_payload_bytes: int | None = None,
 ) -> str:
     """Write one event into the outbox in the caller's transaction; return its event id.
 
     ``payload`` is bytes (sent as is), str (UTF-8) or any JSON-serialisable object
     (compact JSON, UTF-8).  ``key`` decides the Kafka partition and the ordering
     domain; events of one key are delivered in id order.
+
+    ``max_message_bytes`` is the relay producer's ``message.max.bytes``: the Kafka
+    record as librdkafka counts it (payload, key, headers including the
+    ``event_id`` header the relay adds, and 36 bytes of framing) must fit in it.
+    Set it to the relay's value if you raise that.  ``max_payload_bytes``
+    optionally caps the payload alone, lower.
     """
     ev = Event(topic=topic, payload=payload, key=key, headers=headers, event_id=event_id)
-    return enqueue_many(target, [ev], table=table, max_payload_bytes=max_payload_bytes)[0]
+    return enqueue_many(
+        target,
+        [ev],
+        table=table,
+        max_message_bytes=max_message_bytes,
+        max_payload_bytes=max_payload_bytes,
+    )[0]
 
 
 def enqueue_many(
@@ -102,13 +129,18 @@ def enqueue_many(
     events: Iterable[Event | Mapping[str, Any]],
     *,
     table: str = DEFAULT_TABLE,
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_payload_bytes: int | None = None,
 ) -> list[str]:
-    """Write many events in the caller's transaction, in the given order (= id order)."""
+    """Write many events in the caller's transaction, in the given order (= id order).
+
+    The limits are those of :func:`enqueue`, per event.
+    """
     validate_identifier(table)
-    rows = [_row(_as_event(e), max_payload_bytes) for e in events]
+    rows = [_row(_as_event(e), max_message_bytes, max_payload_bytes) for e in events]
     if not rows:
         return []
+    _refuse_repeated_ids(rows)
     conn = target.connection() if isinstance(target, Session) else target
     shard_count = _shard_count(conn, table)
     for row in rows:
@@ -130,6 +162,19 @@ def enqueue_many(
     return [row["event_id"] for row in rows]
 
 
+def _refuse_repeated_ids(rows: list[dict[str, Any]]) -> None:
+    # The unique index would refuse the repeat, but only when its chunk is sent:
+    # earlier chunks would already sit in the caller's transaction.
+    first: dict[str, int] = {}
+    for n, row in enumerate(rows):
+        seen = first.setdefault(row["event_id"], n)
+        if seen != n:
+            raise DuplicateEventIdError(
+                f"event id {row['event_id']!r} is given more than once in one batch "
+                f"(events {seen} and {n}); nothing was written"
+            )
+
+
 def _as_event(e: Event | Mapping[str, Any]) -> Event:
     if isinstance(e, Event):
         return e
@@ -141,14 +186,61 @@ def _as_event(e: Event | Mapping[str, Any]) -> Event:
     raise TypeError(f"events must be Event or mappings, not {type(e).__name__}")
 
 
-def _row(ev: Event, max_payload_bytes: int) -> dict[str, Any]:
-    return {
+def _row(ev: Event, max_message_bytes: int, max_payload_bytes: int | None) -> dict[str, Any]:
+    row = {
         "topic": validate_topic(ev.topic),
         "payload": serialise_payload(ev.payload, max_payload_bytes),
         "message_key": _key_bytes(ev.key),
         "headers": _headers_text(ev.headers),
         "event_id": _event_id(ev.event_id),
     }
+    _check_record_size(row, ev.headers or {}, max_message_bytes)
+    return row
+
+
+def _check_record_size(
+    row: dict[str, Any], headers: Mapping[str, HeaderValue], max_message_bytes: int
+) -> None:
+    pairs = [
+        (name, value.encode() if isinstance(value, str) else bytes(value))
+        for name, value in headers.items()
+    ]
+    pairs.append(("event_id", row["event_id"].encode("ascii")))
+    size = kafka_record_size(row["payload"], row["message_key"], pairs)
+    if size > max_message_bytes:
+        key_len = len(row["message_key"] or b"")
+        payload_len = len(row["payload"])
+        raise PayloadTooLargeError(
+            f"the Kafka record would be {size} bytes (payload {payload_len}, key {key_len}, "
+            f"headers incl. event_id {size - _RECORD_OVERHEAD - key_len - payload_len}, "
+            f"framing {_RECORD_OVERHEAD}); the relay's producer sends at most "
+            f"{max_message_bytes} (its message.max.bytes, max_message_bytes here)"
+        )
+
+
+def _varint_size(n: int) -> int:
+    """Bytes of a non-negative length as Kafka's zigzag varint."""
+    zigzag, size = n << 1, 1
+    while zigzag >= 0x80:
+        zigzag >>= 7
+        size += 1
+    return size
+
+
+def kafka_record_size(
+    payload: bytes, key: bytes | None, headers: Iterable[tuple[str, bytes]]
+) -> int:
+    """The size librdkafka checks against ``message.max.bytes`` when producing.
+
+    Framing (36 bytes, its worst case) plus key, value, and per header the name
+    and value with their varint lengths.  ``headers`` are those sent, so include
+    the ``event_id`` header the relay adds.
+    """
+    size = _RECORD_OVERHEAD + len(payload) + len(key or b"")
+    for name, value in headers:
+        raw = name.encode("utf-8")
+        size += _varint_size(len(raw)) + len(raw) + _varint_size(len(value)) + len(value)
+    return size
 
 
 def validate_topic(topic: object) -> str:
@@ -159,14 +251,14 @@ def validate_topic(topic: object) -> str:
         raise InvalidTopicError(
             f"topic is {len(topic)} chars long; Kafka allows {MAX_TOPIC_LENGTH}"
         )
-    if topic in (".", "..") or not _TOPIC.match(topic):
+    if topic in (".", "..") or not _TOPIC.fullmatch(topic):
         raise InvalidTopicError(
             f"illegal topic name {topic!r}: use [a-zA-Z0-9._-], and not '.' or '..'"
         )
     return topic
 
 
-def serialise_payload(payload: Payload, max_bytes: int) -> bytes:
+def serialise_payload(payload: Payload, max_bytes: int | None = None) -> bytes:
     if isinstance(payload, bytes | bytearray | memoryview):
         data = bytes(payload)
     elif isinstance(payload, str):
@@ -184,8 +276,10 @@ def serialise_payload(payload: Payload, max_bytes: int) -> bytes:
             raise UnserializablePayloadError(
                 f"payload of type {type(payload).__name__} is not JSON-serialisable: {exc}"
             ) from None
-    if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"payload is {len(data)} bytes; the limit is {max_bytes}")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise PayloadTooLargeError(
+            f"payload is {len(data)} bytes; max_payload_bytes is {max_bytes}"
+        )
     return data
 
 
@@ -214,6 +308,9 @@ def _headers_text(headers: Mapping[str, HeaderValue] | None) -> str | None:
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
             raise InvalidHeadersError(f"header names must be non-empty str, got {name!r}")
+        if "\x00" in name:
+            # librdkafka takes header names as C strings: the name would arrive cut short.
+            raise InvalidHeadersError(f"header name {name!r} contains a NUL character")
         if name in RESERVED_HEADERS:
             raise InvalidHeadersError(f"header {name!r} is set by outboxkit itself")
         if not isinstance(value, str | bytes | bytearray | memoryview):
@@ -225,7 +322,9 @@ def _headers_text(headers: Mapping[str, HeaderValue] | None) -> str | None:
             if isinstance(value, str):
                 value.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidHeadersError(f"header {name!r} is not valid UTF-8") from None
+            raise InvalidHeadersError(
+                f"header {name!r} is not valid UTF-8 (a lone surrogate cannot be sent)"
+            ) from None
     text = encode_headers({k: v if isinstance(v, str) else bytes(v) for k, v in headers.items()})
     if text is not None and len(text.encode("utf-8")) > MAX_HEADERS_BYTES:
         raise InvalidHeadersError(f"headers exceed {MAX_HEADERS_BYTES} bytes once serialised")
@@ -240,7 +339,7 @@ def _event_id(event_id: str | uuid.UUID | None) -> str:
     if (
         not isinstance(event_id, str)
         or len(event_id) > MAX_EVENT_ID_LENGTH
-        or not _EVENT_ID.match(event_id)
+        or not _EVENT_ID.fullmatch(event_id)
     ):
         raise InvalidEventIdError(
             f"malformed event id {event_id!r}: 1-{MAX_EVENT_ID_LENGTH} chars of "

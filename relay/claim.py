@@ -1,15 +1,26 @@
 """Claim a batch: due rows in id order, leased to this relay under a fresh token.
 
 Eligible rows are ``pending``/``retryable`` rows whose ``next_attempt_at`` has
-passed, and ``delivering`` rows whose lease expired (a *reclaim*: the previous
-owner died or stalled). Per-key order: a candidate is held back while an earlier
-row of the same key is ``retryable`` and not yet due, ``delivering`` under a
-live lease, or waiting on a paused topic. An earlier row that is itself eligible
-does not hold it back: it has a smaller id, so it is in the same batch and
-produced first; if it cannot be locked (another claimer holds it), or if it goes
-to another topic (Kafka orders nothing across topics), the later rows of its key
-are dropped from the batch. So a key never overtakes itself, and a reclaimed
-batch comes back whole instead of one row per key per claim.
+passed, and ``delivering`` rows whose lease expired or was never set (a
+*reclaim*: the previous owner died or stalled, or another writer stored it so).
+
+Per-key order: a candidate is held back while an earlier row of the same key
+is ``retryable`` and not yet due, ``delivering`` under a live lease, or in a
+paused topic in any state but ``delivered``/``failed`` (also ``delivering``
+under an expired lease: a paused topic's rows are not reclaimed until its next
+probe, so they must hold their key meanwhile). An earlier row that is itself
+eligible does not hold it back: it has a smaller id, so it is in the same batch
+and produced first; if it cannot be locked (another claimer holds it), or if it
+goes to another topic (Kafka orders nothing across topics), the later rows of
+its key are dropped from the batch. So a key never overtakes itself, and a
+reclaimed batch comes back whole instead of one row per key per claim.
+
+Shards: a row belongs to the shard stored in its ``shard`` column. A row whose
+stored shard is outside ``0..shard_count-1`` (written by another writer) belongs
+to the shard ``enqueue`` would have given it, ``CRC32(key, or event id) mod
+shard_count``, computed by the database: the shard of its key's other rows, so
+the same relay claims them all, in id order. Such rows are logged
+(``shard-out-of-range``) when claimed.
 
 Cost: one index-ordered sub-select per status over ``(status, id)``, each
 ``ORDER BY id LIMIT batch_size``, merged and cut to ``batch_size``. None of
@@ -31,6 +42,7 @@ import functools
 import logging
 import secrets
 import time
+import zlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +61,8 @@ log = logging.getLogger("outboxkit.relay.claim")
 
 #: At most this many row ids in one recovery log line / record.
 _MAX_IDS_LOGGED = 200
+#: The ``attempts`` column is a signed 32-bit INT.
+_MAX_ATTEMPTS_STORED = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +79,9 @@ class ClaimedRow:
     created_at: dt.datetime
     #: Owner of the expired lease this claim took over, or None.
     reclaimed_from: str | None
+    #: The stored shard when it was outside the table's range (``shard`` then
+    #: holds the shard the row was claimed under), else None.
+    misplaced_shard: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,27 +114,67 @@ def candidates(
     shards: Collection[int],
     limit: int,
     excluded_topics: Collection[str] = (),
+    shard_count: int | None = None,
 ) -> list[tuple[int, bytes | None]]:
     """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks."""
     query = _cached_candidates_query(
-        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics))
+        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics)), shard_count
     )
     return [(r.id, r.message_key) for r in conn.execute(query)]
 
 
 @functools.lru_cache(maxsize=32)
 def _cached_candidates_query(
-    table: str, shards: tuple[int, ...], limit: int, excluded_topics: tuple[str, ...]
+    table: str,
+    shards: tuple[int, ...],
+    limit: int,
+    excluded_topics: tuple[str, ...],
+    shard_count: int | None,
 ) -> sa.Select[tuple[int, bytes | None]]:
     # Built once per shard set and paused-topic set (they rarely change): building
     # it took 18% of the loop at 1,000 events/s, and the same object keeps its
     # SQLAlchemy cache key, so it is not compiled again either.
-    return candidates_query(table, shards, limit, excluded_topics)
+    return candidates_query(table, shards, limit, excluded_topics, shard_count=shard_count)
+
+
+def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    """A ``delivering`` row's lease is over: expired, or never set (another writer
+    stored ``delivering`` without a lease; nothing protects it, and left alone it
+    would neither be claimed nor hold its key back)."""
+    return sa.or_(t.c.lease_expires_at <= now, t.c.lease_expires_at.is_(None))
+
+
+def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int]:
+    """The shard ``enqueue`` gives a row, computed by the database:
+    ``CRC32(message_key, or event_id when keyless) MOD shard_count`` (MySQL's CRC32
+    is zlib's CRC-32, as in :func:`outboxkit.schema.codec.shard_for`)."""
+    data = sa.func.coalesce(t.c.message_key, t.c.event_id)
+    return sa.func.mod(sa.func.crc32(data), shard_count)
+
+
+def _owned(t: sa.Table, shards: Collection[int], shard_count: int | None) -> sa.ColumnElement[bool]:
+    """Rows this claim may take: stored shard owned, or stored shard out of range
+    and home shard owned."""
+    owned = sorted(shards)
+    stored = t.c.shard.in_(owned)
+    if shard_count is None:
+        return stored
+    out_of_range = sa.or_(t.c.shard < 0, t.c.shard >= shard_count)
+    if set(owned) >= set(range(shard_count)):
+        return sa.or_(stored, out_of_range)
+    return sa.or_(stored, sa.and_(out_of_range, home_shard(t, shard_count).in_(owned)))
 
 
 def candidates_query(
-    table: str, shards: Collection[int], limit: int, excluded_topics: Collection[str] = ()
+    table: str,
+    shards: Collection[int],
+    limit: int,
+    excluded_topics: Collection[str] = (),
+    *,
+    shard_count: int | None = None,
 ) -> sa.Select[tuple[int, bytes | None]]:
+    """The candidates of a claim. ``shard_count``: the table's shard count; without
+    it, rows whose stored shard is out of range are never candidates."""
     t = outbox_table(table)
     earlier = t.alias("earlier")
     now = db_now()
@@ -125,16 +182,19 @@ def candidates_query(
         sa.and_(earlier.c.status == Status.RETRYABLE.value, earlier.c.next_attempt_at > now),
         sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
     ]
-    common: list[sa.ColumnElement[bool]] = [t.c.shard.in_(sorted(shards))]
+    common: list[sa.ColumnElement[bool]] = [_owned(t, shards, shard_count)]
     if excluded_topics:
-        # A row of a paused topic is not claimed, so it cannot ride ahead of its key's
-        # later rows in the batch: while it waits, so do they (also on other topics).
+        # A row of a paused topic is not claimed (nor reclaimed once its lease
+        # expired), so it cannot ride ahead of its key's later rows in the batch:
+        # while it waits, so do they (also on other topics).
         topics = sorted(excluded_topics)
         common.append(t.c.topic.not_in(topics))
         blocking.append(
             sa.and_(
                 earlier.c.topic.in_(topics),
-                earlier.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+                earlier.c.status.in_(
+                    [Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value]
+                ),
             )
         )
     key_blocked = sa.exists().where(
@@ -157,7 +217,7 @@ def candidates_query(
     merged = sa.union_all(
         by_status(Status.PENDING, t.c.next_attempt_at <= now),
         by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
-        by_status(Status.DELIVERING, t.c.lease_expires_at <= now),
+        by_status(Status.DELIVERING, _lease_over(t, now)),
     ).subquery("candidates")
     return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
 
@@ -171,18 +231,28 @@ def claim_batch(
     limit: int,
     lease_ttl: float,
     excluded_topics: Collection[str] = (),
+    shard_count: int | None = None,
 ) -> Batch | None:
     """Lease up to ``limit`` due rows to ``owner``; None when nothing was due.
 
     Reclaimed rows are logged (``lease-reclaimed``) and recorded in the recovery
     log in the same transaction. ``attempts`` goes up by one for every row.
+    With ``shard_count``, rows whose stored shard is out of range are claimed
+    under their home shard (see the module docstring) and logged.
     """
     if not shards or limit < 1:
         return None
     token = secrets.token_hex(16)
     lock, lease = _claim_statements(table)
     with engine.begin() as conn:
-        found = candidates(conn, table, shards=shards, limit=limit, excluded_topics=excluded_topics)
+        found = candidates(
+            conn,
+            table,
+            shards=shards,
+            limit=limit,
+            excluded_topics=excluded_topics,
+            shard_count=shard_count,
+        )
         if not found:
             return None
         locked_rows = conn.execute(lock, {"ids": [i for i, _ in found]}).all()
@@ -209,14 +279,32 @@ def claim_batch(
                 key=r.message_key,
                 payload=r.payload,
                 headers=r.headers,
-                shard=r.shard,
+                shard=_effective_shard(r, shard_count),
                 attempts=r.attempts + 1,
                 created_at=r.created_at,
-                reclaimed_from=r.lease_owner if r.status == Status.DELIVERING.value else None,
+                reclaimed_from=(r.lease_owner or "(no owner)")
+                if r.status == Status.DELIVERING.value
+                else None,
+                misplaced_shard=None if r.shard == _effective_shard(r, shard_count) else r.shard,
             )
             for r in locked
         )
         reclaims = _record_reclaims(conn, table, owner, rows)
+    misplaced = [r for r in rows if r.misplaced_shard is not None]
+    if misplaced:
+        log_event(
+            log,
+            "shard-out-of-range",
+            level=logging.WARNING,
+            table=table,
+            shard_count=shard_count,
+            rows=len(misplaced),
+            row_ids=[r.id for r in misplaced][:_MAX_IDS_LOGGED],
+            stored_shards=[r.misplaced_shard for r in misplaced][:_MAX_IDS_LOGGED],
+            claimed_as=[r.shard for r in misplaced][:_MAX_IDS_LOGGED],
+            action="claimed under CRC-32 of the key (or event id) mod shard_count; "
+            "fix the writer that stored these shards",
+        )
     for previous, reclaimed in reclaims.items():  # logged once committed
         log_event(
             log,
@@ -252,7 +340,7 @@ def _claim_statements(table: str) -> tuple[sa.Select[Any], sa.Update]:
             t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
             t.c.next_attempt_at <= now,
         ),
-        sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at <= now),
+        sa.and_(t.c.status == Status.DELIVERING.value, _lease_over(t, now)),
     )
     lock = (
         sa.select(
@@ -282,11 +370,24 @@ def _claim_statements(table: str) -> tuple[sa.Select[Any], sa.Update]:
             lease_token=sa.bindparam("token"),
             # Server-side, from the same clock every relay compares against.
             lease_expires_at=db_now_plus(sa.bindparam("ttl_us", type_=sa.BigInteger())),
-            attempts=t.c.attempts + 1,
+            # A foreign writer may have stored the column's maximum: "+ 1" must not
+            # overflow (that fails the whole claim, every claim); such a row is
+            # failed as exhausted without being sent.
+            attempts=sa.func.least(t.c.attempts, _MAX_ATTEMPTS_STORED - 1) + 1,
             updated_at=now,
         )
     )
     return lock, lease
+
+
+def _effective_shard(row: Any, shard_count: int | None) -> int:
+    """The stored shard, or for one out of range the home shard (as ``home_shard``)."""
+    shard = int(row.shard)
+    if shard_count is None or 0 <= shard < shard_count:
+        return shard
+    key = row.message_key
+    data = bytes(key) if key is not None else str(row.event_id).encode("utf-8")
+    return zlib.crc32(data) % shard_count
 
 
 def _keep_key_order(found: list[tuple[int, bytes | None]], locked: Sequence[Any]) -> list[Any]:

@@ -2,8 +2,10 @@
 
 Drain order (see ``Relay._stop``): the loop stops claiming, the batch in flight
 gets ``flush_timeout`` for its delivery reports, known outcomes are finalized
-and the rest **released** here; only then are shard leases released (the next
-owner must find settled rows), the producer closed, and the DB pool disposed.
+and the rest **released** here; then the producer is closed (copies of
+released rows purged), only then are shard leases released (the next owner
+must find settled rows and no copy of them left in our producer), and the DB
+pool goes last.
 A released row is ``retryable``, due now, with its lease cleared and, on a
 drain, the claim's attempt refunded: a redeploy must not use up retry budget.
 After a crash inside a batch the attempt is kept, so a row that crashes the
@@ -59,6 +61,9 @@ class ExitRecord:
     lease_lost: int = 0
     shutdown_deadline_ms: int = 0
     duration_ms: int = 0
+    #: What the shutdown gave up on: workers still running when the budget ran out
+    #: (their threads are abandoned), or on a forced exit the resources cut.
+    abandoned: list[str] = dataclasses.field(default_factory=list)
     result: str = "clean"
     exit_code: int = 0
     metrics_pushed: bool | None = None

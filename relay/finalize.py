@@ -203,7 +203,9 @@ def finalize(
                 mine = [d for d in decisions if d.row.id in held]
                 groups = _groups(mine)
                 _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver)
-                _record_acked_ahead(conn, table, batch, mine)
+                # All of them, held or not: what this relay put in the partition does
+                # not depend on whether its lease survived.
+                _record_acked_ahead(conn, table, batch, decisions)
     for (fate, _, _), group in groups.items():
         result.counts[fate] += len(group)
     result.lease_lost = [i for i in ids if i not in held]
@@ -388,7 +390,10 @@ def _per_row_update(table: str, fate: Fate, has_error: bool, refund: bool) -> sa
 
 
 def _bounded(text: str) -> str:
-    clean = redact(text)
+    """``last_error`` as the column can hold it: redacted, bounded, and encodable
+    (an error about a foreign row may quote a lone surrogate, which no UTF-8
+    column accepts; it is written as ``\\udxxx`` instead of failing the batch)."""
+    clean = redact(text).encode("utf-8", "backslashreplace").decode("utf-8")
     return clean if len(clean) <= MAX_LAST_ERROR else clean[: MAX_LAST_ERROR - 3] + "..."
 
 

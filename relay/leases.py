@@ -19,9 +19,12 @@ implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
   same deterministic split of shards over the live members
   (:func:`assign_shards`: rendezvous hashing with quotas, every member gets
   ``floor`` or ``ceil`` of ``shards / members``), so nobody coordinates.
-* **Handover**: a shard that is no longer this relay's target stops being
-  claimable at once; it is released (CAS) only after the loop has asked for
-  claimable shards again (so a claim that started before is over) and
+* **Handover**: the loop claims inside ``with leases.claiming() as shards:``;
+  the block holds the shards it was given until it ends, and the claim
+  registers its rows in ``inflight_shards()`` before it does. A shard that is
+  no longer this relay's target stops being given to new blocks at once (the
+  decision and the mark are made under one lock, with the clock read inside
+  it); it is released (CAS) only once no open block holds it and
   ``inflight_shards()`` no longer contains it. A shard whose renewal failed is
   forgotten under the same condition.
 * **Dead relay**: its heartbeat expires just after its leases (both carry the
@@ -39,6 +42,7 @@ loudly that per-key order is no longer guaranteed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import logging
@@ -46,7 +50,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import redis
@@ -258,6 +262,12 @@ class ShardLeaseMetrics:
             "Shards released to another relay after their in-flight rows were finished",
             registry=registry,
         )
+        self.fenced: Gauge | None = Gauge(
+            "outbox_shard_grants_fenced",
+            "1 while no shard lease is taken because Redis has been up for less than "
+            "the lease TTL (a restart may have forgotten leases others still believe in)",
+            registry=registry,
+        )
         self.rebalances = Counter(
             "outbox_rebalances",
             "Changes of the live relay set that changed this relay's target shards",
@@ -281,9 +291,8 @@ class _Lost:
 class RedisShardLeases:
     """Shard ownership through Redis leases; see the module docstring.
 
-    Assumption about the caller (the relay loop): a claim that follows a
-    :meth:`claimable` call has registered its rows in ``inflight_shards()``
-    before :meth:`claimable` is called again.
+    The caller claims inside :meth:`claiming` and registers the claimed rows in
+    ``inflight_shards()`` before the block ends; that is the whole handshake.
     """
 
     def __init__(
@@ -333,11 +342,15 @@ class RedisShardLeases:
         self._lock = threading.Lock()
         self._held: dict[int, _Held] = {}
         self._lost: dict[int, _Lost] = {}
-        self._last_claimable_call = -math.inf
+        #: Shards held by open claiming() blocks (one count per block).
+        self._claiming: dict[int, int] = {}
         self._members: tuple[str, ...] = ()
         self._targets: frozenset[int] = frozenset()
         self._assignment_cache: tuple[tuple[str, ...], dict[str, frozenset[int]]] | None = None
         self._redis_ok: bool | None = None
+        self._run_id: str | None = None
+        self._fence_logged: str | None = None
+        self._fence_lifted: str | None = None
         self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
         self._stop = threading.Event()
         self._kick = threading.Event()
@@ -373,14 +386,34 @@ class RedisShardLeases:
         self._thread.start()
 
     def claimable(self) -> frozenset[int]:
-        now = time.monotonic()
+        """Shards a claim could use now (introspection; claims use :meth:`claiming`)."""
         with self._lock:
-            self._last_claimable_call = now
-            if self._leaving:
-                return frozenset()
-            return frozenset(
-                s for s, h in self._held.items() if h.surplus_since is None and now < h.valid_until
-            )
+            return self._claimable_locked(time.monotonic())
+
+    def _claimable_locked(self, now: float) -> frozenset[int]:
+        if self._leaving:
+            return frozenset()
+        return frozenset(
+            s for s, h in self._held.items() if h.surplus_since is None and now < h.valid_until
+        )
+
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[frozenset[int]]:
+        """Claim from the yielded shards inside this block; register the claimed
+        rows in ``inflight_shards()`` before it ends. None of these shards is
+        released or forgotten while the block is open."""
+        with self._lock:
+            shards = self._claimable_locked(time.monotonic())
+            for s in shards:
+                self._claiming[s] = self._claiming.get(s, 0) + 1
+        try:
+            yield shards
+        finally:
+            with self._lock:
+                for s in shards:
+                    n = self._claiming.pop(s) - 1
+                    if n:
+                        self._claiming[s] = n
 
     def release_all(self) -> None:
         """Leave: stop claiming, release every lease by CAS and drop out of the
@@ -572,29 +605,35 @@ class RedisShardLeases:
             reason=reason, redis_ms=redis_ms,
         )  # fmt: skip
 
-    def _quiet(self, since: float) -> bool:
-        """Has the loop asked for claimable shards since ``since``, i.e. is any
-        claim that could still include a shard given up at ``since`` over?"""
-        with self._lock:
-            return self._last_claimable_call > since
-
     def _hand_over(self) -> None:
-        now = time.monotonic()
         with self._lock:
+            # The clock is read under the lock: a claiming() block either started
+            # before the mark (and holds the shard until it ends) or sees it.
+            now = time.monotonic()
             for shard, h in self._held.items():
                 if shard not in self._targets and h.surplus_since is None:
                     h.surplus_since = now
                 elif shard in self._targets and h.surplus_since is not None:
                     h.surplus_since = None  # the split changed back before we let go
-            surplus = {s: h for s, h in self._held.items() if h.surplus_since is not None}
+            surplus = {
+                s
+                for s, h in self._held.items()
+                if h.surplus_since is not None and s not in self._claiming
+            }
         if not surplus:
             return
+        # A block that ended registered its rows here first; a block that opens
+        # from now on cannot be given these shards.
         inflight = self._inflight()
-        ready = {
-            s: h.value
-            for s, h in surplus.items()
-            if h.surplus_since is not None and self._quiet(h.surplus_since) and s not in inflight
-        }
+        with self._lock:
+            ready = {
+                s: h.value
+                for s, h in self._held.items()
+                if s in surplus
+                and h.surplus_since is not None
+                and s not in self._claiming
+                and s not in inflight
+            }
         if not ready:
             return
         results, redis_ms = self._call_cas(self._release, ready)
@@ -622,8 +661,8 @@ class RedisShardLeases:
             return
         inflight = self._inflight()
         with self._lock:
-            for shard, entry in lost.items():
-                if shard not in inflight and self._last_claimable_call > entry.since:
+            for shard in lost:
+                if shard not in inflight and shard not in self._claiming:
                     self._lost.pop(shard, None)
 
     def _acquire_targets(self) -> None:
@@ -631,7 +670,7 @@ class RedisShardLeases:
             if self._leaving:
                 return
             wanted = sorted(self._targets - self._held.keys() - self._lost.keys())
-        if not wanted:
+        if not wanted or self._fenced():
             return
         values = {s: f"{self.node_id}:{secrets.token_hex(8)}" for s in wanted}
         sent = time.monotonic()
@@ -648,6 +687,42 @@ class RedisShardLeases:
                 log_event(
                     self.log, "shard-acquired", table=self.table, shard=shard, redis_ms=redis_ms
                 )
+
+    def _fenced(self) -> bool:
+        """No shard is taken while Redis has been up for less than the lease TTL.
+
+        A Redis restarted without persistence has forgotten every lease, but the
+        previous owners still believe in theirs until their local deadline, which
+        falls within one TTL of their last renewal, so within one TTL of the
+        restart. Waiting out the TTL of the new server's uptime keeps one owner
+        per shard. (A fresh Redis is fenced the same way: nothing tells a first
+        start from a restart.)
+        """
+        info = self._redis.info("server")
+        run_id = str(info.get("run_id", ""))
+        uptime = float(info.get("uptime_in_seconds", 0))
+        fenced = uptime < math.ceil(self.settings.ttl)
+        if fenced and self._fence_logged != run_id:
+            self._fence_logged = run_id
+            log_event(
+                self.log,
+                "shard-grants-fenced",
+                level=logging.WARNING,
+                table=self.table,
+                redis_run_id=run_id,
+                previous_run_id=self._run_id,
+                redis_uptime_s=uptime,
+                wait_s=math.ceil(self.settings.ttl) - uptime,
+                reason="Redis has been up for less than the shard lease TTL: leases it "
+                "forgot in a restart may still be believed in by their previous owners",
+            )
+        elif not fenced and self._fence_logged == run_id and self._fence_lifted != run_id:
+            self._fence_lifted = run_id
+            log_event(self.log, "shard-grants-unfenced", table=self.table, redis_run_id=run_id)
+        if self.metrics.fenced is not None:
+            self.metrics.fenced.set(1 if fenced else 0)
+        self._run_id = run_id
+        return fenced
 
     def _call_cas(self, script: Script, values: dict[int, str]) -> tuple[dict[int, int], int]:
         """Run a per-shard script; returns each shard's result and Redis's clock (ms)."""

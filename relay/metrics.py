@@ -15,7 +15,13 @@ from sqlalchemy.engine import Connection
 
 from outboxkit.schema.table import Status, db_now, outbox_table
 
-__all__ = ["BACKLOG_STATUSES", "RelayMetrics", "sample_backlog", "sample_ordering_blocked"]
+__all__ = [
+    "BACKLOG_STATUSES",
+    "RelayMetrics",
+    "sample_backlog",
+    "sample_ordering_blocked",
+    "topics_with_rows",
+]
 
 #: ``delivered`` is history, not backlog; counting it would grow without bound.
 BACKLOG_STATUSES = (Status.PENDING, Status.RETRYABLE, Status.DELIVERING, Status.FAILED)
@@ -47,6 +53,11 @@ class RelayMetrics:
             "Rows Kafka acknowledged although an earlier row of the same key failed to send "
             "in the same batch (a message timeout): that event is in the partition ahead of "
             "the earlier one",
+        )
+        self.shard_out_of_range = counter(
+            "outbox_rows_shard_out_of_range",
+            "Rows claimed whose stored shard was outside the table's shard range (written by "
+            "another writer); claimed under the shard of their key's hash",
         )
         self.lease_lost = counter(
             "outbox_lease_lost", "Finalize/release skipped: the row's lease was no longer ours"
@@ -82,6 +93,17 @@ class RelayMetrics:
         self.ordering_blocked = Gauge(
             "outbox_ordering_blocked_rows",
             "Waiting rows held back for an earlier, undelivered row of the same key (sampled)",
+            registry=registry,
+        )
+        self.producer_fatal = Counter(
+            "outbox_kafka_producer_fatal",
+            "Fatal errors of the Kafka producer (it can send nothing more; a new one is built)",
+            ["reason"],
+            registry=registry,
+        )
+        self.producer_rebuilds = Counter(
+            "outbox_kafka_producer_rebuilds",
+            "Kafka producers built to replace one that hit a fatal error",
             registry=registry,
         )
         self.shards_owned = Gauge(
@@ -130,7 +152,7 @@ def sample_ordering_blocked(
     """Waiting rows whose key has an earlier row that holds it back.
 
     Starts from the blocking rows (retryable and not yet due, delivering under a
-    live lease, waiting on a paused topic) — few in a healthy system — and counts
+    live lease, not yet delivered in a paused topic) — few in a healthy system — and counts
     the later ``pending``/``retryable`` rows of their keys through the
     ``(message_key, status, id)`` index, so the cost follows the blockers, not the
     backlog.
@@ -145,7 +167,9 @@ def sample_ordering_blocked(
         blocking.append(
             sa.and_(
                 t.c.topic.in_(sorted(paused_topics)),
-                t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+                t.c.status.in_(
+                    [Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value]
+                ),
             )
         )
     first = (
@@ -164,3 +188,21 @@ def sample_ordering_blocked(
         )
     )
     return int(conn.execute(query).scalar_one())
+
+
+def topics_with_rows(conn: Connection, table: str, topics: Collection[str]) -> frozenset[str]:
+    """Which of ``topics`` still have a row waiting or in flight.
+
+    Only asked for paused topics (few, and rarely): a paused topic none of whose
+    rows is left is resumed, or its pause would never end.
+    """
+    if not topics:
+        return frozenset()
+    t = outbox_table(table)
+    waiting = [Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value]
+    query = (
+        sa.select(t.c.topic)
+        .where(t.c.status.in_(waiting), t.c.topic.in_(sorted(topics)))
+        .distinct()
+    )
+    return frozenset(str(topic) for topic in conn.execute(query).scalars())

@@ -6,7 +6,9 @@ five-minute fix into a pile of ``failed`` rows. Instead the topic is paused:
 its rows go back to ``retryable`` with the attempt refunded, the claim skips
 the topic, and every ``paused_topic_retry`` seconds one claim lets its rows
 through again as a probe. A delivered row resumes the topic; another
-configuration fault pauses it for one more period.
+configuration fault pauses it for one more period (under its new reason, if
+that changed). A paused topic with no row left waiting (an operator deleted or
+moved them) is resumed by the relay's periodic backlog sample.
 
 The relay stays *ready* while topics are paused (other topics still flow, and a
 sidecar relay must not take its service's pod out of rotation); the paused
@@ -32,7 +34,6 @@ log = logging.getLogger("outboxkit.relay.pauses")
 _ADVICE = {
     "unknown-topic": "the topic does not exist and the broker does not auto-create topics: "
     "create it (or fix the topic name the service writes)",
-    "invalid-topic": "the broker rejects the topic name: fix the topic name the service writes",
     "authorization": "the relay's principal may not write to this topic: grant it WRITE "
     "(and IDEMPOTENT_WRITE on the cluster for older brokers)",
     "authentication": "the relay cannot authenticate to Kafka: check the SASL/SSL settings in "
@@ -56,7 +57,11 @@ class PausedTopics:
         self._lock = threading.Lock()
 
     def pause(self, topic: str, reason: str, error: str, rows: int) -> None:
-        """Pause ``topic`` (or keep it paused) until the next probe."""
+        """Pause ``topic`` (or keep it paused) until the next probe.
+
+        A pause under a new reason moves the gauge to the new label (the old one
+        is removed) and is logged again: it is a new fault to act on.
+        """
         now = time.monotonic()
         with self._lock:
             current = self._paused.get(topic)
@@ -66,9 +71,11 @@ class PausedTopics:
                 since=current.since if current else now,
                 probe_at=now + self.retry_interval,
             )
-        if current is not None:
-            return  # still paused: one line when it starts, one when it ends
-        self._gauge.labels(topic=topic, reason=reason).set(1)
+            if current is not None and current.reason == reason:
+                return  # still paused: one line when it starts, one when it ends
+            if current is not None:
+                self._clear_gauge(topic, current.reason)
+            self._set_gauge(topic, reason)
         log_event(
             log,
             "topic-paused",
@@ -79,21 +86,41 @@ class PausedTopics:
             action=_ADVICE.get(reason, "check the relay's Kafka configuration"),
             rows_returned=rows,
             probe_every_s=self.retry_interval,
+            **({"previous_reason": current.reason} if current is not None else {}),
         )
 
-    def resume(self, topic: str) -> None:
+    def resume(self, topic: str, *, cause: str = "delivered") -> None:
+        """Lift the pause: ``cause`` is ``delivered`` (a probe got through) or
+        ``no-rows-left`` (nothing of the topic is waiting any more)."""
         with self._lock:
             pause = self._paused.pop(topic, None)
-        if pause is None:
-            return
-        self._gauge.remove(topic, pause.reason)
+            if pause is None:
+                return
+            self._clear_gauge(topic, pause.reason)
         log_event(
             log,
             "topic-resumed",
             topic=topic,
             reason=pause.reason,
+            cause=cause,
             paused_for_s=round(time.monotonic() - pause.since, 3),
         )
+
+    # The gauge follows the state under the lock; a failing metrics call is
+    # logged and never breaks the loop (it runs after a finalize committed).
+    def _set_gauge(self, topic: str, reason: str) -> None:
+        try:
+            self._gauge.labels(topic=topic, reason=reason).set(1)
+        except Exception as exc:
+            log_event(log, "metrics-update-failed", level=logging.WARNING, error=str(exc))
+
+    def _clear_gauge(self, topic: str, reason: str) -> None:
+        try:
+            self._gauge.remove(topic, reason)
+        except KeyError:
+            pass  # never set (older prometheus-client raises where newer ones ignore)
+        except Exception as exc:
+            log_event(log, "metrics-update-failed", level=logging.WARNING, error=str(exc))
 
     def excluded(self) -> frozenset[str]:
         """Topics the next claim must skip (paused, probe not yet due)."""

@@ -9,12 +9,23 @@ Errors are classified by what should happen to the row (:class:`ErrorKind`):
 
 * ``RETRIABLE``: timeouts, transport, leader/broker unavailable, anything
   librdkafka flags ``retriable()``; the row is retried later with backoff;
-* ``ROW_FAULT``: the row itself cannot be sent (too large, invalid record,
-  undecodable stored headers); the row is failed;
+* ``ROW_FAULT``: the row itself cannot be sent (too large, invalid record, a
+  topic name Kafka never accepts, stored headers or an event id that cannot
+  travel intact, anything ``produce`` raises for it); the row is failed;
 * ``CONFIG_FAULT``: the relay's configuration is wrong, not the row
   (authentication, authorization, unknown topic with auto-create off); the
   topic is paused and no attempt is used;
 * ``UNKNOWN``: anything else; retried with backoff, so ``max_attempts`` bounds it.
+
+A **fatal** error (librdkafka gives up on the producer instance: an idempotent
+producer refused ``InitProducerId`` for lack of ``IDEMPOTENT_WRITE``/``WRITE``,
+a fenced producer, a broken sequence) is not any row's fault. The publisher
+records it (:attr:`Publisher.fatal`), stops waiting for the batch, and turns the
+batch's unsent rows into config-fault reports (authorization, authentication:
+the topics are paused) or drops their reports (released, attempt refunded).
+The relay then builds a new producer (:meth:`Publisher.rebuild`), a new
+idempotent session, with backoff. confluent-kafka raises a fatal error from
+``poll()`` instead of calling ``error_cb``; both paths are handled.
 """
 
 from __future__ import annotations
@@ -33,9 +44,18 @@ from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.schema.codec import kafka_headers
+from outboxkit.schema.codec import StoredRowError, kafka_headers, shown, topic_problem
 
-__all__ = ["ErrorKind", "InFlight", "Publisher", "Report", "classify", "producer_config"]
+__all__ = [
+    "ErrorKind",
+    "FatalProducerError",
+    "InFlight",
+    "ProducerFatal",
+    "Publisher",
+    "Report",
+    "classify",
+    "producer_config",
+]
 
 log = logging.getLogger("outboxkit.relay.publish")
 
@@ -57,13 +77,14 @@ _ROW_FAULTS = frozenset(
         KafkaError.INVALID_TIMESTAMP,
         KafkaError._BAD_MSG,
         KafkaError._INVALID_ARG,
+        # The broker says the topic name is illegal: no configuration fixes that.
+        KafkaError.TOPIC_EXCEPTION,
     }
 )
 _CONFIG_FAULTS = {
     KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown-topic",
     KafkaError._UNKNOWN_TOPIC: "unknown-topic",
     KafkaError._UNKNOWN_PARTITION: "unknown-topic",
-    KafkaError.TOPIC_EXCEPTION: "invalid-topic",
     KafkaError.TOPIC_AUTHORIZATION_FAILED: "authorization",
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "authorization",
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "authorization",
@@ -90,6 +111,12 @@ _RETRIABLE = frozenset(
 #: Seconds after a producer-level authentication error during which message
 #: timeouts are blamed on it (the messages never had a chance).
 _AUTH_BLAME_WINDOW = 120.0
+#: After a fatal error, how long to keep serving reports of the batch (messages
+#: acknowledged just before it still report success); the rest are unsent.
+_FATAL_GRACE_S = 1.0
+#: After building a new producer, how long to watch it for a fatal error
+#: (InitProducerId is sent as soon as a broker connection is up).
+_REBUILD_SETTLE_S = 1.0
 
 
 def classify(code: int, *, retriable: bool = False) -> ErrorKind:
@@ -105,6 +132,37 @@ def classify(code: int, *, retriable: bool = False) -> ErrorKind:
 def config_fault_reason(code: int) -> str:
     """Short label for the ``reason`` of ``outbox_topic_paused``."""
     return _CONFIG_FAULTS.get(code, "config")
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerFatal:
+    """A fatal error of the producer instance: it can send nothing any more."""
+
+    code: int
+    name: str
+    error: str
+    mono: float
+
+    @property
+    def config_fault(self) -> bool:
+        """Authorization/authentication: the relay's configuration, so pause topics."""
+        return classify(self.code) is ErrorKind.CONFIG_FAULT
+
+    @property
+    def reason(self) -> str:
+        """``authorization``, ``authentication``... or ``fatal`` (metric label)."""
+        return _CONFIG_FAULTS.get(self.code, "fatal")
+
+    def __str__(self) -> str:
+        return f"fatal {self.name}: {self.error}"
+
+
+class FatalProducerError(DependencyError):
+    """A freshly built producer hit a fatal error too (or could not be built)."""
+
+    def __init__(self, fatal: ProducerFatal | None, text: str | None = None) -> None:
+        super().__init__(text or str(fatal))
+        self.fatal = fatal
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +255,71 @@ class Publisher:
     def __init__(self, settings: RelaySettings) -> None:
         self._auth_error: tuple[float, int, str] | None = None
         self._last_error_logged: tuple[int, float] | None = None
+        self._settings = settings
+        #: Set when librdkafka reports a fatal error; cleared by :meth:`rebuild`.
+        self.fatal: ProducerFatal | None = None
+        #: Producers built so far (1 + rebuilds).
+        self.sessions = 0
+        self.producer = self._build()
+
+    def _build(self) -> Producer:
         try:
-            self.producer = Producer(producer_config(settings, error_cb=self._on_error))
+            producer = Producer(producer_config(self._settings, error_cb=self._on_error))
         except KafkaException as exc:
             raise ConfigError(
                 f"invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: {redact(str(exc))}"
             ) from None
+        self.sessions += 1
+        return producer
+
+    def rebuild(self, timeout: float) -> None:
+        """Drop the producer (fatal: it can send nothing) and build a new one, a new
+        idempotent session. Raises :class:`FatalProducerError` if the new one is not
+        reachable within ``timeout`` s or hits a fatal error while it settles.
+
+        Only call it with no batch in flight: the old producer's queue is purged.
+        """
+        old = self.producer
+        try:
+            old.purge(in_queue=True, in_flight=True, blocking=False)
+            old.flush(0)
+        except KafkaException:
+            pass  # a fatal producer may raise its error once more; it is gone anyway
+        self.fatal = None
+        self.producer = self._build()
+        try:
+            self.producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            if not self._record_fatal(exc):
+                raise FatalProducerError(None, f"Kafka unreachable: {redact(str(exc))}") from None
+        settle_until = time.monotonic() + _REBUILD_SETTLE_S
+        while self.fatal is None and time.monotonic() < settle_until:
+            self._poll(0.05)
+        if self.fatal is not None:
+            raise FatalProducerError(self.fatal)
+
+    def _poll(self, timeout: float) -> None:
+        """``producer.poll`` that records a fatal error instead of raising it."""
+        try:
+            self.producer.poll(timeout)
+        except KafkaException as exc:
+            if not self._record_fatal(exc):
+                raise
+
+    def _record_fatal(self, exc: KafkaException) -> bool:
+        err = exc.args[0] if exc.args else None
+        if not isinstance(err, KafkaError) or not err.fatal():
+            return False
+        self._set_fatal(err)
+        return True
+
+    def _set_fatal(self, err: KafkaError) -> None:
+        now = time.monotonic()
+        fatal = ProducerFatal(err.code(), err.name(), redact(err.str()), now)
+        if fatal.config_fault:
+            self._auth_error = (now, fatal.code, f"{fatal.name}: {fatal.error}")
+        if self.fatal is None:
+            self.fatal = fatal
 
     def check_reachable(self, timeout: float) -> None:
         """Raise DependencyError unless a broker answers within ``timeout`` s."""
@@ -216,17 +333,34 @@ class Publisher:
         rows = list(rows)
         inflight = InFlight(rows)
         for row in rows:
-            self._produce(row, inflight)
-        self.producer.poll(0)
+            try:
+                self._produce(row, inflight)
+            except BaseException as exc:  # not a row fault (an interrupt): name the row
+                exc.add_note(f"while producing outbox row id={row.id}")
+                raise
+        self._poll(0)
         return inflight
 
     def _produce(self, row: ClaimedRow, inflight: InFlight) -> None:
+        """Produce one row; whatever about this row cannot be sent fails this row only.
+
+        The row's columns are checked first (a foreign writer may have stored
+        anything): librdkafka takes the topic and header names as C strings, so a
+        NUL, a lone surrogate or an illegal name must never reach it.
+        """
         try:
+            problem = topic_problem(row.topic)
+            if problem:
+                raise StoredRowError(problem)
             headers: list[tuple[str, str | bytes | None]] = list(
                 kafka_headers(row.headers, row.event_id)
             )
-        except (ValueError, TypeError, UnicodeError) as exc:
-            inflight.add(_local_report(row.id, KafkaError._BAD_MSG, f"stored headers: {exc}"))
+        except StoredRowError as exc:
+            inflight.add(_row_fault(row.id, f"invalid row: {exc}"))
+            return
+        except Exception as exc:  # a decoder bug must not take the batch down
+            self._log_row_error(row, exc)
+            inflight.add(_row_fault(row.id, f"invalid row: {type(exc).__name__}: {exc}"))
             return
         callback = _callback(inflight, row.id)
         while True:
@@ -236,22 +370,72 @@ class Publisher:
                 )
                 return
             except BufferError:  # local queue full: serve reports, then retry
-                self.producer.poll(0.1)
+                self._poll(0.1)
+                if self.fatal is not None:  # nothing more can be sent with it
+                    inflight.add(_local_report(row.id, KafkaError._FATAL, "producer fatal"))
+                    return
             except KafkaException as exc:
                 err = exc.args[0]
                 inflight.add(_local_report(row.id, err.code(), err.str()))
                 return
+            except Exception as exc:  # TypeError, ValueError...: this row's input
+                self._log_row_error(row, exc)
+                inflight.add(_row_fault(row.id, f"produce raised {type(exc).__name__}: {exc}"))
+                return
+
+    def _log_row_error(self, row: ClaimedRow, exc: Exception) -> None:
+        log_event(
+            log,
+            "row-produce-error",
+            level=logging.ERROR,
+            row_id=row.id,
+            event_id=shown(row.event_id),
+            topic=row.topic,
+            error=f"{type(exc).__name__}: {exc}",
+            action="the row is failed; fix or requeue it by hand",
+            exc_info=exc,
+        )
 
     def wait(self, inflight: InFlight, deadline: Callable[[], float]) -> None:
         """Serve delivery reports until all arrived or ``deadline()`` (monotonic) passed.
 
         ``deadline`` is re-read on every turn: a drain or a hurry moves it closer.
+        After a fatal error only a short grace is left (nothing more will be sent).
         """
         while not inflight.done():
-            left = deadline() - time.monotonic()
+            limit = deadline()
+            fatal = self.fatal
+            if fatal is not None:
+                limit = min(limit, fatal.mono + _FATAL_GRACE_S)
+            left = limit - time.monotonic()
             if left <= 0:
                 return
-            self.producer.poll(min(0.05, left))
+            self._poll(min(0.05, left))
+
+    def settle_reports(self, inflight: InFlight) -> dict[int, Report]:
+        """The batch's reports as the finalize step should see them.
+
+        Timeouts after an authentication failure are blamed on it (:meth:`blame`).
+        After a fatal error, rows that were not acknowledged were not sent by any
+        fault of theirs: with an authorization/authentication cause they get a
+        config-fault report (the topic is paused, the attempt refunded), otherwise
+        no report (released, the attempt refunded).
+        """
+        reports = {i: self.blame(r) for i, r in inflight.snapshot().items()}
+        fatal = self.fatal
+        if fatal is None:
+            return reports
+        out: dict[int, Report] = {}
+        for row_id in inflight.expected:
+            report = reports.get(row_id)
+            if report is not None and (report.ok or report.code != KafkaError._FATAL):
+                out[row_id] = report
+            elif fatal.config_fault:
+                error = f"{report.error} after {fatal}" if report is not None else str(fatal)
+                out[row_id] = Report(
+                    row_id, fatal.code, error, ErrorKind.CONFIG_FAULT, None, None, fatal.mono
+                )
+        return out
 
     def blame(self, report: Report) -> Report:
         """A timeout shortly after an authentication failure is the relay's config."""
@@ -279,13 +463,22 @@ class Publisher:
         """Drop messages whose rows were already released, flush the rest within
         ``timeout`` s; returns the messages still unsent (0 after a clean drain).
         """
+        if self.fatal is not None:  # nothing can be sent any more
+            self.producer.purge(in_queue=True, in_flight=True, blocking=False)
+            return len(self.producer)
         self.producer.purge(in_queue=True, in_flight=False, blocking=False)
-        left = int(self.producer.flush(max(0.0, timeout)))
-        return left
+        try:
+            return int(self.producer.flush(max(0.0, timeout)))
+        except KafkaException as exc:
+            if not self._record_fatal(exc):
+                raise
+            return len(self.producer)
 
     def _on_error(self, err: KafkaError) -> None:
         code = err.code()
         now = time.monotonic()
+        if err.fatal():  # today confluent-kafka raises these from poll() instead
+            self._set_fatal(err)
         if classify(code) is ErrorKind.CONFIG_FAULT:
             self._auth_error = (now, code, f"{err.name()}: {err.str()}")
         last = self._last_error_logged
@@ -313,6 +506,13 @@ def _callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError | None, A
             inflight.add(Report(row_id, err.code(), text, kind, None, None, now))
 
     return on_delivery
+
+
+def _row_fault(row_id: int, text: str) -> Report:
+    """The row cannot be sent as stored: fail it (no Kafka error code to name)."""
+    return Report(
+        row_id, KafkaError._INVALID_ARG, text, ErrorKind.ROW_FAULT, None, None, time.monotonic()
+    )
 
 
 def _local_report(row_id: int, code: int, text: str) -> Report:

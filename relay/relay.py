@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+import tenacity
 from sqlalchemy.engine import Engine
 
 from outboxkit.admin.purge import run_retention
@@ -32,11 +33,16 @@ from outboxkit.relay.claim import Batch, claim_batch
 from outboxkit.relay.drain import ExitRecord, log_exit_record, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
-from outboxkit.relay.metrics import RelayMetrics, sample_backlog, sample_ordering_blocked
+from outboxkit.relay.metrics import (
+    RelayMetrics,
+    sample_backlog,
+    sample_ordering_blocked,
+    topics_with_rows,
+)
 from outboxkit.relay.pauses import PausedTopics
-from outboxkit.relay.publish import InFlight, Publisher, Report
+from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker
+from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker, claiming
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime import (
     EXIT_CONFIG,
@@ -50,9 +56,10 @@ from outboxkit.runtime import (
     Supervisor,
     describe,
     log_event,
-    push_metrics,
     redact,
 )
+from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -60,9 +67,18 @@ __all__ = ["PUSH_JOB", "Relay"]
 
 log = logging.getLogger("outboxkit.relay")
 
-#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``.
-PUSH_JOB = "outboxkit_relay"
+#: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
+#: (the convention of every process: outboxkit/runtime/metrics.py).
+PUSH_JOB = push_job("relay")
 _CLOSE_BUDGET = 5.0
+#: Seconds of the shutdown budget kept for disposing the pool, the exit record and
+#: the metrics push after waiting for workers.
+_RECORD_RESERVE = 0.5
+_FATAL_ADVICE = {
+    "authorization": "grant the relay's principal WRITE on the topics it serves "
+    "(or IDEMPOTENT_WRITE on the cluster for brokers before 2.8)",
+    "authentication": "check the SASL/SSL settings in --kafka-config / OUTBOXKIT_KAFKA_CONFIG",
+}
 
 
 @dataclass
@@ -112,11 +128,14 @@ class Relay:
         self._foreign: ForeignRelayMonitor | None = None
         self._on_batch = on_batch
         self._publisher: Publisher | None = None
+        self._producer_trouble: object | None = None
         self._held: _Held | None = None
+        self._shard_count: int | None = None
         self._jittered = False
         self._next_sample = 0.0
         self._crashes_before_drain = 0
         self._retention: threading.Thread | None = None
+        self._abandoned: list[str] = []
         self._open: list[str] = []
         self._exit = ExitRecord(signal=None, state="starting")
         self.metrics.track_shutdown_pending(self._shutdown_pending)
@@ -165,6 +184,9 @@ class Relay:
         self._settle_leftover()
         self._start_jitter()
         while not self.lifecycle.draining.is_set():
+            if self._publisher is not None and self._publisher.fatal is not None:
+                self._rebuild_producer()
+                continue
             self._sample_backlog_if_due()
             batch = self._claim()
             if batch is None:
@@ -174,23 +196,30 @@ class Relay:
 
     def _claim(self) -> Batch | None:
         assert self._ownership is not None
-        shards = self._ownership.claimable()
-        self.metrics.shards_owned.set(len(shards))
-        if not shards or self.lifecycle.draining.is_set():
-            return None
-        batch = claim_batch(
-            self.engine,
-            self.settings.table,
-            owner=self.settings.node_id,
-            shards=shards,
-            limit=self.settings.batch_size,
-            lease_ttl=self.settings.lease_ttl,
-            excluded_topics=self.paused.excluded(),
-        )
-        if batch is None:
-            return None
-        self._held = _Held(batch)
+        # The handshake with shard ownership: none of these shards is handed to
+        # another relay until the block ends, and before it ends the claimed rows
+        # are registered (self._held is what inflight_shards() reports).
+        with claiming(self._ownership) as shards:
+            self.metrics.shards_owned.set(len(shards))
+            if not shards or self.lifecycle.draining.is_set():
+                return None
+            batch = claim_batch(
+                self.engine,
+                self.settings.table,
+                owner=self.settings.node_id,
+                shards=shards,
+                limit=self.settings.batch_size,
+                lease_ttl=self.settings.lease_ttl,
+                excluded_topics=self.paused.excluded(),
+                shard_count=self._shard_count,
+            )
+            if batch is None:
+                return None
+            self._held = _Held(batch)
         self.metrics.claimed.inc(len(batch))
+        self.metrics.shard_out_of_range.inc(
+            sum(1 for r in batch.rows if r.misplaced_shard is not None)
+        )
         self.metrics.batch_size.observe(len(batch))
         self.metrics.reclaimed.inc(sum(1 for r in batch.rows if r.reclaimed_from is not None))
         return batch
@@ -235,7 +264,53 @@ class Relay:
 
     def _reports(self, inflight: InFlight) -> dict[int, Report]:
         assert self._publisher is not None
-        return {i: self._publisher.blame(r) for i, r in inflight.snapshot().items()}
+        return self._publisher.settle_reports(inflight)
+
+    def _rebuild_producer(self) -> None:
+        """The producer hit a fatal error (its batch is settled): build new ones,
+        with exponential backoff capped at ``paused_topic_retry``, until one
+        settles without a fatal error or the drain begins."""
+        publisher = self._publisher
+        assert publisher is not None
+
+        def attempt() -> None:
+            fatal = publisher.fatal
+            if fatal is not None:
+                self._producer_trouble = fatal
+                self.metrics.producer_fatal.labels(reason=fatal.reason).inc()
+                log_event(
+                    log,
+                    "kafka-producer-fatal",
+                    level=logging.ERROR,
+                    code=fatal.name,
+                    reason=fatal.reason,
+                    error=fatal.error,
+                    session=publisher.sessions,
+                    action="building a new producer (a new idempotent session); "
+                    + _FATAL_ADVICE.get(fatal.reason, "check the broker log for the cause"),
+                )
+            self.metrics.producer_rebuilds.inc()
+            publisher.rebuild(self.settings.connect_timeout)
+
+        def sleep(seconds: float) -> None:
+            self.lifecycle.wait_draining(seconds)  # a drain ends the wait (and the retries)
+
+        cap = max(0.1, self.settings.paused_topic_retry)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(FatalProducerError),
+            wait=tenacity.wait_exponential(multiplier=0.5, max=cap),
+            stop=lambda _state: self.lifecycle.draining.is_set(),
+            sleep=sleep,
+            reraise=True,
+        )
+        try:
+            retrying(attempt)
+        except FatalProducerError as exc:
+            if exc.fatal is not None:
+                self.metrics.producer_fatal.labels(reason=exc.fatal.reason).inc()
+            return  # draining: the loop ends
+        self._producer_trouble = None
+        log_event(log, "kafka-producer-rebuilt", session=publisher.sessions)
 
     def _settle(self, held: _Held, decisions: list[Decision]) -> None:
         """Write the decisions under the batch's token, then count and log them."""
@@ -297,8 +372,7 @@ class Relay:
         m.lease_lost.inc(len(result.lease_lost))
         lost = set(result.lease_lost)
         for d in decisions:
-            if d.row.id in lost:
-                continue
+            # Reported even when the lease was lost: the copy is in the partition.
             if d.acked_ahead_of is not None:
                 earlier, error = d.acked_ahead_of
                 m.acked_out_of_order.inc()
@@ -318,6 +392,8 @@ class Relay:
                         "key; it is sent again after it, so the last copies are in order"
                     ),
                 )
+            if d.row.id in lost:
+                continue
             if d.fate is Fate.DELIVERED:
                 if d.acked_mono is not None:
                     age = batch.db_time(d.acked_mono) - d.row.created_at
@@ -347,12 +423,12 @@ class Relay:
         if now < self._next_sample:
             return
         self._next_sample = now + self.settings.metrics_interval
+        paused = self.paused.paused_topics()
         try:
             with self.engine.connect() as conn:
                 counts, age = sample_backlog(conn, self.settings.table)
-                blocked = sample_ordering_blocked(
-                    conn, self.settings.table, self.paused.paused_topics()
-                )
+                blocked = sample_ordering_blocked(conn, self.settings.table, paused)
+                gone = paused - topics_with_rows(conn, self.settings.table, paused)
                 if self._foreign is not None:
                     self._foreign.check(conn)
         except Exception as exc:  # a metrics hook never breaks the loop
@@ -362,6 +438,8 @@ class Relay:
             self.metrics.backlog.labels(status=status.value).set(n)
         self.metrics.oldest_pending_age.set(age)
         self.metrics.ordering_blocked.set(blocked)
+        for topic in sorted(gone):  # nothing left to probe with: the pause would never end
+            self.paused.resume(topic, cause="no-rows-left")
 
     def _inflight_shards(self) -> frozenset[int]:
         held = self._held
@@ -376,6 +454,9 @@ class Relay:
 
     def _ready_details(self) -> dict[str, object]:
         details: dict[str, object] = {"paused_topics": self.paused.details()}
+        trouble = self._producer_trouble
+        if trouble is not None:
+            details["kafka_producer"] = f"rebuilding after {trouble}"
         return details
 
     # -- start and stop -------------------------------------------------------------
@@ -384,6 +465,10 @@ class Relay:
         """Connect to the database and Kafka and bind the health port; an exit code on failure."""
         s = self.settings
         try:
+            # First, so probes get answers while the relay connects: live 200,
+            # ready 503 ("starting"); a dependency that takes connect_timeout to
+            # give up must not look like a dead process.
+            self.health.start()
             if self._engine is None:
                 self._engine = _create_engine(s)
             else:  # no gap locks in the claim; see claim.py
@@ -396,6 +481,7 @@ class Relay:
                 )
             with self.engine.connect() as conn:
                 shard_count = read_shard_count(conn, s.table)
+            self._shard_count = shard_count
             self._publisher = Publisher(s)
             self._open.append("kafka-producer")
             self._publisher.check_reachable(s.connect_timeout)
@@ -407,10 +493,13 @@ class Relay:
                 channel = wakeup_channel(s.table, s.redis_prefix)
                 self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
                 self._open.append("redis-wakeups")
-            self.health.start()
         except ConfigError as exc:
             return self._failed_start("config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
+            return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
+        except Exception as exc:
+            if not is_infrastructure_error(exc):  # e.g. a driver's unwrapped login failure
+                raise
             return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
         log_event(
             log,
@@ -460,6 +549,7 @@ class Relay:
         self.lifecycle.drain("start-failed")
         self._close_resources()
         self.lifecycle.set_stopped()
+        self.health.stop()
         self._exit.state = "stopped"
         self._exit.signal = self.lifecycle.signal_name
         self._exit.result = f"{kind}-error"
@@ -484,16 +574,19 @@ class Relay:
                     effect="rows stay leased until their lease expires",
                 )
         left = len(self._held.batch) if self._held is not None else 0
-        # 2-4. Shard leases only once our rows are settled (the next owner must find
-        #    them settled), then Kafka (its queue holds only released rows' copies),
-        #    then the DB pool.
+        # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
+        #    then Redis (shard leases: the next owner must find our rows settled and
+        #    no copy of them left in our producer), then the DB pool.
         self._close_resources()
         self.lifecycle.set_stopped()
         record = self._exit
         record.left_leased = left
         record.batch_size += left
+        record.abandoned = list(self._abandoned)
         if left:
             record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
+        elif self._abandoned:  # the budget ran out for a worker: not a clean exit
+            record.result, record.exit_code = "forced", EXIT_FORCED
         elif self.supervisor.crashes > self._crashes_before_drain:
             record.result, record.exit_code = "error", EXIT_FAILURE
         elif self.lifecycle.exit_code() != EXIT_OK:
@@ -510,9 +603,9 @@ class Relay:
             return
         retention_s = s.retention
         supervisor = Supervisor(self.lifecycle, logger=log, metrics=self.service_metrics)
-        self._retention = supervisor.spawn(
-            "retention",
-            lambda: run_retention(
+
+        def loop() -> None:
+            run_retention(
                 self.engine,
                 table=s.table,
                 retention_s=retention_s,
@@ -521,23 +614,53 @@ class Relay:
                 batch_size=s.retention_batch_size,
                 pause_s=s.retention_pause,
                 node_id=s.node_id,
-            ),
+            )
+
+        # A daemon thread: a statement stalled on a frozen database must not keep
+        # the process alive after the drain gave up on it (see _join_retention).
+        self._retention = threading.Thread(
+            target=supervisor.run, args=("retention", loop), name="retention", daemon=True
         )
+        self._retention.start()
+
+    def _join_retention(self) -> None:
+        """Wait for retention to stop (it checks the drain between batches) while the
+        shutdown budget lasts; past that it is abandoned, and the exit record says so."""
+        thread = self._retention
+        if thread is None:
+            return
+        thread.join(timeout=max(0.0, self.lifecycle.remaining() - _RECORD_RESERVE))
+        if thread.is_alive():
+            what = "retention (a database statement did not return)"
+            self._abandoned.append(what)
+            log_event(
+                log,
+                "worker-abandoned",
+                level=logging.ERROR,
+                worker="retention",
+                detail=what,
+                effect="the statement's transaction is rolled back by the database when "
+                "the connection drops with the process",
+            )
 
     def _close_resources(self) -> None:
-        # Retention stops within one batch once draining; wait for it before the
-        # database pool goes away.
-        if self._retention is not None:
-            self._retention.join(timeout=max(0.0, min(10.0, self.lifecycle.remaining() - 1.0)))
-        if "shard-ownership" in self._open and self._ownership is not None:
-            self._step("shard-ownership", self._ownership.release_all)
-            self._step("shard-ownership", self._ownership.close)
+        # Kafka first: once a shard lease is released, the next owner claims the
+        # rows we released and sends them; a copy still in our producer's queue
+        # could then land after the new owner's later events of the same key.
         if "kafka-producer" in self._open and self._publisher is not None:
             publisher = self._publisher
             budget = min(_CLOSE_BUDGET, max(0.0, self.lifecycle.remaining() - 1.0))
             self._step("kafka-producer", lambda: self._log_unsent(publisher.close(budget)))
+        # Then Redis: the shard leases (the rows are settled, our copies are
+        # flushed or purged), then the wake-up subscription.
+        if "shard-ownership" in self._open and self._ownership is not None:
+            self._step("shard-ownership", self._ownership.release_all)
+            self._step("shard-ownership", self._ownership.close)
         if "redis-wakeups" in self._open and isinstance(self._waker, RedisWaker):
             self._step("redis-wakeups", self._waker.close)
+        # Retention needs only the database: it stops within one batch once
+        # draining; wait for it (within the budget) before the pool goes away.
+        self._join_retention()
         if "database" in self._open and self._engine is not None and self._own_engine:
             self._step("database", self._engine.dispose)
         self._open.clear()
@@ -567,11 +690,14 @@ class Relay:
         if started is not None:
             record.duration_ms = round((time.monotonic() - started) * 1000)
         if self.settings.pushgateway_url:
-            record.metrics_pushed = push_metrics(
+            record.metrics_pushed = push_exit_metrics(
                 self.settings.pushgateway_url,
-                job=PUSH_JOB,
-                grouping_key={"instance": self.settings.node_id},
-                registry=self.registry,
+                component="relay",
+                node_id=self.settings.node_id,
+                metrics=(self.metrics.shutdown_pending, *self.service_metrics.exit_metrics()),
+                # Within what is left of the shutdown budget (the watchdog is
+                # already disarmed here), but at least a moment to try.
+                timeout=max(0.5, min(5.0, lc.remaining())),
             )
         log_exit_record(record)
 
@@ -593,6 +719,9 @@ class Relay:
     def _cut(self) -> list[str]:
         """Watchdog: the drain overran shutdown_timeout; name what is being abandoned."""
         cut = list(self._open)
+        retention = self._retention
+        if retention is not None and retention.is_alive():
+            cut.append("retention")
         held = self._held
         if held is not None:
             cut.append(f"{len(held.batch)} leased rows (back after lease expiry)")
@@ -606,6 +735,7 @@ class Relay:
         record = self._exit
         record.left_leased = len(held.batch) if held is not None else 0
         record.batch_size += record.left_leased
+        record.abandoned = self._cut()
         record.result, record.exit_code = "forced", EXIT_FORCED
         self._finish_record(record)
 

@@ -9,23 +9,74 @@ cross-field rules; a violation exits with code 2 and names the settings.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 
 from outboxkit.admin._parse import parse_retention
+from outboxkit.runtime.kafkaconf import RELAY_GUARDED, guarded_problems, librdkafka_problem
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
+    at_most,
     non_negative,
     positive,
     setting,
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
-__all__ = ["COMPRESSION_CODECS", "RelaySettings"]
+__all__ = ["COMPRESSION_CODECS", "MAX_PAUSE_S", "RelaySettings"]
 
 COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 
+#: Longest pause between purge batches: a longer one holds a purge for hours.
+MAX_PAUSE_S = 60.0
 #: librdkafka's own default (300 s) would outlive any sensible lease.
 DEFAULT_MESSAGE_TIMEOUT_MS = 30_000
+#: librdkafka's range for message.timeout.ms (0 means "no timeout" and is refused).
+MAX_MESSAGE_TIMEOUT_MS = 2_147_483_647
+#: Two names of one librdkafka property; the one set last wins inside librdkafka.
+MESSAGE_TIMEOUT_NAMES = ("message.timeout.ms", "delivery.timeout.ms")
+_MILLISECONDS = re.compile(r"[0-9]{1,10}", re.ASCII)
+_KAFKA_CONFIG = "--kafka-config / OUTBOXKIT_KAFKA_CONFIG"
+
+
+def effective_message_timeout_ms(kafka_config: Mapping[str, str]) -> int:
+    """The producer's message timeout, read from either of its two names.
+
+    Raises ``ValueError`` naming the property when a value is not a positive
+    integer of milliseconds (``0`` is librdkafka's "no timeout": a row still
+    queued in the producer could then be sent after its lease was released), or
+    when both names are set to different values.
+    """
+    found: dict[str, int] = {}
+    for name in MESSAGE_TIMEOUT_NAMES:
+        raw = kafka_config.get(name)
+        if raw is None:
+            continue
+        text = raw.strip()
+        if not _MILLISECONDS.fullmatch(text) or int(text) > MAX_MESSAGE_TIMEOUT_MS:
+            raise ValueError(
+                f"{name} must be an integer of milliseconds between 1 and "
+                f"{MAX_MESSAGE_TIMEOUT_MS} (got {raw!r})"
+            )
+        value = int(text)
+        if value == 0:
+            raise ValueError(
+                f"{name}=0 means no timeout in librdkafka: rows still queued in the producer "
+                "could be released and sent twice; give a bound in milliseconds"
+            )
+        found[name] = value
+    if len(set(found.values())) > 1:
+        shown = ", ".join(f"{k}={v}" for k, v in found.items())
+        raise ValueError(
+            f"{shown}: delivery.timeout.ms is librdkafka's alias of message.timeout.ms; "
+            "set one of them (or both to the same value)"
+        )
+    return next(iter(found.values()), DEFAULT_MESSAGE_TIMEOUT_MS)
+
+
+def _pause(value: float) -> str | None:
+    return non_negative(value) or at_most(MAX_PAUSE_S)(value)
 
 
 def _positive_or_unset(value: float | None) -> str | None:
@@ -112,8 +163,9 @@ class RelaySettings(RuntimeSettings):
     )
     retention_pause: float = setting(
         0.2,
-        help="seconds of pause between retention batches, so the service's writes keep flowing",
-        validate=non_negative,
+        help="seconds of pause between retention batches, so the service's writes keep flowing "
+        "(at most 60 s)",
+        validate=_pause,
     )
     # Several relays: shard leases and wake-up hints in Redis (--redis-url); docs/scaling.md.
     redis_prefix: str = setting(
@@ -135,9 +187,9 @@ class RelaySettings(RuntimeSettings):
     )
 
     def message_timeout_ms(self) -> int:
-        """``message.timeout.ms`` as the producer will use it."""
-        raw = self.kafka_config.get("message.timeout.ms")
-        return int(raw) if raw is not None else DEFAULT_MESSAGE_TIMEOUT_MS
+        """The producer's message timeout (``message.timeout.ms`` or its alias
+        ``delivery.timeout.ms``); every derived budget is computed from it."""
+        return effective_message_timeout_ms(self.kafka_config)
 
     def effective_batch_deadline(self) -> float:
         if self.batch_deadline is not None:
@@ -156,12 +208,14 @@ class RelaySettings(RuntimeSettings):
             problems.append(
                 "missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP: required by the relay"
             )
-        raw_timeout = self.kafka_config.get("message.timeout.ms")
-        if raw_timeout is not None and not raw_timeout.isdigit():
-            problems.append(
-                "invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: message.timeout.ms must be "
-                f"an integer of milliseconds (got {raw_timeout!r})"
-            )
+        problems.extend(guarded_problems(self.kafka_config, RELAY_GUARDED))
+        rejected = librdkafka_problem(self.kafka_config, "producer")
+        if rejected:
+            problems.append(rejected)
+        try:
+            timeout_ms = self.message_timeout_ms()
+        except ValueError as exc:
+            problems.append(f"invalid {_KAFKA_CONFIG}: {exc}")
             return problems
         if self.backoff_cap < self.backoff_base:
             problems.append(
@@ -169,10 +223,10 @@ class RelaySettings(RuntimeSettings):
                 f"({self.backoff_cap} < {self.backoff_base})"
             )
         deadline = self.effective_batch_deadline()
-        if deadline * 1000 < self.message_timeout_ms():
+        if deadline * 1000 < timeout_ms:
             problems.append(
                 "invalid --batch-deadline / OUTBOXKIT_BATCH_DEADLINE: must be >= "
-                f"message.timeout.ms ({deadline} s < {self.message_timeout_ms()} ms), or rows "
+                f"message.timeout.ms ({deadline} s < {timeout_ms} ms), or rows "
                 "still queued in the producer would be released and sent twice"
             )
         # A batch must always be finalized or released while its lease still holds,

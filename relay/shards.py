@@ -13,11 +13,13 @@ empty claims. :class:`PollWaker` just sleeps ``poll_interval``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["AllShards", "PollWaker", "ShardOwnership", "Waker"]
+__all__ = ["AllShards", "PollWaker", "ShardOwnership", "Waker", "claiming"]
 
 
 @runtime_checkable
@@ -31,13 +33,18 @@ class ShardOwnership(Protocol):
         """
 
     def claimable(self) -> frozenset[int]:
-        """Shards the relay may claim from now; called before every claim.
-        An empty set means "claim nothing".
+        """Shards the relay may claim from now. An empty set means "claim nothing".
+
+        An ownership that hands shards over (Redis leases) should also offer
+        ``claiming()``, a context manager yielding these shards and holding them
+        until the block ends; the relay claims inside it and registers the rows
+        in ``inflight_shards()`` before leaving it (see :func:`claiming`).
         """
 
     def release_all(self) -> None:
         """Give up every shard. Called during drain, after the relay's rows were
-        finalized or released, so the next owner starts from settled rows.
+        finalized or released and its Kafka producer closed, so the next owner
+        starts from settled rows and no stale copy of them can follow its sends.
         """
 
     def close(self) -> None:
@@ -58,11 +65,30 @@ class AllShards:
     def claimable(self) -> frozenset[int]:
         return self._all
 
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[frozenset[int]]:
+        yield self._all
+
     def release_all(self) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def claiming(ownership: ShardOwnership) -> AbstractContextManager[frozenset[int]]:
+    """The claim<->lease handshake: ``with claiming(ownership) as shards:`` claim
+    from ``shards`` and register the claimed rows as in flight before the block
+    ends; no shard yielded is handed to another relay while the block is open.
+
+    Ownerships without a ``claiming()`` method (custom ones written against the
+    older protocol) get ``claimable()`` and its contract: rows registered
+    before the next call.
+    """
+    method = getattr(ownership, "claiming", None)
+    if callable(method):
+        return method()  # type: ignore[no-any-return]
+    return contextlib.nullcontext(ownership.claimable())
 
 
 @runtime_checkable

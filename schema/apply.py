@@ -3,8 +3,11 @@
 ``apply_schema`` takes a database-wide named lock (MySQL/MariaDB ``GET_LOCK``,
 PostgreSQL advisory lock) so that several pods running ``outboxkit schema apply``
 at once serialise: the first creates, the others find everything in place.  An
-upgrade only ever *adds* (missing columns, missing indexes); it never drops or
-rewrites data.
+upgrade adds what is missing (columns, indexes) and, on MySQL/MariaDB, moves
+identifier columns to their byte-exact collation (``ALTER TABLE ... MODIFY``, one
+statement per table, reported one line per column). It never drops a column, an
+index or a row, and never changes a value: a binary collation only tells apart
+values that the old one took for equal, so no unique index can break.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from outboxkit.schema.table import (
     DEFAULT_TABLE,
     MAX_SHARDS,
     SCHEMA_VERSION,
+    Identifier,
+    binary_collation,
     db_now,
     inbox_table,
     meta_table,
@@ -96,6 +101,8 @@ def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -
             spec = CreateColumn(column).compile(dialect=conn.dialect)
             conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {spec}"))
             report.actions.append(f"added column {table.name}.{column.name}")
+    if not created:
+        _upgrade_collations(conn, table, report)
     indexes = {i["name"] for i in inspector.get_indexes(table.name)}
     for index in table.indexes:
         if index.name not in indexes:
@@ -103,6 +110,40 @@ def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -
             if not created:
                 report.actions.append(f"added index {index.name}")
     conn.commit()
+
+
+def _upgrade_collations(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
+    """Move identifier columns created by an older release to the byte-exact collation.
+
+    One ``ALTER TABLE`` for all of a table's columns (one table rebuild, not one per
+    column). MySQL/MariaDB rebuild the table for it: writes to it wait until it is
+    done, so run the upgrade when the table is small or traffic is low.
+    """
+    if conn.dialect.name not in ("mysql", "mariadb"):
+        return  # PostgreSQL and SQLite compare bytes already
+    want = binary_collation(conn.dialect)
+    rows = conn.execute(
+        sa.text(
+            "SELECT COLUMN_NAME, COLLATION_NAME FROM information_schema.COLUMNS "
+            "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :t"
+        ),
+        {"t": table.name},
+    )
+    actual: dict[str, str | None] = {str(r[0]): r[1] for r in rows}
+    changes: list[str] = []
+    for column in table.columns:
+        if not isinstance(column.type, Identifier):
+            continue
+        found = actual.get(column.name)
+        if found is None or found.lower() == want:
+            continue
+        spec = CreateColumn(column).compile(dialect=conn.dialect)
+        changes.append(f"MODIFY COLUMN {spec}")
+        report.actions.append(
+            f"changed column {table.name}.{column.name}: collation {found} -> {want}"
+        )
+    if changes:
+        conn.execute(sa.text(f"ALTER TABLE {table.name} {', '.join(changes)}"))
 
 
 def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyReport) -> int:

@@ -1,9 +1,14 @@
-"""``outboxkit schema apply|sql``."""
+"""``outboxkit schema apply|sql``.
+
+Settings are flags or ``OUTBOXKIT_*`` variables (``--shards`` /
+``OUTBOXKIT_SHARDS``), parsed and validated when the command runs, never when the
+parser is built: a bad variable exits 2 naming it and cannot break ``--help``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 from typing import Any
 
@@ -11,75 +16,97 @@ import sqlalchemy as sa
 
 from outboxkit.errors import ConfigError, SchemaError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_OK
-from outboxkit.runtime.logs import redact_url
+from outboxkit.runtime.logs import redact, redact_url
+from outboxkit.runtime.settings import add_arguments, load, setting, valid_database_url
 from outboxkit.schema.apply import apply_schema, schema_sql
-from outboxkit.schema.table import DEFAULT_INBOX_TABLE, DEFAULT_SHARDS, DEFAULT_TABLE
+from outboxkit.schema.table import (
+    DEFAULT_INBOX_TABLE,
+    DEFAULT_SHARDS,
+    DEFAULT_TABLE,
+    MAX_SHARDS,
+    identifier_problem,
+)
+
+DIALECTS = ("mysql", "mariadb", "postgresql", "sqlite")
+
+
+def _optional_identifier(value: str | None) -> str | None:
+    return None if value is None else identifier_problem(value)
+
+
+def _shard_count(value: int) -> str | None:
+    if 1 <= value <= MAX_SHARDS:
+        return None
+    return f"the shard count must be between 1 and {MAX_SHARDS}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchemaSqlSettings:
+    """What ``schema sql`` prints: tables and dialect (no connection)."""
+
+    table: str = setting(DEFAULT_TABLE, help="outbox table name", validate=identifier_problem)
+    inbox_table: str | None = setting(
+        DEFAULT_INBOX_TABLE,
+        help="consumer inbox table name (empty: no inbox table)",
+        validate=_optional_identifier,
+    )
+    dialect: str = setting("mysql", help="SQL dialect", choices=DIALECTS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchemaApplySettings:
+    """Where and what ``schema apply`` creates or upgrades."""
+
+    db_url: str = setting(
+        help="SQLAlchemy URL, e.g. mysql+pymysql://user:pass@host/db (also --db)",
+        validate=valid_database_url,
+    )
+    table: str = setting(DEFAULT_TABLE, help="outbox table name", validate=identifier_problem)
+    inbox_table: str | None = setting(
+        DEFAULT_INBOX_TABLE,
+        help="consumer inbox table name (empty: no inbox table)",
+        validate=_optional_identifier,
+    )
+    shards: int = setting(
+        DEFAULT_SHARDS,
+        help="shard count, fixed when the table is created",
+        validate=_shard_count,
+    )
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("schema", help="create, upgrade or print the outbox schema")
     ssub = p.add_subparsers(dest="schema_command", metavar="ACTION", required=True)
 
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--table",
-        default=os.environ.get("OUTBOXKIT_TABLE", DEFAULT_TABLE),
-        help="outbox table name [env OUTBOXKIT_TABLE, default %(default)s]",
-    )
-    common.add_argument(
-        "--inbox-table",
-        default=os.environ.get("OUTBOXKIT_INBOX_TABLE", DEFAULT_INBOX_TABLE),
-        help="consumer inbox table name [env OUTBOXKIT_INBOX_TABLE, default %(default)s]",
-    )
-
     apply_p = ssub.add_parser(
         "apply",
-        parents=[common],
         help="create or upgrade the tables (idempotent, safe from several pods at once)",
     )
-    apply_p.add_argument(
-        "--db-url",
-        "--db",
-        dest="db_url",
-        default=os.environ.get("OUTBOXKIT_DB_URL"),
-        help="SQLAlchemy URL, e.g. mysql+pymysql://user:pass@host/db [env OUTBOXKIT_DB_URL]",
-    )
-    apply_p.add_argument(
-        "--shards",
-        type=int,
-        default=int(os.environ.get("OUTBOXKIT_SHARDS", DEFAULT_SHARDS)),
-        help="shard count, fixed when the table is created [env OUTBOXKIT_SHARDS, "
-        "default %(default)s]",
-    )
+    add_arguments(apply_p, SchemaApplySettings)
+    apply_p.add_argument("--db", dest="db_url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     apply_p.set_defaults(func=_apply)
 
-    sql_p = ssub.add_parser("sql", parents=[common], help="print the DDL")
-    sql_p.add_argument(
-        "--dialect",
-        default="mysql",
-        choices=["mysql", "mariadb", "postgresql", "sqlite"],
-        help="SQL dialect [default %(default)s]",
-    )
+    sql_p = ssub.add_parser("sql", help="print the DDL")
+    add_arguments(sql_p, SchemaSqlSettings)
     sql_p.set_defaults(func=_sql)
 
 
 def _apply(args: argparse.Namespace) -> int:
-    if not args.db_url:
-        raise ConfigError("missing --db-url / OUTBOXKIT_DB_URL")
+    settings = load(SchemaApplySettings, args=args)
     try:
-        engine = sa.create_engine(args.db_url, pool_pre_ping=True)
+        engine = sa.create_engine(settings.db_url, pool_pre_ping=True)
     except (sa.exc.ArgumentError, ImportError) as exc:
-        raise ConfigError(f"invalid --db-url / OUTBOXKIT_DB_URL: {exc}") from None
+        raise ConfigError(f"invalid --db-url / OUTBOXKIT_DB_URL: {redact(str(exc))}") from None
     try:
         report = apply_schema(
-            engine, table=args.table, shards=args.shards, inbox=args.inbox_table or None
+            engine, table=settings.table, shards=settings.shards, inbox=settings.inbox_table
         )
     except SchemaError as exc:
         print(f"outboxkit schema apply: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except sa.exc.OperationalError as exc:
         print(
-            f"outboxkit schema apply: cannot reach {redact_url(args.db_url)}: "
+            f"outboxkit schema apply: cannot reach {redact_url(settings.db_url)}: "
             f"{type(exc.orig).__name__ if exc.orig else 'error'}",
             file=sys.stderr,
         )
@@ -93,5 +120,6 @@ def _apply(args: argparse.Namespace) -> int:
 
 
 def _sql(args: argparse.Namespace) -> int:
-    sys.stdout.write(schema_sql(args.dialect, table=args.table, inbox=args.inbox_table or None))
+    settings = load(SchemaSqlSettings, args=args)
+    sys.stdout.write(schema_sql(settings.dialect, table=settings.table, inbox=settings.inbox_table))
     return EXIT_OK

@@ -25,7 +25,8 @@ META_TABLE = "outboxkit_meta"
 RECOVERY_TABLE = "outboxkit_recovery_events"
 DEFAULT_SHARDS = 64
 MAX_SHARDS = 4096
-SCHEMA_VERSION = 1
+#: 2: identifiers compare byte for byte (``Identifier``); ``schema apply`` upgrades.
+SCHEMA_VERSION = 2
 
 #: Kafka's own limit on topic names.
 MAX_TOPIC_LENGTH = 249
@@ -34,8 +35,10 @@ MAX_KEY_BYTES = 512
 MAX_EVENT_ID_LENGTH = 64
 MAX_LAST_ERROR = 1000
 MAX_OWNER_LENGTH = 255
+#: Inbox ``group_id`` and ``event_id`` (characters); longer ids are stored hashed.
+MAX_INBOX_ID_LENGTH = 255
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 class Status(enum.StrEnum):
@@ -53,7 +56,7 @@ STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
 
 def validate_identifier(name: str, *, what: str = "table name") -> str:
     """Return ``name`` if it is a plain SQL identifier, else raise InvalidIdentifierError."""
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
         raise InvalidIdentifierError(
             f"invalid {what} {name!r}: "
             "use 1-64 characters of [A-Za-z0-9_], not starting with a digit"
@@ -99,6 +102,36 @@ def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
     return "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
 
+class Identifier(sa.String):
+    """A VARCHAR compared byte for byte: an identifier, not prose.
+
+    A database's default collation folds case and accents, and MySQL's ``PAD SPACE``
+    collations (``utf8mb4_bin`` among them) ignore trailing spaces, so ``'ORDERS'``
+    would equal ``'orders'`` and ``'x '`` would equal ``'x'`` in every ``=``, ``IN``,
+    unique index and primary key. On MySQL/MariaDB the column gets a binary
+    collation without padding (:func:`binary_collation`); PostgreSQL's deterministic
+    collations and SQLite's ``BINARY`` already compare bytes.
+    """
+
+    cache_ok = True
+
+
+def binary_collation(dialect: sa.engine.Dialect) -> str:
+    """The byte-exact, NO PAD utf8mb4 collation of a MySQL or MariaDB server.
+
+    MariaDB (10.2+) calls it ``utf8mb4_nopad_bin``; MySQL (8.0.17+) calls it
+    ``utf8mb4_0900_bin``. Neither server knows the other's name.
+    """
+    return "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+
+
+@compiles(Identifier, "mysql")
+@compiles(Identifier, "mariadb")
+def _identifier_mysql(element: Identifier, compiler: Any, **kw: Any) -> str:
+    collation = binary_collation(compiler.dialect)
+    return f"VARCHAR({element.length}) CHARACTER SET utf8mb4 COLLATE {collation}"
+
+
 def _micros() -> sa.types.TypeEngine[Any]:
     return sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 
@@ -116,7 +149,7 @@ _METADATA = sa.MetaData()
 meta_table = sa.Table(
     META_TABLE,
     _METADATA,
-    sa.Column("table_name", sa.String(64), primary_key=True),
+    sa.Column("table_name", Identifier(64), primary_key=True),
     sa.Column("shard_count", sa.Integer, nullable=False),
     sa.Column("schema_version", sa.Integer, nullable=False),
     sa.Column("created_at", _micros(), nullable=False),
@@ -146,8 +179,8 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
             primary_key=True,
             autoincrement=True,
         ),
-        sa.Column("event_id", sa.String(MAX_EVENT_ID_LENGTH), nullable=False),
-        sa.Column("topic", sa.String(MAX_TOPIC_LENGTH), nullable=False),
+        sa.Column("event_id", Identifier(MAX_EVENT_ID_LENGTH), nullable=False),
+        sa.Column("topic", Identifier(MAX_TOPIC_LENGTH), nullable=False),
         sa.Column(
             "message_key",
             sa.LargeBinary(MAX_KEY_BYTES).with_variant(
@@ -161,8 +194,8 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("status", _status(), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("next_attempt_at", _micros(), nullable=False),
-        sa.Column("lease_owner", sa.String(MAX_OWNER_LENGTH), nullable=True),
-        sa.Column("lease_token", sa.String(32), nullable=True),
+        sa.Column("lease_owner", Identifier(MAX_OWNER_LENGTH), nullable=True),
+        sa.Column("lease_token", Identifier(32), nullable=True),
         sa.Column("lease_expires_at", _micros(), nullable=True),
         sa.Column("last_error", sa.String(MAX_LAST_ERROR), nullable=True),
         sa.Column("created_at", _micros(), nullable=False),
@@ -186,9 +219,9 @@ def inbox_table(name: str = DEFAULT_INBOX_TABLE) -> sa.Table:
     return sa.Table(
         name,
         md,
-        sa.Column("group_id", sa.String(255), primary_key=True),
-        sa.Column("event_id", sa.String(255), primary_key=True),
-        sa.Column("topic", sa.String(MAX_TOPIC_LENGTH), nullable=True),
+        sa.Column("group_id", Identifier(MAX_INBOX_ID_LENGTH), primary_key=True),
+        sa.Column("event_id", Identifier(MAX_INBOX_ID_LENGTH), primary_key=True),
+        sa.Column("topic", Identifier(MAX_TOPIC_LENGTH), nullable=True),
         sa.Column("kafka_partition", sa.Integer(), nullable=True),
         sa.Column("kafka_offset", sa.BigInteger(), nullable=True),
         sa.Column("processed_at", _micros(), nullable=False),
@@ -211,9 +244,9 @@ def recovery_table() -> sa.Table:
             autoincrement=True,
         ),
         sa.Column("at", _micros(), nullable=False),
-        sa.Column("kind", sa.String(64), nullable=False),
-        sa.Column("node_id", sa.String(MAX_OWNER_LENGTH), nullable=False),
-        sa.Column("table_name", sa.String(64), nullable=False),
+        sa.Column("kind", Identifier(64), nullable=False),
+        sa.Column("node_id", Identifier(MAX_OWNER_LENGTH), nullable=False),
+        sa.Column("table_name", Identifier(64), nullable=False),
         sa.Column("detail", sa.Text(), nullable=False),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",

@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import uuid
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 
 import outboxkit
 from outboxkit import Event, enqueue, enqueue_many
 from outboxkit.schema import decode_headers, outbox_table
+from outboxkit.schema.codec import kafka_headers
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +119,49 @@ def test_duplicate_event_id_is_refused_by_the_database(engine: sa.Engine, outbox
     assert len(rows(engine)) == 1
 
 
+def test_duplicate_event_ids_in_one_batch_write_nothing(engine: sa.Engine, outbox: str) -> None:
+    # 1,001 events, the last repeating the first id: the statements would be split
+    # in two chunks, so a database-level refusal of the second could leave the
+    # first 1,000 rows in a transaction a careless caller then commits.
+    events = [Event(topic="t", payload=i, event_id=f"ev-{i}") for i in range(1000)]
+    events.append(Event(topic="t", payload="again", event_id="ev-0"))
+    with engine.connect() as conn:
+        try:
+            enqueue_many(conn, events)
+        except Exception as exc:  # what a careless caller does: swallow and commit
+            caught: Exception = exc
+        conn.commit()
+    assert len(rows(engine)) == 0
+    assert isinstance(caught, outboxkit.EnqueueError), repr(caught)
+    assert isinstance(caught, outboxkit.DuplicateEventIdError)
+    assert "ev-0" in str(caught) and "0 and 1000" in str(caught)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ids=st.lists(
+        st.one_of(st.sampled_from(["a", "b", "c"]), st.uuids().map(str), st.uuids()),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_batches_with_repeated_ids_raise_before_writing(
+    engine: sa.Engine, outbox: str, ids: list[str | uuid.UUID]
+) -> None:
+    events = [Event(topic="t", payload=n, event_id=e) for n, e in enumerate(ids)]
+    repeated = len({str(e) for e in ids}) < len(ids)
+    with engine.connect() as conn:
+        if repeated:
+            with pytest.raises(outboxkit.DuplicateEventIdError, match="more than once"):
+                enqueue_many(conn, events)
+        else:
+            assert enqueue_many(conn, events) == [str(e) for e in ids]
+        conn.rollback()
+    assert rows(engine) == []
+
+
 def test_missing_schema_is_a_clear_error(engine: sa.Engine) -> None:
     with (
         pytest.raises(outboxkit.SchemaNotAppliedError, match="schema apply"),
@@ -133,7 +178,7 @@ BAD_INPUTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"topic": "ümlaut"}, outboxkit.InvalidTopicError, "illegal"),
     ({"topic": "a" * 250}, outboxkit.InvalidTopicError, "249"),
     ({"topic": None}, outboxkit.InvalidTopicError, "non-empty"),
-    ({"payload": b"x" * (1024 * 1024 + 1)}, outboxkit.PayloadTooLargeError, "limit"),
+    ({"payload": b"x" * 1_000_000}, outboxkit.PayloadTooLargeError, "message.max.bytes"),
     ({"payload": {"x": {1, 2}}}, outboxkit.UnserializablePayloadError, "JSON"),
     ({"payload": float("nan")}, outboxkit.UnserializablePayloadError, "JSON"),
     ({"payload": None}, outboxkit.UnserializablePayloadError, "required"),
@@ -141,6 +186,10 @@ BAD_INPUTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"headers": {"": "v"}}, outboxkit.InvalidHeadersError, "non-empty"),
     ({"headers": {1: "v"}}, outboxkit.InvalidHeadersError, "non-empty"),
     ({"headers": {"h": 1}}, outboxkit.InvalidHeadersError, "str or bytes"),
+    ({"headers": {"a\x00b": "v"}}, outboxkit.InvalidHeadersError, "NUL"),
+    ({"headers": {"\ud800": "v"}}, outboxkit.InvalidHeadersError, "UTF-8"),
+    ({"headers": {"h": "\udfff"}}, outboxkit.InvalidHeadersError, "UTF-8"),
+    ({"headers": {b"h": "v"}}, outboxkit.InvalidHeadersError, "non-empty str"),
     ({"headers": {"event_id": "x"}}, outboxkit.InvalidHeadersError, "outboxkit"),
     ({"headers": ["h", "v"]}, outboxkit.InvalidHeadersError, "mapping"),
     ({"key": "k" * 513}, outboxkit.InvalidKeyError, "limit"),
@@ -181,16 +230,126 @@ def test_payload_limit_is_configurable(engine: sa.Engine, outbox: str) -> None:
         with pytest.raises(outboxkit.PayloadTooLargeError):
             enqueue(conn, topic="t", payload=b"12345", max_payload_bytes=4)
         enqueue(conn, topic="t", payload=b"1234", max_payload_bytes=4)
-    assert [r.payload for r in rows(engine)] == [b"1234"]
+        # a relay whose message.max.bytes was raised: the writer is told the same
+        with pytest.raises(outboxkit.PayloadTooLargeError, match="at most 1000000"):
+            enqueue(conn, topic="t", payload=b"x" * 1_000_000)
+        enqueue(conn, topic="t", payload=b"x" * 1_000_000, max_message_bytes=2_000_000)
+    assert [len(r.payload) for r in rows(engine)] == [4, 1_000_000]
 
 
-topics = st.text(
-    alphabet=st.sampled_from("abcXYZ019._-") | st.characters(), min_size=0, max_size=260
+@pytest.fixture(scope="module")
+def relay_producer(kafka_bootstrap: str) -> Iterator[Any]:
+    """A producer configured exactly as the relay configures its own (default settings).
+
+    ``produce`` checks a record's size against ``message.max.bytes`` before
+    anything is sent, so no broker is needed to learn what it accepts.
+    """
+    from confluent_kafka import Producer
+
+    from outboxkit.relay.publish import producer_config
+    from outboxkit.relay.settings import RelaySettings
+
+    settings = RelaySettings(
+        db_url="mysql+pymysql://u@127.0.0.1/db", kafka_bootstrap=kafka_bootstrap
+    )
+    producer = Producer(producer_config(settings, error_cb=lambda err: None))
+    yield producer
+    producer.purge()
+
+
+def _largest_payload_produced(
+    producer: Any, key: bytes | None, headers: dict[str, str | bytes], event_id: str
+) -> int:
+    """Binary search of the largest payload the producer takes with this key and headers."""
+    from confluent_kafka import KafkaException
+
+    pairs = [(k, v.encode() if isinstance(v, str) else v) for k, v in headers.items()]
+    pairs.append(("event_id", event_id.encode()))
+    lo, hi = 0, 1_100_000
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            producer.produce("t", value=b"x" * mid, key=key, headers=pairs)
+        except KafkaException:
+            hi = mid - 1
+        else:
+            lo = mid
+            producer.purge(in_queue=True)
+            producer.poll(0)  # serve the purge's reports, which frees the queue
+    return lo
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-header_values = st.one_of(st.text(max_size=30), st.binary(max_size=30))
+@given(
+    key=st.one_of(st.none(), st.binary(max_size=512)),
+    headers=st.dictionaries(
+        st.text(alphabet="abcé-", min_size=1, max_size=200),
+        st.one_of(st.text(max_size=300), st.binary(max_size=20_000)),
+        max_size=4,
+    ),
+    event_id=st.one_of(st.uuids().map(str), st.text(alphabet="ab0:", min_size=0, max_size=63)),
+)
+def test_the_size_limit_is_what_the_relays_producer_accepts(
+    engine: sa.Engine,
+    outbox: str,
+    relay_producer: Any,
+    key: bytes | None,
+    headers: dict[str, str | bytes],
+    event_id: str,
+) -> None:
+    event_id = "e" + event_id  # must start with a letter or digit
+    limit = _largest_payload_produced(relay_producer, key, headers, event_id)
+    with engine.connect() as conn:
+        try:
+            enqueue(
+                conn, topic="t", payload=b"x" * limit, key=key, headers=headers, event_id=event_id
+            )
+        except outboxkit.EnqueueError as exc:
+            pytest.fail(f"refused a payload of {limit} bytes the relay can send: {exc}")
+        with pytest.raises(outboxkit.PayloadTooLargeError) as info:
+            other_id = event_id[:-1] + ("a" if event_id[-1] != "a" else "b")  # same length
+            enqueue(
+                conn,
+                topic="t",
+                payload=b"x" * (limit + 1),
+                key=key,
+                headers=headers,
+                event_id=other_id,
+            )
+        conn.rollback()
+    message = str(info.value)
+    assert "message.max.bytes" in message and "headers" in message and "key" in message
+
+
+topics = st.one_of(
+    st.text(alphabet="abcXYZ019._-", min_size=1, max_size=20),
+    st.text(alphabet=st.sampled_from("abcXYZ019._-") | st.characters(), min_size=0, max_size=260),
+)
+# Every code point, lone surrogates included, and NUL often: names and values
+# that cannot travel to Kafka intact must be refused, not stored.
+any_text = st.one_of(
+    st.text(alphabet="\x00ab\ud800\udfff", min_size=1, max_size=4),
+    st.text(alphabet=st.characters(codec=None, categories=None), max_size=12),
+)
+header_values = st.one_of(any_text, st.binary(max_size=30))
 headers = st.one_of(
     st.none(),
-    st.dictionaries(st.one_of(st.text(max_size=12), st.integers()), header_values, max_size=4),
+    st.dictionaries(
+        st.one_of(
+            st.text(alphabet="\x00ab", min_size=1, max_size=4),
+            any_text,
+            st.integers(),
+            st.binary(max_size=4),
+        ),
+        header_values,
+        min_size=1,
+        max_size=3,
+    ),
 )
 payloads = st.one_of(
     st.binary(max_size=300),
@@ -201,11 +360,15 @@ payloads = st.one_of(
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     topic=topics, hdrs=headers, payload=payloads, key=st.one_of(st.none(), st.binary(max_size=40))
 )
+@example(topic="t", hdrs={"a\x00b": "v"}, payload=b"", key=None)
 def test_arbitrary_input_round_trips_or_raises_documented_error(
     engine: sa.Engine, outbox: str, topic: str, hdrs: Any, payload: Any, key: bytes | None
 ) -> None:
@@ -230,3 +393,9 @@ def test_arbitrary_input_round_trips_or_raises_documented_error(
     )
     assert row.payload == expected
     assert decode_headers(row.headers) == (hdrs or {})
+    # What the relay hands to librdkafka: names are C strings there (a NUL would
+    # cut them short) and everything is UTF-8 on the wire.
+    for name, value in kafka_headers(row.headers, event_id):
+        assert "\x00" not in name
+        assert name.encode("utf-8").decode("utf-8") == name
+        assert isinstance(value, bytes)

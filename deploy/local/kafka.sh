@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Local Kafka broker for tests (KRaft, single node, broker+controller combined):
 #   kafka.sh start|stop|status|kill [--name N] [--port P] [--controller-port C]
-#                                   [--message-max-bytes B] [--heap H]
+#                                   [--message-max-bytes B] [--heap H] [--sasl-port S]
 #                                   [--proxied-port Q --proxied-advertised-port X]
 #
 # --proxied-port adds a second listener (PROXIED) on Q that advertises port X:
 # clients that bootstrap through a TCP proxy listening on X (forwarding to Q)
 # then keep talking through the proxy, while PLAINTEXT on --port stays direct.
+#
+# --sasl-port S adds a SASL_PLAINTEXT (PLAIN) listener on S with an authorizer
+# (StandardAuthorizer, deny when no ACL matches). Principals there: User:admin
+# (password admin-secret, super user) and User:limited (password limited-secret,
+# no ACLs until a test grants some). The PLAINTEXT port stays open to everyone
+# as super user (User:ANONYMOUS), for the readiness check and test set-up. Test
+# brokers only: the passwords are fixed and public.
 #
 # Jars come from Maven Central (kafka/pom.xml) into .kafka/lib on first use.
 # Each instance has its own config, data dir, pid and log under .state/kafka-<name>/.
@@ -15,7 +22,7 @@ SERVICE=kafka
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-EXTRA_FLAGS=(controller-port message-max-bytes heap proxied-port proxied-advertised-port)
+EXTRA_FLAGS=(controller-port message-max-bytes heap sasl-port proxied-port proxied-advertised-port)
 parse_args "$@"
 load_settings
 PORT="${PORT:-9092}"
@@ -24,6 +31,7 @@ MESSAGE_MAX_BYTES="${MESSAGE_MAX_BYTES:-}"
 HEAP="${HEAP:-512m}"
 PROXIED_PORT="${PROXIED_PORT:-}"
 PROXIED_ADVERTISED_PORT="${PROXIED_ADVERTISED_PORT:-$PROXIED_PORT}"
+SASL_PORT="${SASL_PORT:-}"
 
 KAFKA_HOME="$LOCAL_DIR/.kafka"
 LIB_DIR="$KAFKA_HOME/lib"
@@ -70,6 +78,11 @@ write_config() {
         advertised+=",PROXIED://127.0.0.1:$PROXIED_ADVERTISED_PORT"
         protocols+=",PROXIED:PLAINTEXT"
     fi
+    if [[ -n "$SASL_PORT" ]]; then
+        listeners+=",SASL_PLAINTEXT://127.0.0.1:$SASL_PORT"
+        advertised+=",SASL_PLAINTEXT://127.0.0.1:$SASL_PORT"
+        protocols+=",SASL_PLAINTEXT:SASL_PLAINTEXT"
+    fi
     cat >"$PROPS" <<EOF
 process.roles=broker,controller
 node.id=1
@@ -105,6 +118,15 @@ broker.session.timeout.ms=4000
 EOF
     if [[ -n "$MESSAGE_MAX_BYTES" ]]; then
         echo "message.max.bytes=$MESSAGE_MAX_BYTES" >>"$PROPS"
+    fi
+    if [[ -n "$SASL_PORT" ]]; then
+        cat >>"$PROPS" <<EOF
+sasl.enabled.mechanisms=PLAIN
+listener.name.sasl_plaintext.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_admin="admin-secret" user_limited="limited-secret";
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:ANONYMOUS;User:admin
+EOF
     fi
     cat >"$LOG4J" <<EOF
 <?xml version="1.0" encoding="UTF-8"?>
@@ -150,8 +172,11 @@ start() {
         require_free_port "$PORT"
         require_free_port "$CONTROLLER_PORT"
         [[ -z "$PROXIED_PORT" ]] || require_free_port "$PROXIED_PORT"
+        if [[ -n "$SASL_PORT" ]]; then
+            require_free_port "$SASL_PORT"
+        fi
         mkdir -p "$INSTANCE_DIR"
-        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP PROXIED_PORT \
+        remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP SASL_PORT PROXIED_PORT \
             PROXIED_ADVERTISED_PORT
         write_config
         java_cmd

@@ -36,8 +36,12 @@ start() {
         mkdir -p "$INSTANCE_DIR"
         remember_settings PORT
         log "$NAME: starting pushgateway on 127.0.0.1:$PORT"
+        # Debian's build defaults --persistence.file to
+        # /var/lib/prometheus/pushgateway.data, one file for every instance on
+        # the machine: a restarted instance would load groups pushed long ago.
+        # An empty value keeps everything in memory.
         spawn_daemon "$LOG_FILE" prometheus-pushgateway \
-            --web.listen-address="127.0.0.1:$PORT" --log.level=warn
+            --web.listen-address="127.0.0.1:$PORT" --persistence.file= --log.level=warn
     fi
     if ! wait_for 20 "pushgateway $NAME" ready; then
         show_log_tail "$LOG_FILE"

@@ -1,4 +1,4 @@
-"""Operator tools: status, the failed list, requeue, purge and the recovery log.
+"""Operator tools: status, the failed list, requeue, discard, purge and the recovery log.
 
 ``outboxkit admin`` is the command line over these functions; the relay reuses
 :func:`purge_delivered` / :func:`run_retention` for its periodic retention.
@@ -6,6 +6,7 @@ See ``docs/admin.md``.
 """
 
 from outboxkit.admin._parse import parse_retention, parse_time
+from outboxkit.admin.discard import DiscardResult, discard
 from outboxkit.admin.purge import (
     PurgeResult,
     count_purgeable,
@@ -33,6 +34,7 @@ from outboxkit.admin.status import (
 )
 
 __all__ = [
+    "DiscardResult",
     "FailedRow",
     "PurgeResult",
     "RecoveryEvent",
@@ -45,6 +47,7 @@ __all__ = [
     "UnknownEventError",
     "UnknownRowError",
     "count_purgeable",
+    "discard",
     "list_failed",
     "parse_retention",
     "parse_time",

@@ -3,6 +3,11 @@
 Exit codes: 0 done, 2 bad input (unknown event id, bad time range, conflicting
 selectors, bad settings), 3 database or Redis unreachable. Passwords from URLs
 never reach the output.
+
+Text output escapes control characters (C0, DEL, C1) and bidirectional
+overrides in every string as ``\\xNN``/``\\uNNNN``: topics, event ids, keys and
+errors come from rows anyone may have written, and must not drive the
+operator's terminal. ``--json`` output is escaped by the JSON encoder.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import re
 import signal
 import sys
 import threading
@@ -21,8 +27,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from outboxkit.admin._parse import format_ts, parse_retention, parse_time
+from outboxkit.admin.discard import discard
 from outboxkit.admin.purge import count_purgeable, purge
-from outboxkit.admin.requeue import RequeueResult, Selection, requeue
+from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, requeue
 from outboxkit.admin.rows import list_failed, read_recovery, show_row
 from outboxkit.admin.settings import AdminSettings
 from outboxkit.admin.status import (
@@ -43,6 +50,9 @@ from outboxkit.schema.table import STATUSES
 __all__ = ["register"]
 
 _SHOWN_IDS = 20
+#: What a terminal acts on: C0 controls, DEL, C1 controls (U+009B is CSI), and
+#: the bidirectional overrides and isolates that reorder the text shown.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 _PROGRESS_EVERY_S = 5.0
 
 
@@ -114,6 +124,30 @@ def register(sub: Any) -> None:
     r.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     r.set_defaults(func=_requeue)
 
+    d = asub.add_parser(
+        "discard",
+        parents=[common],
+        help="delete failed rows for good, each recorded in the recovery log",
+        description=(
+            "Delete selected failed rows: their events are never sent. Only rows with "
+            "status failed are deleted; rows a relay holds (delivering) and every other "
+            "status are never touched, rows locked at that instant are skipped and "
+            "reported. Each chunk of deleted rows is recorded, in the same transaction, "
+            "as a 'discard' recovery event (ids, event ids, topics, keys, errors, "
+            "--reason): see `outboxkit admin recovery --kind discard`. Selectors as for "
+            "requeue."
+        ),
+    )
+    d.add_argument("--id", action="append", type=_id_list, default=[], help="row id(s), 1,2,3")
+    d.add_argument("--event-id", action="append", default=[], help="event id (repeatable)")
+    d.add_argument("--topic", action="append", default=[], help="rows of this topic (repeatable)")
+    d.add_argument("--since", help="created at or after this time (ISO 8601)")
+    d.add_argument("--until", help="created before this time (ISO 8601)")
+    d.add_argument("--all-failed", action="store_true", help="every failed row")
+    d.add_argument("--reason", help="why, kept in the recovery log (e.g. a ticket)")
+    d.add_argument("--dry-run", action="store_true", help="print what would go; change nothing")
+    d.set_defaults(func=_discard, include_retryable=False)
+
     pu = asub.add_parser(
         "purge",
         parents=[common],
@@ -132,18 +166,22 @@ def register(sub: Any) -> None:
     pu.add_argument(
         "--batch-size", type=_positive_int, default=1000, help="rows per transaction [1000]"
     )
-    pu.add_argument("--pause", default="0.2", help="pause between batches, seconds or 200ms [0.2]")
+    pu.add_argument(
+        "--pause", default="0.2", help="pause between batches, seconds or 200ms, at most 60 s [0.2]"
+    )
     pu.add_argument("--dry-run", action="store_true", help="count what would be deleted")
     pu.set_defaults(func=_purge)
 
     rc = asub.add_parser(
         "recovery",
         parents=[common],
-        help="recent recovery events: lease reclaims, requeues, purges",
+        help="recent recovery events: lease reclaims, out-of-order acks, requeues, discards, "
+        "purges",
     )
     rc.add_argument("--limit", type=_positive_int, default=20, help="events to show [20]")
     rc.add_argument(
-        "--kind", help="only this kind: lease-reclaimed, acked-out-of-order, requeue, purge"
+        "--kind",
+        help="only this kind: lease-reclaimed, acked-out-of-order, requeue, discard, purge",
     )
     rc.add_argument(
         "--all-tables", action="store_true", help="events of every outbox table, not just --table"
@@ -154,28 +192,35 @@ def register(sub: Any) -> None:
 # -- argument types ------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+#: Row counts (LIMIT, batch sizes) fit MySQL's signed INT; row ids its BIGINT.
+_MAX_COUNT = 2**31 - 1
+_MAX_ID = 2**63 - 1
+_INT = re.compile(r"\s*[0-9]+\s*", re.ASCII)
+#: Longest pause between purge batches (a longer one holds the purge for hours).
+_MAX_PAUSE_S = 60.0
+
+
+def _int_in(text: str, low: int, high: int) -> int:
+    if not _INT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    value = int(text)
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
+    if value > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high} (got {value})")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_in(text, 1, _MAX_COUNT)
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
+    return _int_in(text, 0, _MAX_ID)
 
 
 def _id_list(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",") if part.strip()]
+    return [_int_in(part, 1, _MAX_ID) for part in text.split(",") if part.strip()]
 
 
 # -- plumbing --------------------------------------------------------------------
@@ -217,8 +262,18 @@ def _orig(exc: sa.exc.DBAPIError) -> str:
     return redact(f"{type(orig).__name__}: {orig}")
 
 
+def _safe(value: object) -> str:
+    """``value`` as terminal-safe text (``-`` for None); see the module docstring."""
+    return _UNSAFE.sub(_escape, "-" if value is None else str(value))
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def _fail(message: str, code: int) -> int:
-    print(f"outboxkit admin: {redact(message)}", file=sys.stderr)
+    print(f"outboxkit admin: {_safe(redact(message))}", file=sys.stderr)
     return code
 
 
@@ -227,7 +282,7 @@ def _print_json(value: object) -> None:
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    cells = [[_safe(v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in cells:
@@ -294,6 +349,7 @@ def _status_json(
         "topics": t.by_topic,
         "oldest_pending_age_s": t.oldest_pending_age_s,
         "oldest_undelivered_age_s": t.oldest_undelivered_age_s,
+        "shard_out_of_range": t.shard_out_of_range,
         "leases": {
             "live": t.leases_live,
             "expired": t.leases_expired,
@@ -338,7 +394,8 @@ def _status_text(
     shards: ShardView | None,
     shard_error: str | None,
 ) -> None:
-    print(f"table {t.table} in {redact_url(settings.db_url)} (db time {format_ts(t.db_now)})")
+    where = _safe(redact_url(settings.db_url))
+    print(f"table {t.table} in {where} (db time {format_ts(t.db_now)})")
     print()
     _print_table(["status", "rows"], [[s, t.counts[s]] for s in STATUSES])
     print()
@@ -349,7 +406,13 @@ def _status_text(
         + (" (a relay reclaims expired leases on its next claim)" if t.leases_expired else "")
     )
     for o in t.lease_owners:
-        print(f"  {o.owner}: {o.live} live, {o.expired} expired")
+        print(f"  {_safe(o.owner)}: {o.live} live, {o.expired} expired")
+    if t.shard_out_of_range:
+        print(
+            f"shard out of range: {t.shard_out_of_range} undelivered rows have a shard outside "
+            f"0..{(t.shard_count or 1) - 1} (another writer's; relays claim them under "
+            "CRC-32 of their key mod the shard count)"
+        )
     if t.by_topic:
         print()
         _print_table(
@@ -359,21 +422,22 @@ def _status_text(
     for r in relays:
         print()
         if r.error:
-            print(f"relay {r.url}: unreachable ({r.error})")
+            print(f"relay {_safe(r.url)}: unreachable ({_safe(r.error)})")
             continue
-        print(f"relay {r.url}: {r.state or 'unknown state'}, {'ready' if r.ready else 'not ready'}")
+        state = _safe(r.state or "unknown state")
+        print(f"relay {_safe(r.url)}: {state}, {'ready' if r.ready else 'not ready'}")
         if not r.paused_topics:
             print("  no paused topics")
         for topic, reason in r.paused_topics.items():
-            print(f"  paused {topic}: {reason or 'no reason given'}")
+            print(f"  paused {_safe(topic)}: {_safe(reason or 'no reason given')}")
     if shard_error:
         print()
-        print(f"shard owners: unavailable ({shard_error})")
+        print(f"shard owners: unavailable ({_safe(shard_error)})")
     elif shards is not None:
         print()
         print(f"shard owners ({shards.shard_count} shards):")
         for node, owned in shards.owners.items():
-            print(f"  {node}: {_ranges(owned)} ({len(owned)})")
+            print(f"  {_safe(node)}: {_ranges(owned)} ({len(owned)})")
         if shards.unowned:
             print(f"  unowned: {_ranges(shards.unowned)} ({len(shards.unowned)})")
 
@@ -408,7 +472,7 @@ def _failed(args: argparse.Namespace) -> int:
         if args.show_payload:
             print()
             for r in rows:
-                print(f"payload of {r.id}: {json.dumps(r.payload, ensure_ascii=False)}")
+                print(f"payload of {r.id}: {_safe(json.dumps(r.payload, ensure_ascii=False))}")
         if next_after is not None:
             print(f"\nmore may follow: --after-id {next_after}")
         return EXIT_OK
@@ -427,7 +491,7 @@ def _show(args: argparse.Namespace) -> int:
         width = max(len(k) for k in row)
         for key, value in row.items():
             shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
-            print(f"{key.ljust(width)}  {'-' if shown is None else shown}")
+            print(f"{key.ljust(width)}  {_safe(shown)}")
         return EXIT_OK
 
     return _run(body)(args)
@@ -511,12 +575,66 @@ def _requeue_text(table: str, selection: Selection, result: RequeueResult) -> No
             f"{prefix}{verb} {result.count} row{'s' if result.count != 1 else ''} in {table} "
             f"({statuses} -> pending, attempts 0): ids {_ids_text(result.ids, result.count)}"
         )
-    if result.skipped:
-        print(f"skipped {len(result.skipped)} selected row(s):")
-        for s in result.skipped[:_SHOWN_IDS]:
-            print(f"  id {s.id} (event {s.event_id}): {s.reason}")
-        if len(result.skipped) > _SHOWN_IDS:
-            print(f"  (+{len(result.skipped) - _SHOWN_IDS} more)")
+    _skipped_text(result.skipped)
+
+
+def _skipped_text(skipped: Sequence[Skipped]) -> None:
+    if skipped:
+        print(f"skipped {len(skipped)} selected row(s):")
+        for s in skipped[:_SHOWN_IDS]:
+            print(f"  id {s.id} (event {_safe(s.event_id)}): {_safe(s.reason)}")
+        if len(skipped) > _SHOWN_IDS:
+            print(f"  (+{len(skipped) - _SHOWN_IDS} more)")
+
+
+# -- discard -------------------------------------------------------------------------
+
+
+def _discard(args: argparse.Namespace) -> int:
+    selection = _selection(args)
+    selection.validate()  # bad input fails before any connection is made
+
+    def body(settings: AdminSettings, engine: sa.Engine) -> int:
+        result = discard(
+            engine,
+            table=settings.table,
+            selection=selection,
+            reason=args.reason,
+            dry_run=args.dry_run,
+        )
+        if args.json:
+            _print_json(
+                {
+                    "dry_run": result.dry_run,
+                    "count": result.count,
+                    "ids": result.ids,
+                    "skipped": [dataclasses.asdict(s) for s in result.skipped],
+                }
+            )
+            return EXIT_OK
+        table = settings.table
+        if result.count == 0:
+            print(
+                f"no failed rows matched in {table}: nothing "
+                + ("would be " if result.dry_run else "")
+                + "discarded"
+            )
+        elif result.dry_run:
+            print(
+                f"dry run: would discard {result.count} failed row"
+                f"{'s' if result.count != 1 else ''} from {table}: ids "
+                f"{_ids_text(result.ids, result.count)}"
+            )
+        else:
+            print(
+                f"discarded {result.count} failed row{'s' if result.count != 1 else ''} "
+                f"from {table} for good: ids {_ids_text(result.ids, result.count)}; "
+                "recorded in the recovery log (outboxkit admin recovery --kind discard)"
+            )
+        _skipped_text(result.skipped)
+        return EXIT_OK
+
+    return _run(body)(args)
 
 
 # -- purge ---------------------------------------------------------------------------
@@ -547,8 +665,11 @@ def _purge(args: argparse.Namespace) -> int:
         pause = parse_duration(args.pause)
     except ValueError as exc:
         raise ConfigError(f"invalid --pause: {exc} (got {args.pause!r})") from None
-    if pause < 0:
-        raise ConfigError(f"invalid --pause: must be >= 0 (got {args.pause!r})")
+    if not 0 <= pause <= _MAX_PAUSE_S:
+        raise ConfigError(
+            f"invalid --pause: must be between 0 and {_MAX_PAUSE_S:g} s, or the purge holds "
+            f"for hours between batches (got {args.pause!r})"
+        )
 
     def body(settings: AdminSettings, engine: sa.Engine) -> int:
         if args.dry_run:

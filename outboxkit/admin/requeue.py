@@ -37,7 +37,15 @@ from outboxkit.runtime.errors import ConfigError
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
 
-__all__ = ["RequeueResult", "Selection", "Skipped", "UnknownRowError", "requeue"]
+__all__ = [
+    "RequeueResult",
+    "Selection",
+    "Skipped",
+    "UnknownRowError",
+    "named_rows_left_alone",
+    "requeue",
+    "selection_filters",
+]
 
 #: Rows per transaction: short lock times, bounded statement size.
 DEFAULT_CHUNK = 500
@@ -168,8 +176,8 @@ def requeue(
     result = RequeueResult(dry_run=dry_run)
     allowed = selection.statuses
     if selection.ids or selection.event_ids:
-        result.skipped.extend(_check_named_rows(engine, t, selection))
-    filters = [*_filters(t, selection), t.c.status.in_(allowed)]
+        result.skipped.extend(named_rows_left_alone(engine, t, selection, allowed, "requeued"))
+    filters = [*selection_filters(t, selection), t.c.status.in_(allowed)]
     who = node_id or f"admin@{socket.gethostname()}"
     last_id = 0
     while True:
@@ -243,7 +251,7 @@ def requeue(
     return result
 
 
-def _filters(t: sa.Table, s: Selection) -> list[sa.ColumnElement[bool]]:
+def selection_filters(t: sa.Table, s: Selection) -> list[sa.ColumnElement[bool]]:
     out: list[sa.ColumnElement[bool]] = []
     if s.ids:
         out.append(t.c.id.in_(s.ids))
@@ -258,8 +266,11 @@ def _filters(t: sa.Table, s: Selection) -> list[sa.ColumnElement[bool]]:
     return out
 
 
-def _check_named_rows(engine: Engine, t: sa.Table, s: Selection) -> list[Skipped]:
-    """Refuse unknown ids/event ids up front; explain named rows that are not eligible."""
+def named_rows_left_alone(
+    engine: Engine, t: sa.Table, s: Selection, statuses: Sequence[str], done: str
+) -> list[Skipped]:
+    """Refuse unknown ids/event ids up front; explain named rows whose status is not
+    one of ``statuses`` (``done``: what happens to the others, e.g. "requeued")."""
     conds: list[sa.ColumnElement[bool]] = []
     if s.ids:
         conds.append(t.c.id.in_(s.ids))
@@ -279,18 +290,18 @@ def _check_named_rows(engine: Engine, t: sa.Table, s: Selection) -> list[Skipped
         raise UnknownRowError(f"no such row in {t.name}: {shown}; nothing was changed")
     skipped: list[Skipped] = []
     for r in rows:
-        if r.status in s.statuses:
+        if r.status in statuses:
             continue
         if r.status == Status.DELIVERING.value:
             live = r.lease_expires_at is not None and r.lease_expires_at > now
             why = (
-                "delivering: a relay holds its lease; never requeued"
+                f"delivering: a relay holds its lease; never {done}"
                 if live
                 else "delivering with an expired lease: the next relay claim reclaims it"
             )
-        elif r.status == Status.RETRYABLE.value:
+        elif r.status == Status.RETRYABLE.value and done == "requeued":
             why = "retryable: a relay retries it; add --include-retryable to reset its attempts"
         else:
-            why = f"{r.status}: only failed rows are requeued"
+            why = f"{r.status}: only failed rows are {done}"
         skipped.append(Skipped(r.id, r.event_id, why))
     return sorted(skipped, key=lambda sk: sk.id)

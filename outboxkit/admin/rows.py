@@ -127,10 +127,7 @@ def show_row(
         elif name == "payload":
             out["payload"] = printable_bytes(value)
         elif name == "headers":
-            out["headers"] = {
-                k: v if isinstance(v, str) else {"base64": base64.b64encode(v).decode("ascii")}
-                for k, v in decode_headers(value).items()
-            }
+            out["headers"] = _headers_view(value)
         elif isinstance(value, dt.datetime):
             out[name] = format_ts(value)
         else:
@@ -177,3 +174,15 @@ def read_recovery(
             )
         )
     return out
+
+
+def _headers_view(stored: str | None) -> dict[str, Any]:
+    """Headers as the operator should see them; stored text that does not decode
+    (a foreign writer) is shown raw instead of failing the whole ``show``."""
+    try:
+        return {
+            k: v if isinstance(v, str) else {"base64": base64.b64encode(v).decode("ascii")}
+            for k, v in decode_headers(stored).items()
+        }
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        return {"undecodable": str(stored), "error": f"{type(exc).__name__}: {exc}"[:200]}

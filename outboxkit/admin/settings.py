@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from outboxkit.runtime.settings import optional_url, setting
+from outboxkit.runtime.settings import setting, valid_database_url, valid_redis_url
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
 __all__ = ["AdminSettings"]
@@ -16,12 +16,12 @@ class AdminSettings:
 
     db_url: str = setting(
         help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db",
-        validate=optional_url,
+        validate=valid_database_url,
     )
     table: str = setting(DEFAULT_TABLE, help="outbox table name", validate=identifier_problem)
     redis_url: str | None = setting(
         None,
         help="Redis URL of the relays' shard leases (status shows shard owners)",
-        validate=optional_url,
+        validate=valid_redis_url,
     )
     redis_prefix: str = setting("", help="key prefix the relays use in Redis", default_help="none")

@@ -54,6 +54,10 @@ class TableStatus:
     leases_live: int
     leases_expired: int
     lease_owners: list[LeaseOwner]
+    #: The table's shard count, and undelivered rows whose stored shard is outside
+    #: ``0..shard_count-1`` (another writer's; relays claim them under their key's hash).
+    shard_count: int | None = None
+    shard_out_of_range: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +111,15 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         oldest_undelivered = conn.execute(
             sa.select(sa.func.min(t.c.created_at)).where(t.c.status.in_(_UNDELIVERED))
         ).scalar()
+        shard_count = read_shard_count(conn, table)
+        shard_out_of_range = int(
+            conn.execute(
+                sa.select(sa.func.count()).where(
+                    t.c.status.in_(_UNDELIVERED),
+                    sa.or_(t.c.shard < 0, t.c.shard >= shard_count),
+                )
+            ).scalar_one()
+        )
         expired = t.c.lease_expires_at <= db_now()
         owners = [
             LeaseOwner(owner=str(owner), live=int(live or 0), expired=int(exp or 0))
@@ -131,6 +144,8 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         leases_live=sum(o.live for o in owners),
         leases_expired=sum(o.expired for o in owners),
         lease_owners=owners,
+        shard_count=shard_count,
+        shard_out_of_range=shard_out_of_range,
     )
 
 

@@ -10,9 +10,14 @@ from typing import Any
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_OK
 from outboxkit.runtime.logs import redact
-from outboxkit.runtime.settings import parse_duration
+from outboxkit.runtime.settings import parse_duration, valid_database_url, valid_redis_url
+from outboxkit.writer import validate_topic
 
 __all__ = ["register"]
+
+#: A laptop demo: more relays or a higher rate only measures the laptop.
+_MAX_RELAYS = 16
+_MAX_RATE = 100_000.0
 
 
 def register(sub: Any) -> None:
@@ -58,8 +63,21 @@ def _demo(args: argparse.Namespace) -> int:
         settle = parse_duration(args.settle_timeout)
     except ValueError as exc:
         raise ConfigError(f"invalid --duration or --settle-timeout: {exc}") from None
-    if duration <= 0 or args.rate <= 0 or args.relays < 1 or settle <= 0:
-        raise ConfigError("--duration, --rate, --settle-timeout must be > 0 and --relays >= 1")
+    if duration <= 0 or settle <= 0:
+        raise ConfigError("invalid --duration or --settle-timeout: must be > 0")
+    if not 0 < args.rate <= _MAX_RATE:  # also refuses nan
+        raise ConfigError(f"invalid --rate: must be > 0 and at most {_MAX_RATE:g} orders/s")
+    if not 1 <= args.relays <= _MAX_RELAYS:
+        raise ConfigError(f"invalid --relays: must be between 1 and {_MAX_RELAYS}")
+    try:
+        validate_topic(args.topic)
+    except ValueError as exc:
+        raise ConfigError(f"invalid --topic: {exc}") from None
+    for flag, url in (("--db-url", args.db_url), ("--redis-url", args.redis_url)):
+        check = valid_database_url if flag == "--db-url" else valid_redis_url
+        problem = check(url)
+        if problem:
+            raise ConfigError(f"invalid {flag}: {problem}")
     try:
         summary = run_demo(
             DemoOptions(

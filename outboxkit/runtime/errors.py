@@ -8,6 +8,7 @@ will not, so retry policies can be written as
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import TracebackType
 
 __all__ = [
     "ConfigError",
@@ -15,6 +16,7 @@ __all__ = [
     "OutboxError",
     "PermanentError",
     "TransientError",
+    "is_infrastructure_error",
 ]
 
 
@@ -46,3 +48,58 @@ class ConfigError(OutboxError, ValueError):
 
 class DependencyError(TransientError):
     """A dependency is unreachable: database, Kafka, Redis, or a port already in use."""
+
+
+# DB-API (PEP 249) classes that mean "the connection, not the statement": every
+# driver names them so, wrapped by SQLAlchemy or not.
+_DBAPI_CONNECTION_ERRORS = frozenset({"OperationalError", "InterfaceError"})
+# Code that only runs while a connection is being made, checked out or pinged. A
+# driver may raise anything there; PyMySQL raises a bare RuntimeError when a
+# caching_sha2_password login needs `cryptography` and it is missing (MySQL 8's
+# default authentication, after a server restart empties its cache), and
+# SQLAlchemy does not wrap it.
+_CONNECTING_MODULES = ("sqlalchemy.pool", "pymysql._auth")
+_CONNECTING_FUNCTIONS = frozenset(
+    {
+        ("pymysql.connections", "connect"),
+        ("pymysql.connections", "_request_authentication"),
+        ("psycopg.connection", "connect"),
+    }
+)
+
+
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """Is ``exc`` a dependency's failure (cannot connect, cannot log in, server gone)?
+
+    True for :class:`DependencyError`, for DB-API ``OperationalError`` /
+    ``InterfaceError`` (wrapped by SQLAlchemy or raw from the driver), for
+    SQLAlchemy's ``DisconnectionError``, pool ``TimeoutError`` and errors that
+    invalidated the connection, and for **any** exception raised while a
+    database connection was being established, checked out or pinged (the
+    traceback passes through SQLAlchemy's pool or the driver's connect code).
+    Such an error is never the fault of the message or row being worked on.
+    """
+    if isinstance(exc, DependencyError):
+        return True
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _DBAPI_CONNECTION_ERRORS and type(exc).__module__ != "builtins":
+        return True
+    if type(exc).__module__.startswith("sqlalchemy") and (
+        names & {"DisconnectionError", "TimeoutError"}
+        or getattr(exc, "connection_invalidated", False)
+    ):
+        return True
+    return _raised_while_connecting(exc.__traceback__)
+
+
+def _raised_while_connecting(tb: TracebackType | None) -> bool:
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        module = str(tb.tb_frame.f_globals.get("__name__", ""))
+        if (
+            module.startswith(_CONNECTING_MODULES)
+            or (module, code.co_name) in _CONNECTING_FUNCTIONS
+        ):
+            return True
+        tb = tb.tb_next
+    return False

@@ -9,6 +9,14 @@
 * ``GET /metrics``: Prometheus text exposition of the given registry.
 
 Requests are not logged (probes every few seconds would be chatter).
+
+Each connection is served by its own thread. The listen queue holds
+``LISTEN_BACKLOG`` connections (capped by the kernel's ``somaxconn``): with a
+short queue a burst of probes overflows it, and a dropped connection attempt
+is only repeated by the client after 1 s, Kubernetes' default probe timeout. A
+connection that sends no complete request within ``idle_timeout`` seconds
+(default 5) is closed without an answer, so idle or half-open connections do
+not hold a thread forever.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -28,7 +37,12 @@ from outboxkit.runtime.errors import DependencyError
 from outboxkit.runtime.lifecycle import Lifecycle, State
 from outboxkit.runtime.logs import log_event, redact, sanitize
 
-__all__ = ["HealthServer"]
+__all__ = ["DEFAULT_IDLE_TIMEOUT", "LISTEN_BACKLOG", "HealthServer"]
+
+#: Connections the listen queue holds; the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = max(128, socket.SOMAXCONN)
+#: Seconds a connection may stay without a complete request (or between requests).
+DEFAULT_IDLE_TIMEOUT = 5.0
 
 _log = logging.getLogger("outboxkit.runtime.health")
 
@@ -38,6 +52,7 @@ class _Server(ThreadingHTTPServer):
     # Rebind at once after a restart (sockets in TIME_WAIT); on Linux a second
     # listener on the same port is still refused, so "port in use" is detected.
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
     health: HealthServer
 
 
@@ -45,6 +60,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "outboxkit"
     sys_version = ""
+
+    def setup(self) -> None:
+        # The socket timeout covers every read: a client that sends nothing, or
+        # half a request, gets the connection closed (handle_one_request stops).
+        super().setup()
+        self.connection.settimeout(self.server.health.idle_timeout)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: no per-request lines
@@ -106,8 +127,12 @@ class HealthServer:
         port: int = 8080,
         registry: CollectorRegistry,
         details: Callable[[], dict[str, object]] | None = None,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     ) -> None:
+        if not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be > 0, got {idle_timeout!r}")
         self.lifecycle = lifecycle
+        self.idle_timeout = idle_timeout
         self.host = host
         self._port = port
         self.registry = registry

@@ -11,10 +11,21 @@ Records made with :func:`log_event` carry an event name and fields; plain
 ``logger.info("text")`` records get ``"event": "log"`` and ``"msg"``.
 
 Secrets never reach the output: every string (message, field values, field
-names, formatted tracebacks) passes through :func:`redact`, which hides URL
-passwords, ``password=...``-style pairs, bearer tokens, and every literal
-registered with :func:`register_secret`. Redaction is applied to values before
-JSON encoding, so the output always stays valid JSON.
+names, formatted tracebacks) passes through :func:`redact`, which hides secrets
+where they occur *as secrets*: the password of a URL (``scheme://user:***@host``),
+the value of a ``password=...``-style pair or of a field or mapping key that
+names a secret (:func:`is_secret_key`, including every librdkafka property that
+holds key material or credentials), bearer tokens, and PEM private keys.
+Redaction is applied to values before JSON encoding, so the output always stays
+valid JSON.
+
+Secrets registered with :func:`register_secret` (DSN passwords, SASL secrets)
+are also hidden wherever they appear verbatim, but only when they are at least
+:data:`MIN_SECRET_LENGTH` characters long: a short secret such as ``outboxkit``
+or ``x`` also occurs in ordinary words, and masking it there garbles every line
+(``"***-relay"``, ``"stopp***d"``) while the masked spots reveal it by context.
+A shorter secret is hidden in the contexts above only, and
+:func:`configure_logging` logs a ``secret-too-short`` warning naming the setting.
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ from collections.abc import Mapping
 from typing import TextIO
 from urllib.parse import quote, unquote, urlsplit
 
+from outboxkit.runtime.kafkaconf import SENSITIVE_KAFKA_PROPERTIES
+
 __all__ = [
+    "MIN_SECRET_LENGTH",
     "JsonFormatter",
     "configure_logging",
     "flush_logging",
@@ -43,16 +57,20 @@ __all__ = [
 ]
 
 MASK = "***"
+#: Registered secrets shorter than this are masked in context only (see the module doc).
+MIN_SECRET_LENGTH = 12
 
 # Field or key names whose values are secrets as a whole, wherever they appear:
 # password, passwd, sasl.password, ssl.key.password, sasl.oauthbearer.client.secret,
 # api_key, token, authorization, credentials, private_key ...
 _SENSITIVE_NAME = (
     r"[A-Za-z0-9_.\-]*?"
-    r"(?:pass(?:word|wd)|secret|token|api[_.\-]?key|authorization|credentials?|private[_.\-]?key)"
+    r"(?:pass(?:word|wd|phrase)|secret|token|api[_.\-]?key|authorization|credentials?"
+    r"|private[_.\-]?key|key[_.\-]pem|ssl[_.\-]key|sasl[_.\-]username"
+    r"|oauthbearer[_.\-](?:config|extensions)|ssl[_.\-]ca[_.\-]pem|client[_.\-]key)"
     r"[A-Za-z0-9_.\-]*"
 )
-_SENSITIVE_NAME_RE = re.compile(rf"^{_SENSITIVE_NAME}$", re.IGNORECASE)
+_SENSITIVE_NAME_RE = re.compile(_SENSITIVE_NAME, re.IGNORECASE)
 
 # scheme://user:password@host  (the password may itself contain '@'; the host part
 # after the last '@' must end at '/', '?', '#', whitespace, a quote or the end).
@@ -71,19 +89,35 @@ _PAIR_RE = re.compile(
 # Authorization: Bearer <token> / Basic <b64>
 _AUTH_SCHEME_RE = re.compile(r"\b(?P<scheme>Bearer|Basic)\s+(?!\*\*\*)[A-Za-z0-9._~+/=\-]+")
 
+# A PEM private key (ssl.key.pem, a key in an error text), to its END line or the
+# end of the text when it was cut.
+_PEM_KEY_RE = re.compile(
+    r"-----BEGIN (?P<kind>[A-Z0-9 ]*PRIVATE KEY)-----.*?(?:-----END (?P=kind)-----|\Z)",
+    re.DOTALL,
+)
+
 _secrets_lock = threading.Lock()
 _secrets: frozenset[str] = frozenset()
 _secret_re: re.Pattern[str] | None = None
+# Where short secrets came from (a setting's names), for the start-up warning.
+_short_sources: dict[str, None] = {}
+_short_warned: set[str] = set()
 
 
-def register_secret(value: str) -> None:
-    """Hide ``value`` (and its URL-encoded form) in every log line from now on.
+def register_secret(value: str, *, source: str | None = None) -> None:
+    """Hide ``value`` (and its URL-encoded forms) verbatim in every log line from now on.
 
-    Settings call this at load time for DSN passwords and SASL secrets.
-    Empty values are ignored.
+    Settings call this at load time for DSN passwords and SASL secrets, with
+    ``source`` naming the setting. Empty values are ignored. A value shorter than
+    :data:`MIN_SECRET_LENGTH` is not masked verbatim (it would garble ordinary
+    words); it is remembered for the ``secret-too-short`` warning instead.
     """
     global _secrets, _secret_re
     if not value or value == MASK:
+        return
+    if len(value) < MIN_SECRET_LENGTH:
+        with _secrets_lock:
+            _short_sources[source or "a secret"] = None
         return
     forms = {value, quote(value, safe=""), quote(value, safe="~!$&'()*+,;=:"), unquote(value)}
     forms.discard("")
@@ -103,6 +137,8 @@ def _clear_secrets_for_tests() -> None:
     with _secrets_lock:
         _secrets = frozenset()
         _secret_re = None
+        _short_sources.clear()
+        _short_warned.clear()
 
 
 def _pair_sub(m: re.Match[str]) -> str:
@@ -120,6 +156,7 @@ def redact(text: str) -> str:
     pattern = _secret_re
     if pattern is not None:
         text = pattern.sub(MASK, text)
+    text = _PEM_KEY_RE.sub(MASK, text)
     text = _URL_CRED_RE.sub(lambda m: f"{m.group('pre')}:{MASK}@", text)
     # Before key=value pairs: "Authorization: Bearer abc" must lose "abc", not "Bearer".
     text = _AUTH_SCHEME_RE.sub(lambda m: f"{m.group('scheme')} {MASK}", text)
@@ -146,8 +183,16 @@ def redact_url(url: str) -> str:
 
 
 def is_secret_key(name: str) -> bool:
-    """True when a field or property name denotes a secret (``sasl.password``, ``token``...)."""
-    return bool(_SENSITIVE_NAME_RE.match(name))
+    """True when a field or property name denotes a secret: ``sasl.password``,
+    ``token``, ``ssl.key.pem``, any name in
+    :data:`~outboxkit.runtime.kafkaconf.SENSITIVE_KAFKA_PROPERTIES` (also spelt with
+    ``_``)..."""
+    lowered = name.strip().lower()
+    if lowered in SENSITIVE_KAFKA_PROPERTIES or lowered.replace("_", ".") in (
+        SENSITIVE_KAFKA_PROPERTIES
+    ):
+        return True
+    return bool(_SENSITIVE_NAME_RE.fullmatch(name))
 
 
 def sanitize(value: object, *, _depth: int = 0) -> object:
@@ -284,6 +329,24 @@ def configure_logging(
     handler.setFormatter(JsonFormatter(service=service, node_id=node_id))
     root.addHandler(handler)
     root.setLevel(name)
+    _warn_short_secrets()
+
+
+def _warn_short_secrets() -> None:
+    """One warning per setting whose secret is too short to be masked verbatim."""
+    with _secrets_lock:
+        sources = [s for s in _short_sources if s not in _short_warned]
+        _short_warned.update(sources)
+    for source in sources:
+        log_event(
+            logging.getLogger("outboxkit.settings"),
+            "secret-too-short",
+            level=logging.WARNING,
+            setting=source,
+            min_length=MIN_SECRET_LENGTH,
+            detail="masked only where it appears as a secret (URL password, key=value, "
+            "named field), not in free text; use a longer, random secret",
+        )
 
 
 def flush_logging() -> None:

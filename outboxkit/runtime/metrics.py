@@ -3,22 +3,43 @@
 A process that is gone cannot be scraped, so the numbers that matter after
 exit (rows left leased, forced shutdowns) are pushed to a Prometheus
 Pushgateway when one is configured.
+
+The push convention, the same for every process (the alert rules in
+``deploy/prometheus/rules`` select on it):
+
+* job ``outboxkit_<component>`` (``outboxkit_relay``, ``outboxkit_consumer``):
+  the underscore keeps pushed series apart from the scrape jobs
+  (``outboxkit-relay``, ``outboxkit-consumer``) the live-value rules select;
+* one group per process, keyed ``instance=<node id>`` only;
+* only *exit* metrics (:func:`push_exit_metrics`): values that describe how the
+  process ended. Never a gauge of live state (lag, backlog, paused topics): the
+  Pushgateway keeps a group forever, so a pushed live gauge would report the
+  moment of exit as if it were now, and an alert on it would never resolve.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client import Enum as EnumMetric
 from prometheus_client.exposition import default_handler, push_to_gateway
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from outboxkit.runtime.logs import log_event, redact, redact_url, register_secret
 
-__all__ = ["STATES", "ServiceMetrics", "push_metrics"]
+__all__ = [
+    "PUSH_JOB_PREFIX",
+    "STATES",
+    "ServiceMetrics",
+    "push_exit_metrics",
+    "push_job",
+    "push_metrics",
+]
 
 STATES = ("starting", "running", "draining", "stopped")
 
@@ -65,6 +86,52 @@ class ServiceMetrics:
             registry=registry,
         )
         self.state.state("starting")
+
+    def exit_metrics(self) -> tuple[Collector, ...]:
+        """What every process pushes at exit: forced shutdowns and the drain's duration."""
+        return (self.forced_shutdowns, self.shutdown_duration)
+
+
+#: Pushgateway jobs are ``outboxkit_<component>``; see the module docstring.
+PUSH_JOB_PREFIX = "outboxkit_"
+
+
+def push_job(component: str) -> str:
+    """The Pushgateway job of a ``component`` (``relay``, ``consumer``)."""
+    return f"{PUSH_JOB_PREFIX}{component}"
+
+
+class _Selected(Collector):
+    """Exposes only the given metrics of a process's registry, for the exit push."""
+
+    def __init__(self, metrics: Iterable[Collector]) -> None:
+        self._metrics = tuple(metrics)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield from metric.collect()
+
+
+def push_exit_metrics(
+    url: str,
+    *,
+    component: str,
+    node_id: str,
+    metrics: Iterable[Collector],
+    timeout: float = 5.0,
+) -> bool:
+    """Push ``metrics`` (exit metrics only) as job ``outboxkit_<component>``,
+    group ``instance=<node_id>``; replaces that group. Never raises (see
+    :func:`push_metrics`)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Selected(metrics))
+    return push_metrics(
+        url,
+        job=push_job(component),
+        grouping_key={"instance": node_id},
+        registry=registry,
+        timeout=timeout,
+    )
 
 
 def _auth_handler(username: str, password: str) -> Callable[..., Callable[[], None]]:

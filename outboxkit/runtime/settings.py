@@ -19,8 +19,8 @@ Parsers by annotation:
 * ``tuple[str, ...]`` (comma-separated).
 
 An empty environment variable counts as unset. Secrets (fields marked
-``secret=True``, the password of any URL value, ``kafka_config`` values whose
-key contains ``password`` or ``secret``) are registered with
+``secret=True``, the password of any URL value, ``kafka_config`` values of
+properties that hold key material or credentials) are registered with
 :func:`outboxkit.runtime.logs.register_secret` when loaded, so they never appear
 in a log line, and :func:`describe` masks them.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import re
 import secrets
@@ -51,11 +52,14 @@ from outboxkit.runtime.logs import (
 
 __all__ = [
     "ENV_PREFIX",
+    "MAX_DURATION_S",
+    "MAX_INT",
     "MISSING",
     "RuntimeSettings",
     "SettingSpec",
     "add_arguments",
     "at_least_one",
+    "at_most",
     "default_node_id",
     "describe",
     "env_name",
@@ -68,6 +72,9 @@ __all__ = [
     "port_number",
     "positive",
     "setting",
+    "valid_database_url",
+    "valid_http_url",
+    "valid_redis_url",
 ]
 
 T = TypeVar("T")
@@ -182,19 +189,35 @@ def env_name(field_name: str) -> str:
 # -- parsers ---------------------------------------------------------------
 
 _DURATION_RE = re.compile(
-    r"^\s*(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>ms|s|m|h)?\s*$"
+    r"\s*(?P<num>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(?P<unit>ms|s|m|h)?\s*",
+    re.ASCII,
 )
 _UNIT_SECONDS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
 _TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
 _FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
 
 
+#: Longest duration any setting accepts (7 days): every wait, sleep and lease the
+#: settings drive stays well inside what threads, timers and SQL intervals take.
+MAX_DURATION_S = 7 * 86400.0
+#: Largest integer setting: MySQL's signed INT, which bounds row counts and LIMITs.
+MAX_INT = 2**31 - 1
+_INT_RE = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)
+
+
 def parse_duration(text: str) -> float:
-    """Seconds as float: ``"1.5"``, ``"500ms"``, ``"2s"``, ``"1m"``, ``"1h"``."""
-    m = _DURATION_RE.match(text)
+    """Seconds as float: ``"1.5"``, ``"500ms"``, ``"2s"``, ``"1m"``, ``"1h"``.
+
+    Refuses what no timer can honour: ``inf``/``1e999``, and anything above
+    :data:`MAX_DURATION_S`.
+    """
+    m = _DURATION_RE.fullmatch(text)
     if not m:
         raise ValueError("must be a number of seconds or a duration like 500ms, 2s, 1m")
-    return float(m.group("num")) * _UNIT_SECONDS[m.group("unit")]
+    seconds = float(m.group("num")) * _UNIT_SECONDS[m.group("unit")]
+    if not math.isfinite(seconds) or abs(seconds) > MAX_DURATION_S:
+        raise ValueError(f"must be at most {MAX_DURATION_S:g} s (7 days)")
+    return seconds
 
 
 def parse_bool(text: str) -> bool:
@@ -207,10 +230,13 @@ def parse_bool(text: str) -> bool:
 
 
 def _parse_int(text: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ValueError("must be an integer") from None
+    # ASCII digits only: int() also takes '١٢' and '1_000'.
+    if not _INT_RE.fullmatch(text):
+        raise ValueError("must be an integer")
+    value = int(text)
+    if abs(value) > MAX_INT:
+        raise ValueError(f"must be at most {MAX_INT}")
+    return value
 
 
 def _parse_str(text: str) -> str:
@@ -266,13 +292,90 @@ def at_least_one(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
+def at_most(limit: float) -> Callable[[float], str | None]:
+    """Validator: ``value <= limit``."""
+
+    def check(value: float) -> str | None:
+        return None if value <= limit else f"must be at most {limit:g}"
+
+    return check
+
+
+_HOST_RE = re.compile(r"[A-Za-z0-9_.\-]*|\[[0-9A-Fa-f:.]+\]", re.ASCII)
+_ENCODE_HINT = "percent-encode @ : / ? # in the user name and password (%40 %3A %2F %3F %23)"
+
+
+def _url_parts_problem(value: str, schemes: tuple[str, ...] | None) -> str | None:
+    """Scheme, host and port of a URL; the messages never repeat the URL (a password)."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        return f"the port must be a number between 0 and 65535, or {_ENCODE_HINT}"
+    if not parts.scheme or not parts.netloc:
+        return "must be a URL like scheme://user:password@host:port/path"
+    if schemes is not None and parts.scheme.lower() not in schemes:
+        return f"unknown scheme {parts.scheme!r}: use {', '.join(schemes)}"
+    host = parts.netloc.rpartition("@")[2]
+    if port is not None:
+        host = host[: host.rfind(":")]
+    if not _HOST_RE.fullmatch(host):
+        return f"the host part is not a host name: {_ENCODE_HINT}"
+    return None
+
+
 def optional_url(value: str | None) -> str | None:
     if value is None:
         return None
-    parts = urlsplit(value)
-    if not parts.scheme or not parts.netloc:
-        return "must be a URL like scheme://user:password@host:port/path"
+    return _url_parts_problem(value, None)
+
+
+def valid_database_url(value: str | None) -> str | None:
+    """A SQLAlchemy URL whose dialect and driver are installed, with a plain host.
+
+    An unencoded ``@`` in the password makes SQLAlchemy take the rest of the
+    password for the host (and print it in errors); that is refused here with
+    a message that never repeats the URL.
+    """
+    if value is None:
+        return None
+    import sqlalchemy as sa
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        url = sa.make_url(value)
+    except ValueError:  # a port that is not a number
+        return f"the port must be a number between 0 and 65535, or {_ENCODE_HINT}"
+    except ArgumentError:
+        return f"not a SQLAlchemy URL like mysql+pymysql://user:pw@host:3306/db; {_ENCODE_HINT}"
+    if url.host is not None and not _HOST_RE.fullmatch(url.host):
+        return f"the host part is not a host name: {_ENCODE_HINT}"
+    if url.port is not None and not 0 <= url.port <= 65535:
+        return "the port must be a number between 0 and 65535"
+    try:
+        dialect = url.get_dialect()
+    except NoSuchModuleError:
+        return (
+            f"unknown database scheme {url.drivername!r} "
+            "(e.g. mysql+pymysql, postgresql+psycopg, sqlite)"
+        )
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        return f"the driver of {url.drivername!r} is not installed ({exc.name or exc})"
     return None
+
+
+def valid_redis_url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return _url_parts_problem(value, ("redis", "rediss", "unix"))
+
+
+def valid_http_url(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return _url_parts_problem(value, ("http", "https"))
 
 
 # -- field analysis ----------------------------------------------------------
@@ -419,10 +522,14 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls: type[Any]) -> None
 def _shown(f: _Field, raw: object) -> str:
     if f.spec.secret:
         return MASK
+    if f.name.endswith("url"):
+        # A URL that failed to parse may carry a password where no pattern finds it.
+        text = str(raw)
+        return redact_url(text) if "://" in text else MASK
     return redact(str(raw))
 
 
-def _register_url_password(value: str) -> None:
+def _register_url_password(value: str, source: str) -> None:
     if "://" not in value:
         return
     try:
@@ -430,36 +537,50 @@ def _register_url_password(value: str) -> None:
     except ValueError:
         return
     if password:
-        register_secret(password)
-        register_secret(unquote(password))
+        register_secret(password, source=f"{source} (URL password)")
+        register_secret(unquote(password), source=f"{source} (URL password)")
+
+
+# Sensitive but not secret as a literal: masked in fields, never hunted in free text.
+_NOT_LITERAL = frozenset({"sasl.username"})
 
 
 def _register_secrets(f: _Field, value: object) -> None:
     if value is None:
         return
+    source = f"{f.flag} / {f.env}"
     if f.spec.secret:
         if isinstance(value, Mapping):
             for v in value.values():
-                register_secret(str(v))
+                register_secret(str(v), source=source)
         elif isinstance(value, tuple | list):
             for v in value:
-                register_secret(str(v))
+                register_secret(str(v), source=source)
         else:
-            register_secret(str(value))
+            register_secret(str(value), source=source)
         return
     if isinstance(value, str):
-        _register_url_password(value)
+        _register_url_password(value, source)
     elif isinstance(value, Mapping):
         for k, v in value.items():
-            key = str(k).lower()
-            if "password" in key or "secret" in key or is_secret_key(str(k)):
-                register_secret(str(v))
+            if is_secret_key(str(k)):
+                if str(k).lower() not in _NOT_LITERAL:
+                    register_secret(str(v), source=f"{source} {k}")
             elif isinstance(v, str):
-                _register_url_password(v)
+                _register_url_password(v, f"{source} {k}")
     elif isinstance(value, tuple | list):
         for v in value:
             if isinstance(v, str):
-                _register_url_password(v)
+                _register_url_password(v, source)
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text decoded from invalid bytes (``surrogateescape``) or with NUL."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
 
 
 def _check(f: _Field, value: Any) -> None:
@@ -477,6 +598,12 @@ def _load_field(
     where = f"{f.flag} / {f.env}"
     if f.kind == "dict":
         if flag_raw is None and env_raw is None:
+            return
+        texts = [env_raw] if env_raw is not None else []
+        if flag_raw is not None:
+            texts += [flag_raw] if isinstance(flag_raw, str) else [str(x) for x in flag_raw]  # type: ignore[attr-defined]
+        if not all(_is_utf8(t) for t in texts):
+            errors.append(f"invalid {where}: not valid UTF-8 text")
             return
         merged: dict[str, str] = dict(f.default() or {})
         raw: object = env_raw
@@ -498,13 +625,16 @@ def _load_field(
         return
 
     raw = flag_raw if flag_raw is not None else env_raw
+    if isinstance(raw, str) and not _is_utf8(raw):
+        errors.append(f"invalid {where}: not valid UTF-8 text")
+        return
     if raw is None:
         if not f.has_default():
             help_ = f" ({f.spec.help})" if f.spec.help else ""
             errors.append(f"missing {where}: required{help_}")
         return
     if f.spec.secret and isinstance(raw, str):
-        register_secret(raw)
+        register_secret(raw, source=where)
     try:
         if isinstance(raw, bool) and f.kind == "bool":
             value: Any = raw
@@ -590,6 +720,16 @@ def _non_empty(value: str) -> str | None:
     return None if value.strip() else "must not be empty"
 
 
+#: The node id is stored as a row's lease owner (VARCHAR(255)).
+MAX_NODE_ID_LENGTH = 255
+
+
+def _node_id(value: str) -> str | None:
+    if len(value) > MAX_NODE_ID_LENGTH:
+        return f"must be at most {MAX_NODE_ID_LENGTH} characters (it is stored as lease owner)"
+    return _non_empty(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RuntimeSettings:
     """Settings every outboxkit process has; components inherit and add their own.
@@ -606,7 +746,7 @@ class RuntimeSettings:
         default_factory=default_node_id,
         help="identity of this process in logs, leases and metrics",
         default_help="<hostname>-<pid>-<4 hex>",
-        validate=_non_empty,
+        validate=_node_id,
     )
     health_host: str = setting("127.0.0.1", help="address of the health/metrics HTTP server")
     health_port: int = setting(
@@ -621,7 +761,9 @@ class RuntimeSettings:
         validate=positive,
     )
     pushgateway_url: str | None = setting(
-        None, help="Prometheus Pushgateway that receives the final metrics at exit"
+        None,
+        help="Prometheus Pushgateway that receives the final metrics at exit",
+        validate=valid_http_url,
     )
     kafka_bootstrap: str | None = setting(None, help="Kafka bootstrap servers, host:port,...")
     # RUF009 cannot know that setting() returns a dataclasses.field.
@@ -632,12 +774,12 @@ class RuntimeSettings:
     db_url: str | None = setting(
         None,
         help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db",
-        validate=optional_url,
+        validate=valid_database_url,
     )
     redis_url: str | None = setting(
         None,
         help="Redis URL for shard leases and wake-ups, e.g. redis://host:6379/0",
-        validate=optional_url,
+        validate=valid_redis_url,
     )
 
     def validate(self) -> list[str]:

@@ -19,7 +19,7 @@ from outboxkit.schema import record_recovery
 
 pytestmark = pytest.mark.integration
 
-SUBCOMMANDS = ["status", "failed", "show", "requeue", "purge", "recovery"]
+SUBCOMMANDS = ["status", "failed", "show", "requeue", "discard", "purge", "recovery"]
 
 
 @pytest.mark.unit

@@ -237,3 +237,29 @@ def test_a_row_claimed_while_requeue_runs_stays_with_the_relay(
     assert [s.id for s in result.skipped] == [row_id]
     row = read_rows([row_id])[row_id]
     assert (row.status, row.lease_owner, row.lease_token) == ("delivering", "relay-b", "b" * 32)
+
+
+def test_requeue_and_show_match_topics_and_event_ids_byte_for_byte(
+    make_rows: Any, read_rows: ReadRows, admin: Any
+) -> None:
+    """Topics and event ids are case-sensitive: ``ORDERS`` is not ``orders``."""
+    lower = make_rows(2, status="failed", topic="orders")
+    upper = make_rows(2, status="failed", topic="ORDERS")
+    [named] = make_rows(1, status="failed", topic="orders", event_id="order-1")
+
+    res = admin("requeue", "--topic", "ORDERS")
+
+    assert res.code == 0, res.err
+    assert {i: r.status for i, r in read_rows().items()} == {
+        **dict.fromkeys([*lower, named], "failed"),
+        **dict.fromkeys(upper, "pending"),
+    }
+    missing = admin("requeue", "--event-id", "Order-1")
+    assert missing.code == 2
+    assert "no such row in outbox_events: Order-1" in missing.err
+    shown = admin("show", "Order-1")
+    assert shown.code == 2
+    assert "no event with event_id 'Order-1'" in shown.err
+    assert "order-1" in admin("show", "order-1").out
+    assert admin("requeue", "--event-id", "order-1").code == 0
+    assert read_rows([named])[named].status == "pending"

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.waiting import bound
 
 from outboxkit.schema import outbox_table
 
@@ -63,7 +64,7 @@ def relay(db_url: str, kafka_bootstrap: str, tmp_path: Path) -> Iterator[subproc
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + bound(timeout)
     while not check():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")

@@ -55,3 +55,18 @@ class Sleepy(Consumer):
 
 class NotAConsumer:
     pass
+
+
+class ReadsHeaders(Consumer):
+    """Reads every header and the event id of each message; logs ``handled`` with them."""
+
+    def handle(self, message: Message) -> None:
+        names = [name for name, _ in message.headers]
+        log_event(
+            log,
+            "handled",
+            partition=message.partition,
+            offset=message.offset,
+            event_id=message.event_id,
+            headers=names,
+        )

@@ -12,6 +12,7 @@ from typing import Any
 
 from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka import Producer, TopicPartition
+from support import waiting
 
 FAST_GROUP = {
     "session.timeout.ms": "6000",
@@ -128,14 +129,7 @@ def headers_of(msg: Any) -> dict[str, str]:
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
-        time.sleep(interval)
+    return waiting.wait_for(predicate, timeout=timeout, interval=interval, what=what)
 
 
 def offsets_all_below(offsets: dict[int, int], done: dict[int, set[int]]) -> list[str]:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from support.waiting import bound
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -59,7 +61,7 @@ class ConsumerProcess:
         timeout: float,
         where: Callable[[dict[str, Any]], bool] = lambda r: True,
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + bound(timeout)
         while time.monotonic() < deadline:
             for record in self.events(name):
                 if where(record):
@@ -80,7 +82,7 @@ class ConsumerProcess:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
+        code = self.proc.wait(bound(timeout))
         self._reader.join(5)
         return code
 

@@ -171,9 +171,12 @@ def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
     # The process is gone; its last numbers are not.
     with urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5) as resp:  # noqa: S310
         text = resp.read().decode()
+    node_id = record["node_id"]
     lines = [
         line
         for line in text.splitlines()
-        if line.startswith("worker_shutdown_released_messages{") and f"svc-{topic}" in line
+        if line.startswith("worker_shutdown_released_messages{")
+        and f'instance="{node_id}"' in line
+        and 'job="outboxkit_consumer"' in line
     ]
     assert len(lines) == 1 and lines[0].endswith(" 1"), lines

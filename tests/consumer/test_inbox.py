@@ -8,10 +8,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from consumer_apps import effects
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from kafkahelp import committed, produce, wait_for
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
-from outboxkit.consumer.inbox import Inbox
+from outboxkit.consumer.inbox import Inbox, inbox_group_key, inbox_key
 from outboxkit.schema import apply_schema
 
 pytestmark = pytest.mark.integration
@@ -87,8 +90,8 @@ def test_duplicates_are_skipped_failed_attempts_roll_back_and_ids_fall_back(
     assert inbox == [
         (group, "ev-a", 0),
         (group, "ev-b", 2),
-        (group, f"{topic}/0/3", 3),
-        (group, f"{topic}/0/4", 4),
+        (group, f"outboxkit:record:0:3:{topic}", 3),
+        (group, f"outboxkit:record:0:4:{topic}", 4),
     ]
     sample = consumer.registry.get_sample_value
     assert sample("worker_messages_total", {"result": "duplicate"}) == 1
@@ -141,3 +144,215 @@ def test_a_worker_keeps_its_connection_and_hands_it_back_after_a_failure(
     assert pool.checkedout() == 0
     rows = _rows(engine, "SELECT kafka_offset FROM outbox_inbox WHERE group_id = 'g-held'")
     assert sorted(r[0] for r in rows) == [0, 1, 2, 3]
+
+
+# -- identity: exact and unambiguous ---------------------------------------------------
+
+#: Event ids that a case- or accent-insensitive, PAD SPACE, truncating or
+#: replacement-decoding inbox takes for one another.
+_LONG = "L" * 255
+_HOSTILE_IDS: list[bytes] = [
+    b"order-1",
+    b"Order-1",
+    b"cafe",
+    "café".encode(),
+    b"x",
+    b"x ",
+    (_LONG + "1").encode(),
+    (_LONG + "2").encode(),
+    b"\xff",  # not UTF-8: both decode to U+FFFD with errors="replace"
+    b"\xfe",
+]
+
+Coordinates = tuple[str, int, int]
+
+
+def _message(coords: Coordinates, event_id: bytes | None) -> Message:
+    topic, partition, offset = coords
+    headers = [("event_id", event_id)] if event_id is not None else []
+    return Message(
+        topic=topic, partition=partition, offset=offset, key=None, value=b"v", headers=headers
+    )
+
+
+_coordinates = st.tuples(
+    st.sampled_from(["orders", "ORDERS", "Orders"]), st.just(0), st.integers(0, 3)
+)
+
+
+def _fallback_like(coords: Coordinates) -> list[bytes]:
+    """Ids equal to a record's fallback identity, old and new spelling."""
+    topic, partition, offset = coords
+    return [
+        f"{topic}/{partition}/{offset}".encode(),
+        f"outboxkit:record:{partition}:{offset}:{topic}".encode(),
+    ]
+
+
+_event_ids = st.one_of(
+    st.none(),
+    st.sampled_from(_HOSTILE_IDS),
+    _coordinates.flatmap(lambda c: st.sampled_from(_fallback_like(c))),
+    st.binary(min_size=1, max_size=3),
+    st.text(alphabet="aAéE \u0301", min_size=1, max_size=3).map(str.encode),
+)
+
+
+@st.composite
+def _deliveries(draw: st.DrawFn) -> list[tuple[Coordinates, bytes | None]]:
+    """Distinct records (a record is its coordinates), delivered in some order, with repeats."""
+    records = draw(
+        st.lists(
+            st.tuples(_coordinates, _event_ids), min_size=1, max_size=10, unique_by=lambda r: r[0]
+        )
+    )
+    order = draw(st.lists(st.integers(0, len(records) - 1), min_size=1, max_size=20))
+    return [records[i] for i in order]
+
+
+@hypothesis_settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(deliveries=_deliveries(), group=st.sampled_from(["billing", "BILLING", "Billing "]))
+def test_a_record_is_a_duplicate_exactly_when_its_event_was_handled_before(
+    engine: sa.Engine, deliveries: list[tuple[Coordinates, bytes | None]], group: str
+) -> None:
+    """Identity is the event id's bytes, else the record's coordinates, nothing else."""
+    apply_schema(engine, shards=8)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_inbox"))
+    # Another group, whose name differs only in case or a trailing space, handled
+    # every event already: that must not count for this group.
+    other = Inbox(engine, group_id=group.strip().lower(), table="outbox_inbox")
+    if other.group_id != group:
+        for coords, event_id in deliveries:
+            other.run(_message(coords, event_id), lambda m: None)
+        other.release()
+    inbox = Inbox(engine, group_id=group, table="outbox_inbox")
+    seen: set[object] = set()
+    try:
+        for coords, event_id in deliveries:
+            identity: object = event_id if event_id else coords
+            handled: list[Message] = []
+            duplicate = inbox.run(_message(coords, event_id), handled.append)
+            assert duplicate is (identity in seen), (coords, event_id)
+            assert len(handled) == (0 if duplicate else 1)
+            seen.add(identity)
+    finally:
+        inbox.release()
+
+
+def test_a_record_handled_before_the_upgrade_is_still_a_duplicate(engine: sa.Engine) -> None:
+    """Release 1 keyed a record without event id as ``topic/partition/offset``."""
+    apply_schema(engine, shards=8)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_inbox VALUES ('billing', 'orders/0/3', 'orders', 0, 3, "
+                "UTC_TIMESTAMP(6))"
+            )
+        )
+    inbox = Inbox(engine, group_id="billing", table="outbox_inbox")
+    handled: list[Message] = []
+    try:
+        assert inbox.run(_message(("orders", 0, 3), None), handled.append) is True
+        # An event whose id merely spells that key is another event.
+        assert inbox.run(_message(("orders", 0, 4), b"orders/0/3"), handled.append) is False
+        assert inbox.run(_message(("ORDERS", 0, 3), None), handled.append) is False
+        # The old row was re-keyed for it, and still marks its record as handled.
+        assert inbox.run(_message(("orders", 0, 3), None), handled.append) is True
+    finally:
+        inbox.release()
+    assert [(m.topic, m.offset) for m in handled] == [("orders", 4), ("ORDERS", 3)]
+    rows = _rows(engine, "SELECT event_id, topic, kafka_offset FROM outbox_inbox ORDER BY 1")
+    assert rows == [
+        ("orders/0/3", "orders", 4),
+        ("outboxkit:record:0:3:ORDERS", "ORDERS", 3),
+        ("outboxkit:record:0:3:orders", "orders", 3),
+    ]
+
+
+class Recorder(Consumer):
+    """Records which records its handler ran for."""
+
+    def __init__(self, settings: ConsumerSettings, engine: sa.Engine) -> None:
+        super().__init__(settings, engine=engine)
+        self.handled: list[tuple[str, int]] = []
+
+    def handle(self, message: Message) -> None:
+        self.handled.append((message.topic, message.offset))
+
+
+def test_events_that_only_look_alike_are_each_handled_once_on_kafka(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    engine: sa.Engine,
+    run_consumer: Any,
+) -> None:
+    apply_schema(engine, shards=8)
+    lower = kafka_topics(1)
+    upper = kafka_topics(1, name=lower.upper())  # Kafka topic names are case-sensitive
+    records: list[bytes | None] = [
+        None,  # offset 0: fallback identity lower/0/0
+        *_HOSTILE_IDS,
+        f"{lower}/0/0".encode(),  # the old spelling of offset 0's fallback identity
+        f"outboxkit:record:0:0:{lower}".encode(),  # the new one
+        b"order-1",  # a true duplicate of offset 1
+    ]
+    produce(
+        kafka_bootstrap,
+        lower,
+        [{"value": b"v", "headers": [("event_id", r)] if r else []} for r in records],
+    )
+    produce(kafka_bootstrap, upper, [{"value": b"v"}])  # fallback identity LOWER/0/0
+    everything = {(lower, n) for n in range(len(records))} | {(upper, 0)}
+    duplicate = (lower, len(records) - 1)
+
+    for group in (f"g-{lower}", f"G-{lower.upper()}"):  # one group's name is the other's upper case
+        consumer = Recorder(settings(group_id=group, topics=(lower, upper), inbox=True), engine)
+        with run_consumer(consumer) as running:
+            wait_for(
+                lambda g=group: (
+                    committed(kafka_bootstrap, g, lower, 1) == {0: len(records)}
+                    and committed(kafka_bootstrap, g, upper, 1) == {0: 1}
+                ),
+                30,
+                what=f"{group}: every offset committed",
+            )
+            assert running.stop() == 0
+        assert sorted(consumer.handled) == sorted(everything - {duplicate}), group
+        sample = consumer.registry.get_sample_value
+        assert sample("worker_messages_total", {"result": "duplicate"}) == 1, group
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT event_id FROM outbox_inbox")).scalars().all()
+    assert len(keys) == 2 * (len(everything) - 1)
+    assert all(len(k) <= 255 and "\ufffd" not in k for k in keys)
+
+
+_any_topic = st.one_of(st.sampled_from(["orders", "ORDERS"]), st.text(max_size=300))
+_any_record = st.tuples(
+    st.tuples(_any_topic, st.integers(0, 3), st.integers(0, 2**63 - 1)),
+    st.one_of(st.none(), st.sampled_from(_HOSTILE_IDS), st.binary(max_size=300)),
+)
+
+
+@pytest.mark.unit
+@hypothesis_settings(max_examples=500, deadline=None, derandomize=True)
+@given(a=_any_record, b=_any_record, group=st.text(max_size=300))
+def test_inbox_keys_are_equal_only_for_the_same_event_and_always_storable(
+    a: tuple[Coordinates, bytes | None], b: tuple[Coordinates, bytes | None], group: str
+) -> None:
+    def identity(record: tuple[Coordinates, bytes | None]) -> object:
+        coords, event_id = record
+        return event_id if event_id else coords
+
+    ka, kb = inbox_key(_message(*a)), inbox_key(_message(*b))
+    assert (ka == kb) is (identity(a) == identity(b))
+    for key in (ka, kb, inbox_group_key(group)):
+        assert len(key) <= 255 and "\x00" not in key
+        key.encode("utf-8")  # storable: no lone surrogates
+    assert (inbox_group_key(group) == inbox_group_key(group + "x")) is False

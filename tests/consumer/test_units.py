@@ -182,10 +182,18 @@ def test_classification() -> None:
     assert classify(TransientError()) is Classification.TRANSIENT
     assert classify(PermanentError()) is Classification.PERMANENT
     assert classify(ConnectionResetError()) is Classification.TRANSIENT
+    # The database is gone: not the message's fault, retried until it is back.
     assert (
         classify(sa_exc.OperationalError("SELECT 1", {}, Exception("gone")))
-        is Classification.TRANSIENT
+        is Classification.UNAVAILABLE
     )
+    assert (
+        classify(
+            sa_exc.OperationalError("SELECT 1", {}, Exception("gone")),
+            transient=(sa_exc.OperationalError,),
+        )
+        is Classification.TRANSIENT
+    )  # an explicit choice wins
     assert classify(KeyError("customer")) is Classification.PERMANENT
     assert classify(Mine(), transient=(Mine,)) is Classification.TRANSIENT
     assert classify(ConnectionError(), permanent=(ConnectionError,)) is Classification.PERMANENT

@@ -1,6 +1,7 @@
 """Fixtures for the deploy/ artefact tests.
 
-These tests read files only; they never import outboxkit. A tool they need
+Most of these tests read files only. test_shipped_settings.py and
+test_alerts_live.py run real processes against the local services. A tool they need
 (promtool, PyYAML) that is missing skips the test locally but fails it under
 CI (``CI=true``), so a CI machine without it cannot pass silently.
 """
@@ -10,9 +11,19 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 
 
 def _missing(reason: str) -> None:
@@ -37,3 +48,74 @@ def promtool() -> str:
         _missing("promtool not found; install Debian's `prometheus` package")
         raise AssertionError("unreachable")
     return path
+
+
+@pytest.fixture
+def pushgateway_url() -> str:
+    url = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
+    if not url:
+        _missing("OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set (run deploy/local/up.sh)")
+    return str(url)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str) -> bytes | None:
+    """The body of a 2xx answer, or None (refused, error status, timeout)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback test URL
+            return bytes(resp.read())
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, pushgateway_url: str) -> Iterator[str]:
+    """A real Prometheus with every rule file, scraping the test Pushgateway every
+    second with ``honor_labels`` (as deploy/prometheus/prometheus.yml does)."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        _missing("prometheus not found; install Debian's `prometheus` package")
+    target = urllib.parse.urlsplit(pushgateway_url).netloc
+    config = tmp_path / "prometheus.yml"
+    rule_files = ", ".join(f"'{p}'" for p in sorted(RULES.glob("*.rules.yml")))
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: [{rule_files}]\n"
+        "scrape_configs:\n"
+        "  - job_name: pushgateway\n"
+        "    honor_labels: true\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = _free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_get(url + "/-/ready") is not None, 30, "prometheus ready")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import subprocess
 import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,63 +27,6 @@ RULES = (
     Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules" / "outboxkit.rules.yml"
 )
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def _missing(reason: str) -> None:
-    if IN_CI:
-        pytest.fail(f"{reason} (CI=true: a failure, not a skip)", pytrace=False)
-    pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def pushgateway_url() -> str:
-    url = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
-    if not url:
-        _missing("OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set (run deploy/local/up.sh)")
-    return str(url)
-
-
-@pytest.fixture
-def prometheus(tmp_path: Path, pushgateway_url: str) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        _missing("prometheus not found; install Debian's `prometheus` package")
-    target = urllib.parse.urlsplit(pushgateway_url).netloc
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{RULES}']\n"
-        "scrape_configs:\n"
-        "  - job_name: pushgateway\n"
-        "    honor_labels: true\n"
-        f"    static_configs: [{{targets: ['{target}']}}]\n"
-    )
-    port = _free_port()
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(lambda: _get(url + "/-/ready") is not None, 30, "prometheus ready")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
 
 
 def _get(url: str) -> bytes | None:

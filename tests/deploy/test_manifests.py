@@ -34,6 +34,12 @@ COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # the library default
+# Library defaults of the settings whose start-up rules the checks repeat.
+DEFAULT_WORKER_DRAIN = 30.0
+DEFAULT_CLOSE = 10.0
+DEFAULT_LEASE_TTL = 60.0
+DEFAULT_FLUSH = 10.0
+DEFAULT_BATCH_DEADLINE = 32.0  # message.timeout.ms (30 s) + 2 s
 DEFAULT_K8S_GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 DEFAULT_COMPOSE_GRACE = 10.0  # Docker's default stop timeout
 MARGIN = 10.0
@@ -246,9 +252,24 @@ def check_k8s_workload(workload: Doc, docs: list[Doc]) -> list[str]:
                     " lose per-key order"
                 )
         if role == "consume":
+            # The consumer's own start-up rule (docs/operations.md#timing-rules).
             drain, _ = container_setting(container, "OUTBOXKIT_WORKER_DRAIN_TIMEOUT", docs)
-            if drain is not None and float(drain) >= shutdown_timeout(container, docs):
-                problems.append(f"{cwhere}: worker drain timeout must be below shutdown timeout")
+            close, _ = container_setting(container, "OUTBOXKIT_CLOSE_TIMEOUT", docs)
+            budget = float(drain or DEFAULT_WORKER_DRAIN) + float(close or DEFAULT_CLOSE)
+            if budget >= shutdown_timeout(container, docs):
+                problems.append(
+                    f"{cwhere}: worker drain timeout + close timeout must be below shutdown timeout"
+                )
+        if role == "relay":
+            # The relay's own start-up rule with the default message.timeout.ms.
+            ttl, _ = container_setting(container, "OUTBOXKIT_LEASE_TTL", docs)
+            flush, _ = container_setting(container, "OUTBOXKIT_FLUSH_TIMEOUT", docs)
+            deadline, _ = container_setting(container, "OUTBOXKIT_BATCH_DEADLINE", docs)
+            needed = float(deadline or DEFAULT_BATCH_DEADLINE) + float(flush or DEFAULT_FLUSH)
+            if float(ttl or DEFAULT_LEASE_TTL) <= needed:
+                problems.append(
+                    f"{cwhere}: lease TTL must exceed the batch deadline + flush timeout"
+                )
         job = {"relay": "outboxkit-relay", "consume": "outboxkit-consumer"}.get(role)
         if job:
             if template_meta.get("labels", {}).get("outboxkit.io/scrape-job") != job:
@@ -336,6 +357,7 @@ def relay_container(workload: Doc) -> Doc:
         ("no-redis", "without OUTBOXKIT_REDIS_URL"),
         ("no-limits", "resources.limits.memory not set"),
         ("long-timeout", "OUTBOXKIT_SHUTDOWN_TIMEOUT 60"),
+        ("short-lease", "lease TTL must exceed"),
     ],
 )
 def test_k8s_checks_catch_a_broken_relay(k8s_docs: list[Doc], breakage: str, expected: str) -> None:
@@ -361,6 +383,8 @@ def test_k8s_checks_catch_a_broken_relay(k8s_docs: list[Doc], breakage: str, exp
         del relay["resources"]["limits"]
     elif breakage == "long-timeout":
         env.append({"name": "OUTBOXKIT_SHUTDOWN_TIMEOUT", "value": "60"})
+    elif breakage == "short-lease":
+        env.append({"name": "OUTBOXKIT_LEASE_TTL", "value": "30"})
     problems = check_k8s_workload(workload, docs)
     assert any(expected in p for p in problems), problems
 

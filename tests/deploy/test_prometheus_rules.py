@@ -158,8 +158,26 @@ def test_broken_rule_syntax_fails_promtool_check(promtool: str, tmp_path: Path) 
             "max without (instance, pod) (worker_consumer_lag",
             "sum without (instance, pod) (worker_consumer_lag",
         ),
+        # Would never fire for a consumer's pushed forced exit.
+        (
+            'service_forced_shutdowns_total{job=~"outboxkit_.+"}',
+            'service_forced_shutdowns_total{job="outboxkit_relay"}',
+        ),
+        # Would keep firing on a lag value pushed by a consumer long gone.
+        (
+            'worker_consumer_lag{job="outboxkit-consumer"}',
+            'worker_consumer_lag{job=~"outboxkit.+"}',
+        ),
     ],
-    ids=["shutdown-live-gauge", "shutdown-threshold", "absent", "push-age", "lag-sum"],
+    ids=[
+        "shutdown-live-gauge",
+        "shutdown-threshold",
+        "absent",
+        "push-age",
+        "lag-sum",
+        "forced-relay-only",
+        "lag-any-job",
+    ],
 )
 def test_wrong_rule_fails_the_unit_tests(promtool: str, tmp_path: Path, old: str, new: str) -> None:
     rules_dir, tests_dir = copy_rules_and_tests(tmp_path, old, new)

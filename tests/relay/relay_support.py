@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support import waiting
+from support.waiting import bound
 
 from outboxkit import Event, enqueue_many
 from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
@@ -108,14 +110,7 @@ def status_counts(engine: sa.Engine, table: str) -> dict[str, int]:
 def wait_for(
     predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05, what: str = ""
 ) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
-        time.sleep(interval)
+    return waiting.wait_for(predicate, timeout=timeout, interval=interval, what=what)
 
 
 @dataclass
@@ -190,7 +185,7 @@ class EmbeddedRelay:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         self.relay.drain()
-        self.thread.join(timeout)
+        self.thread.join(bound(timeout))
         assert not self.thread.is_alive(), "relay did not stop"
         return self.exit_code
 
@@ -255,7 +250,7 @@ class RelayProcess:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
+        code = self.proc.wait(bound(timeout))
         self._reader.join(5)
         return code
 

@@ -9,10 +9,12 @@ from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
+from foreign import insert_foreign
 from relay_support import EmbeddedRelay, add_events, fast_settings, rows, wait_for
 
 from outboxkit import Event
 from outboxkit.relay.claim import Batch, candidates_query, claim_batch
+from outboxkit.relay.metrics import sample_ordering_blocked
 from outboxkit.schema import outbox_table, recovery_table, shard_for
 
 pytestmark = pytest.mark.integration
@@ -42,17 +44,23 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
     )
     with engine.begin() as conn:
         conn.execute(sa.text(f"ANALYZE TABLE {outbox}"))
-    query = candidates_query(outbox, ALL, 50)
-    with engine.connect() as conn:
-        sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
-        plan = conn.execute(sa.text("EXPLAIN " + sql)).mappings().all()
-        reads = _handler_reads(conn, query)
-    per_status = [p for p in plan if p["table"] == outbox]
-    assert len(per_status) == 3
-    assert all(p["key"] == f"ix_{outbox}_status_id" for p in per_status), plan
-    assert all("filesort" not in (p["Extra"] or "") for p in per_status), plan
-    # 20,000 delivered rows, 50 claimed: a few hundred index reads, not a scan.
-    assert reads < 1_000, reads
+    # As the relay claims: every shard (one relay), some shards (Redis leases: rows
+    # with an out-of-range shard are matched by their key's hash), paused topics.
+    for query in (
+        candidates_query(outbox, ALL, 50),
+        candidates_query(outbox, ALL, 50, shard_count=8),
+        candidates_query(outbox, range(4), 50, ("p",), shard_count=8),
+    ):
+        with engine.connect() as conn:
+            sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+            plan = conn.execute(sa.text("EXPLAIN " + sql)).mappings().all()
+            reads = _handler_reads(conn, query)
+        per_status = [p for p in plan if p["table"] == outbox]
+        assert len(per_status) == 3
+        assert all(p["key"] == f"ix_{outbox}_status_id" for p in per_status), plan
+        assert all("filesort" not in (p["Extra"] or "") for p in per_status), plan
+        # 20,000 delivered rows, 50 claimed: a few hundred index reads, not a scan.
+        assert reads < 1_000, reads
 
 
 def test_later_rows_of_a_key_wait_for_a_retryable_row_until_it_is_due(
@@ -198,3 +206,72 @@ def test_a_key_switching_topics_is_cut_at_the_switch(engine: sa.Engine, outbox: 
         )
     second = claim_batch(engine, outbox, owner="n1", shards=ALL, limit=10, lease_ttl=30)
     assert second is not None and [r.payload for r in second.rows] == [b"3"]
+
+
+def test_a_paused_topics_row_left_delivering_holds_its_key_after_its_lease_expired(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """A killed relay left the key's first row (topic paused) ``delivering``; once its
+    lease expired it is not reclaimed while the topic is paused, and it must still
+    hold the key's next row (another topic) back."""
+    add_events(
+        engine,
+        outbox,
+        [
+            Event(topic="paused", key="k", payload=b"1"),
+            Event(topic="t", key="k", payload=b"2"),
+            Event(topic="t", key="other", payload=b"o"),
+        ],
+    )
+    dead = claim_batch(engine, outbox, owner="dead", shards=ALL, limit=1, lease_ttl=0.2)
+    assert dead is not None and [r.payload for r in dead.rows] == [b"1"]
+    time.sleep(0.3)
+    kwargs = {"shards": ALL, "limit": 10, "lease_ttl": 30, "shard_count": 8}
+    during = claim_batch(engine, outbox, owner="a", excluded_topics={"paused"}, **kwargs)
+    assert during is not None
+    assert [r.payload for r in during.rows] == [b"o"], "k's second row waits for its first"
+    with engine.connect() as conn:
+        assert sample_ordering_blocked(conn, outbox, {"paused"}) == 1
+    # The probe: the paused topic's row is reclaimed; k's second row still waits
+    # for it to be acknowledged (another topic).
+    probe = claim_batch(engine, outbox, owner="a", **kwargs)
+    assert probe is not None and [r.payload for r in probe.rows] == [b"1"]
+    assert probe.rows[0].reclaimed_from == "dead"
+
+
+def test_a_row_with_a_shard_out_of_range_is_claimed_by_its_keys_shard_owner(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """Stored shards 100 and -3 of an 8-shard table: each row belongs to the shard of
+    its key's hash, so whoever owns that shard claims it in id order with the key's
+    other rows, and the owner of ``100 mod 8`` does not."""
+    home = shard_for(b"k", "", 8)
+    wrong = next(s for s in range(100, 200) if s % 8 != home)
+    first = insert_foreign(engine, outbox, topic="t", key=b"k", payload=b"1", shard=wrong)
+    second = insert_foreign(engine, outbox, topic="t", key=b"k", payload=b"2")
+    keyless = insert_foreign(engine, outbox, topic="t", key=None, event_id="e-1", shard=-3)
+    keyless_home = shard_for(None, "e-1", 8)
+    kwargs = {"limit": 10, "lease_ttl": 30, "shard_count": 8}
+    others = set(ALL) - {home, keyless_home}
+    assert claim_batch(engine, outbox, owner="b", shards=others, **kwargs) is None
+    batch = claim_batch(engine, outbox, owner="a", shards={home, keyless_home}, **kwargs)
+    assert batch is not None
+    assert [r.id for r in batch.rows] == [first, second, keyless]
+    by_id = {r.id: r for r in batch.rows}
+    assert (by_id[first].shard, by_id[first].misplaced_shard) == (home, wrong)
+    assert (by_id[second].shard, by_id[second].misplaced_shard) == (home, None)
+    assert (by_id[keyless].shard, by_id[keyless].misplaced_shard) == (keyless_home, -3)
+    assert batch.shards == {home, keyless_home}
+
+
+def test_a_delivering_row_without_a_lease_expiry_is_reclaimed_in_key_order(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """Another writer stored ``delivering`` with no ``lease_expires_at``: no lease
+    protects it, so it is reclaimed like an expired one, ahead of its key's next row
+    (it used to be neither claimed nor holding its key back)."""
+    first = insert_foreign(engine, outbox, topic="t", key=b"k", status="delivering")
+    second = insert_foreign(engine, outbox, topic="t", key=b"k")
+    batch = claim_batch(engine, outbox, owner="a", shards=ALL, limit=10, lease_ttl=30)
+    assert batch is not None and [r.id for r in batch.rows] == [first, second]
+    assert batch.rows[0].attempts == 1

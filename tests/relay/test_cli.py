@@ -97,8 +97,11 @@ def test_non_idempotent_producer_config_is_refused_with_exit_2(
         env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
     )  # fmt: skip
     assert result.returncode == EXIT_CONFIG, result.stderr
-    assert "enable.idempotence=true and acks=all" in result.stderr
-    assert '"event": "relay-exit"' in result.stderr
+    # Refused when the settings load, like every other bad setting: one line, the
+    # property, the value it needs and why.
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "--kafka-config / OUTBOXKIT_KAFKA_CONFIG: acks=1 is refused" in result.stderr
+    assert "acks=all" in result.stderr
 
 
 @pytest.mark.integration
@@ -204,3 +207,55 @@ def test_no_password_or_sasl_secret_in_logs_rows_or_metrics(
     for secret in (db_password, sasl_secret):
         for where, text in everything.items():
             assert secret not in text, f"secret leaked into {where}"
+
+
+_PEM_KEY = (
+    "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcw\nKeyBodyLine2xyz\n"
+    "-----END PRIVATE KEY-----"
+)
+
+
+@pytest.mark.integration
+def test_key_material_is_masked_and_short_passwords_do_not_garble_the_log(
+    db_url: str, outbox: str, kafka_bootstrap: str, relay_process: Callable[..., RelayProcess]
+) -> None:
+    """The test server's DB password is ``outboxkit``: it must not turn the service name
+    into ``***-relay``; ssl.key.pem and the other key properties never appear."""
+    password = sa.make_url(db_url).password
+    assert password and len(password) < 12  # the case from the report
+    relay = relay_process(
+        [
+            "--kafka-bootstrap", kafka_bootstrap, "--health-port", "0", "--start-jitter", "0",
+            "--lease-ttl", "6", "--flush-timeout", "1",
+            "--kafka-config", "message.timeout.ms=2000",
+            "--kafka-config", f"ssl.key.pem={_PEM_KEY}",
+            "--kafka-config", "ssl.key.password=KeyPassphrase-123",
+            "--kafka-config", "sasl.oauthbearer.client.secret=OauthSecret-456",
+        ],
+        env={"OUTBOXKIT_DB_URL": db_url},
+    )  # fmt: skip
+    started = relay.wait_event("relay-started")
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(timeout=15) == 0
+    text = "\n".join(relay.lines)
+    for leaked in ("KeyBodyLine2xyz", "MIIEvQIBADAN", "KeyPassphrase-123", "OauthSecret-456"):
+        assert leaked not in text
+    config = started["settings"]["kafka_config"]
+    assert config["ssl.key.pem"] == "***"
+    assert config["ssl.key.password"] == "***"
+    assert config["sasl.oauthbearer.client.secret"] == "***"
+    assert config["message.timeout.ms"] == "2000"
+    assert started["settings"]["db_url"] == db_url.replace(f":{password}@", ":***@")
+    records = relay.records
+    assert records and all(r["service"] == "outboxkit-relay" for r in records)
+    assert [r["setting"] for r in relay.events("secret-too-short")] == [
+        "--db-url / OUTBOXKIT_DB_URL (URL password)"
+    ]
+    # Outside the masked fields, nothing is masked: no word was cut by the password.
+    unmasked = [
+        line
+        for line in relay.lines
+        if "***" in line and '"relay-started"' not in line and "secret-too-short" not in line
+    ]
+    assert unmasked == []
+    assert relay.events("relay-exit")[0]["result"] == "clean"

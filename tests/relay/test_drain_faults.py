@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -166,3 +167,53 @@ def test_hung_database_during_drain_ends_in_a_forced_exit(
     assert pushgateway.value("outbox_shutdown_pending", node_id) == 100.0
     assert pushgateway.value("service_forced_shutdowns_total", node_id) == 1.0
     assert (pushgateway.value("service_shutdown_duration_seconds", node_id) or 0) >= 4.0
+
+
+def test_retention_stuck_on_a_frozen_database_cannot_outlive_the_budget(
+    fault_db: tuple[str, sa.Engine],
+    mariadb: MariaDBInstance,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """A retention statement stalled on a frozen database (the statement timeout is
+    the 30 s lease) must not keep the process alive past ``shutdown_timeout``, and
+    the exit record must not call that exit clean."""
+    db_url, engine = fault_db
+    add_events(engine, "outbox_events", [Event(topic=kafka_topics(1), payload=b"x")])
+    settings = fast_settings(
+        db_url,
+        kafka_bootstrap,
+        lease_ttl=30.0,  # also the read timeout of every statement
+        shutdown_timeout=4.0,
+        poll_interval=30.0,  # the relay loop idles: only retention talks to the DB
+        metrics_interval=3600.0,
+        retention=3600.0,
+        retention_interval=0.2,
+    )
+    relay = relay_process(cli_args(settings))
+    # Once the row is delivered the loop makes one more (empty) claim and then
+    # idles for the poll interval: it is not inside a statement when the DB freezes.
+    wait_for(
+        lambda: status_counts(engine, "outbox_events") == {"delivered": 1},
+        timeout=30,
+        what="the row delivered",
+    )
+    engine.dispose()
+    time.sleep(0.5)
+    mariadb.pause()
+    try:
+        # Retention starts a run every 0.2 s; give it time to be inside a statement.
+        time.sleep(1.5)
+        relay.signal(signal.SIGTERM)
+        started = time.monotonic()
+        # Before the fix the process lived on until the statement's 30 s timeout.
+        code = relay.wait(timeout=20.0)
+        took = time.monotonic() - started
+    finally:
+        mariadb.resume()
+    assert took < 4.0 + 5.0, f"exited {took:.1f} s after SIGTERM (budget 4 s, slack for load)"
+    exit_line = relay.events("relay-exit")[0]
+    assert exit_line["result"] != "clean" and code != 0, (code, exit_line)
+    assert exit_line["exit_code"] == code == EXIT_FORCED
+    assert any("retention" in c for c in exit_line["abandoned"]), exit_line

@@ -528,3 +528,54 @@ def test_finalize_writes_the_rows_still_held_and_leaves_reclaimed_ones(
             assert (r.status, r.lease_owner, r.lease_token) == ("delivering", "b", "other")
         else:
             assert (r.status, r.kafka_offset, r.lease_token) == ("delivered", r.id, None)
+
+
+@pytest.mark.integration
+def test_a_paused_topics_row_left_by_a_killed_relay_keeps_its_key_in_order(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """A killed relay left key k's first row (a topic now paused) ``delivering``, its
+    lease already expired. Until the topic's probe reclaims it, that row must hold
+    k's next row (another topic) back; once the topic exists, k arrives in order."""
+    good = kafka_topics(partitions=1)
+    missing = f"okt_missing_{os.urandom(4).hex()}"
+    add_events(engine, outbox, [Event(topic=missing, key="trigger", payload=b"t")])
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(fast_settings(db_url, kafka_bootstrap, paused_topic_retry=4.0))
+        wait_for(lambda: logs.events("topic-paused"), timeout=20, what="topic-paused")
+        [first_id, second_id] = add_events(
+            engine,
+            outbox,
+            [
+                Event(topic=missing, key="k", payload=b"1"),
+                Event(topic=good, key="k", payload=b"2"),
+            ],
+        )
+        t = outbox_table(outbox)
+        with engine.begin() as conn:  # what a relay killed mid-batch leaves behind
+            conn.execute(
+                t.update()
+                .where(t.c.event_id == first_id)
+                .values(
+                    status="delivering",
+                    attempts=1,
+                    lease_owner="killed",
+                    lease_token="0" * 32,
+                    lease_expires_at=sa.text("UTC_TIMESTAMP(6) - INTERVAL 1 SECOND"),
+                )
+            )
+        time.sleep(1.5)  # many claims, all before the paused topic's next probe
+        second = next(r for r in rows(engine, outbox) if r.event_id == second_id)
+        assert (second.status, second.attempts) == ("pending", 0), "k's second row waits"
+
+        kafka_topics(partitions=1, name=missing)
+        wait_for(lambda: status_counts(engine, outbox) == {"delivered": 3}, timeout=40, what="all")
+        assert relay.stop() == 0
+    by_id = {r.event_id: r for r in rows(engine, outbox)}
+    assert by_id[first_id].delivered_at < by_id[second_id].delivered_at
+    assert [m.value for m in consume(kafka_bootstrap, good, expected=1)] == [b"2"]

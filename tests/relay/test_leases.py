@@ -5,8 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import os
+import shutil
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +18,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
+from support.services import RedisInstance, free_port
+from support.waiting import bound
 
 from outboxkit.errors import ConfigError
 from outboxkit.relay.leases import (
@@ -100,8 +106,8 @@ def wait_until(
             tick()
         if cond():
             return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
+        if time.monotonic() - start > bound(timeout):
+            raise AssertionError(f"condition not met within {bound(timeout):g} s")
         time.sleep(0.02)
 
 
@@ -319,7 +325,8 @@ def test_redis_down_stops_claiming_before_lease_expiry_and_recovers(
     with RedisInstance("shard-leases-fault", free_port()) as instance:
         registry = CollectorRegistry()
         a = make_leases("relay-a", shards=8, settings=settings, url=instance.url, registry=registry)
-        assert a.claimable() == frozenset(range(8))
+        # A fresh Redis lends nothing before it has been up for one lease TTL.
+        wait_until(lambda: a.claimable() == frozenset(range(8)), timeout=settings.ttl + 5)
         stopping = time.monotonic()
         instance.kill()
         stopped = time.monotonic()
@@ -335,8 +342,8 @@ def test_redis_down_stops_claiming_before_lease_expiry_and_recovers(
         assert sample(registry, "outbox_shard_lease_lost_total") == 8
 
         instance.start()  # a fresh Redis: the old leases are gone
-        took = wait_until(lambda: a.claimable() == frozenset(range(8)), timeout=10)
-        assert took < 5
+        took = wait_until(lambda: a.claimable() == frozenset(range(8)), timeout=15)
+        assert took < settings.ttl + 3  # the restart fence (one TTL of uptime), then a tick
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("redis-unreachable") for m in messages)
     assert any(m.startswith("redis-reachable") for m in messages)
@@ -393,3 +400,205 @@ def test_a_second_relay_without_redis_is_reported_once(
     warnings = [r for r in caplog.records if "multiple-relays-without-redis" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert "other-relay" in warnings[0].getMessage()
+
+
+class _OpenClaim:
+    """A claim in progress: ``claiming()`` entered and not yet left (or, for an
+    ownership with only the older protocol, ``claimable()`` called and nothing
+    registered yet)."""
+
+    def __init__(self, leases: RedisShardLeases) -> None:
+        self._cm = leases.claiming() if hasattr(leases, "claiming") else None
+        self.shards = self._cm.__enter__() if self._cm is not None else leases.claimable()
+
+    def close(self) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("moment", ["during-the-mark", "before-the-join"])
+def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
+    moment: str,
+    make_leases: LeasesFactory,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay loop starts a claim, and a second relay joins. ``during-the-mark``:
+    the claim starts at the worst moment, while the lease thread is between reading
+    the clock and marking shards for handover. ``before-the-join``: the claim is
+    open before the rebalance. Either way, the shards that claim got stay this
+    relay's until it ends and its rows are finished."""
+    import outboxkit.relay.leases as leases_module
+
+    inflight = Inflight()
+    a = make_leases("relay-a", shards=16, inflight=inflight)
+    claims: list[_OpenClaim] = []
+    armed = threading.Event()
+    real_time = leases_module.time
+
+    class SlippingClock:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_time, name)
+
+        def monotonic(self) -> float:
+            now = real_time.monotonic()
+            if (
+                armed.is_set()
+                and sys._getframe(1).f_code.co_name == "_hand_over"
+                and a.targets != frozenset(range(16))  # the rebalance happened
+            ):
+                armed.clear()
+                # The loop thread claims right now; give it a moment (it may have
+                # to wait for the lease thread's lock, which is the point).
+                t = threading.Thread(target=lambda: claims.append(_OpenClaim(a)))
+                t.start()
+                t.join(0.3)
+            return now
+
+    monkeypatch.setattr(leases_module, "time", SlippingClock())
+    b_future = assign_shards(16, ["relay-a", "relay-b"])["relay-b"]
+    if moment == "during-the-mark":
+        armed.set()
+    else:
+        claims.append(_OpenClaim(a))
+    b = make_leases("relay-b", shards=16)
+    wait_until(lambda: bool(claims), timeout=5)
+    claim = claims[0]
+    taken = claim.shards & b_future  # shards the open claim may be using
+    client = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 6 * FAST.renew_interval
+        while time.monotonic() < deadline:  # several handover ticks while it is open
+            for s in taken:
+                value = client.get(lease_key(redis_prefix, TABLE, s)) or b""
+                assert value.startswith(b"relay-a:"), f"shard {s} released during its claim"
+            assert not taken & b.claimable(), "two relays may claim the same shard"
+            time.sleep(0.02)
+        # The claim registers its rows (one shard keeps rows in flight) and ends.
+        busy = set(sorted(taken)[:1])
+        inflight.set(busy)
+        claim.close()
+        relays = [a, b]
+        wait_until(
+            lambda: b.claimable() == b_future - busy, timeout=5, tick=lambda: claimable_of(relays)
+        )
+        assert busy <= a.held()
+        inflight.set(set())
+        wait_until(lambda: settled(relays, 16), timeout=5, tick=lambda: claimable_of(relays))
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisInstance]:
+    instance = RedisInstance(f"leases-{uuid.uuid4().hex[:6]}", free_port())
+    try:
+        instance.start(fresh=True)
+    except Exception as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            raise
+        pytest.skip(f"dedicated Redis did not start: {exc}")
+    yield instance
+    instance.stop()
+    shutil.rmtree(instance.state_dir, ignore_errors=True)
+
+
+class _Grants:
+    """Every successful acquire/renew/release of each relay, on Redis's clock."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, str, int]] = []  # node, shard, kind, redis_ms
+        self._lock = threading.Lock()
+
+    def watch(self, leases: RedisShardLeases) -> None:
+        real = leases._call_cas
+        kinds = {
+            id(leases._acquire): "acquire",
+            id(leases._renew): "renew",
+            id(leases._release): "release",
+        }
+
+        def recording(script: Any, values: dict[int, str]) -> tuple[dict[int, int], int]:
+            results, redis_ms = real(script, values)
+            with self._lock:
+                for shard, result in results.items():
+                    if result == 1:
+                        self.events.append((leases.node_id, shard, kinds[id(script)], redis_ms))
+            return results, redis_ms
+
+        leases._call_cas = recording  # type: ignore[method-assign]
+
+    def overlaps(self, ttl_ms: int) -> list[str]:
+        """Two nodes holding one shard at the same Redis moment. A node holds a shard
+        from an acquire until a release, or until TTL after its last acquire/renew."""
+        with self._lock:
+            events = sorted(self.events, key=lambda e: e[3])
+        spans: dict[int, list[tuple[str, int, int]]] = {}
+        open_: dict[tuple[str, int], tuple[int, int]] = {}  # (node, shard) -> (start, proof)
+        for node, shard, kind, ms in events:
+            key = (node, shard)
+            if kind == "acquire":
+                if key in open_:
+                    start, proof = open_.pop(key)
+                    spans.setdefault(shard, []).append((node, start, min(ms, proof + ttl_ms)))
+                open_[key] = (ms, ms)
+            elif kind == "renew" and key in open_:
+                open_[key] = (open_[key][0], ms)
+            elif kind == "release" and key in open_:
+                start, _ = open_.pop(key)
+                spans.setdefault(shard, []).append((node, start, ms))
+        for (node, shard), (start, proof) in open_.items():
+            spans.setdefault(shard, []).append((node, start, proof + ttl_ms))
+        found = []
+        for shard, items in spans.items():
+            for i, (n1, s1, e1) in enumerate(items):
+                for n2, s2, e2 in items[i + 1 :]:
+                    if n1 != n2 and s1 < e2 and s2 < e1:
+                        found.append(f"shard {shard}: {n1} [{s1}, {e1}] and {n2} [{s2}, {e2}]")
+        return found
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+def test_a_restarted_redis_lends_no_shard_that_an_old_owner_may_still_hold(
+    own_redis: RedisInstance,
+) -> None:
+    """Redis restarted without persistence forgets every lease. The relays must not
+    take shards from it until the previous owners' leases could have run out, so
+    no two relays ever hold one shard at the same moment by Redis's clock."""
+    timing = LeaseSettings(ttl=3.0, renew_interval=0.3, batch_budget=0.8, prefix="t:")
+    inflight = Inflight()
+    grants = _Grants()
+    made: list[RedisShardLeases] = []
+
+    def start(node_id: str) -> RedisShardLeases:
+        leases = RedisShardLeases(
+            own_redis.url, table=TABLE, node_id=node_id, shard_count=8, settings=timing
+        )
+        grants.watch(leases)
+        made.append(leases)
+        leases.start(inflight)
+        return leases
+
+    try:
+        a = start("relay-a")
+        b = start("relay-b")
+        relays = [a, b]
+        wait_until(lambda: settled(relays, 8), timeout=15, tick=lambda: claimable_of(relays))
+        own_redis.kill()
+        own_redis.start()
+        restarted = time.monotonic()
+        # Both come back to a fair split; meanwhile no shard is claimable twice.
+        wait_until(
+            lambda: time.monotonic() - restarted > 1.0 and settled(relays, 8),
+            timeout=20,
+            tick=lambda: claimable_of(relays),
+        )
+        ttl_ms = round(timing.ttl * 1000)
+        assert grants.overlaps(ttl_ms) == []
+        assert time.monotonic() - restarted >= timing.ttl - 1.0, "granted before the fence"
+    finally:
+        for leases in made:
+            leases.close()

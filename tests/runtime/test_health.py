@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -182,3 +185,66 @@ def test_service_runtime_wires_one_registry_through_every_piece() -> None:
         assert 'service_info{service="billing"} 1.0' in metrics
     finally:
         rt.health.stop()
+
+
+def _probe(port: int) -> tuple[float, int]:
+    """One readiness probe as a kubelet makes it: a new connection, one request."""
+    start = time.monotonic()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+    except TimeoutError:
+        return time.monotonic() - start, 0
+    return time.monotonic() - start, int(data.split(b" ", 2)[1])
+
+
+def test_a_burst_of_probes_is_answered_beside_idle_connections(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    """100 concurrent probes while 20 idle connections are open: every probe is
+    answered well within Kubernetes' default 1 s probe timeout. A full listen
+    queue drops the connection attempt, which the client only repeats after 1 s
+    (then 3 s...), so a backlog that is too short shows as probes over 1 s; and
+    no probe may wait for an idle connection to time out (10 s here)."""
+    server = make_server(idle_timeout=10.0)
+    lifecycle.set_running()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
+    try:
+        barrier = threading.Barrier(100)
+
+        def probe() -> tuple[float, int]:
+            barrier.wait()
+            return _probe(server.port)
+
+        with concurrent.futures.ThreadPoolExecutor(100) as pool:
+            results = list(pool.map(lambda _: probe(), range(100)))
+    finally:
+        for sock in idle:
+            sock.close()
+    unanswered = sum(1 for _, status in results if status != 200)
+    assert not unanswered, f"{unanswered} of 100 probes got no 200 within 20 s"
+    slow = sorted(round(t, 2) for t, _ in results if t >= 0.9)
+    assert not slow, f"{len(slow)} of 100 probes took 0.9 s or more: {slow}"
+
+
+def test_an_idle_connection_is_closed_after_the_timeout(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    server = make_server(idle_timeout=0.5)
+    threads_before = threading.active_count()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        start = time.monotonic()
+        assert sock.recv(1) == b"", "the server closes the connection (EOF)"
+        waited = time.monotonic() - start
+        # a half-sent request is idle too
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as half:
+            half.sendall(b"GET /healthz/ready HT")
+            assert half.recv(4096) == b"", "closed without an answer"
+    assert 0.4 <= waited < 5, waited
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads_before, "the connection's thread has ended"

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.waiting import bound
 
 from outboxkit.runtime import (
     EXIT_DEPENDENCY,
@@ -168,7 +169,7 @@ class App:
 
     def wait_status(self, path: str, status: int, timeout: float = 5.0) -> float:
         start = time.monotonic()
-        while time.monotonic() - start < timeout:
+        while time.monotonic() - start < bound(timeout):
             if self.get(path) == status:
                 return time.monotonic() - start
             time.sleep(0.01)

@@ -125,16 +125,16 @@ def test_registered_secret_never_reaches_the_output() -> None:
 
 
 def test_secret_in_traceback_frames_of_chained_exception() -> None:
-    register_secret("pa55word!")
+    register_secret("pa55word!-long-enough")
     with capture_json_logs() as cap:
         try:
             try:
-                raise OSError("auth failed for pa55word!")
+                raise OSError("auth failed for pa55word!-long-enough")
             except OSError as inner:
                 raise RuntimeError("outer") from inner
         except RuntimeError:
             log.exception("boom")
-    assert "pa55word!" not in cap.text
+    assert "pa55word!-long-enough" not in cap.text
     assert "auth failed for ***" in cap.text
 
 
@@ -148,10 +148,10 @@ def test_secret_field_names_are_masked_whatever_the_value() -> None:
 
 
 def test_log_event_redacts_even_without_our_handler(caplog: pytest.LogCaptureFixture) -> None:
-    register_secret("topsecret")
+    register_secret("topsecret-long-enough")
     with caplog.at_level(logging.INFO, logger="outboxkit.test"):
-        log_event(log, "x", value="topsecret", url="redis://:pw@r/0")
-    assert "topsecret" not in caplog.text
+        log_event(log, "x", value="topsecret-long-enough", url="redis://:pw@r/0")
+    assert "topsecret-long-enough" not in caplog.text
     assert ":pw@" not in caplog.text
 
 
@@ -160,3 +160,63 @@ def test_log_event_respects_level() -> None:
         log_event(log, "debug-only", level=logging.DEBUG)
         log_event(log, "warn", level=logging.WARNING)
     assert [r["event"] for r in cap.records] == ["warn"]
+
+
+def test_short_secrets_are_masked_where_they_are_secrets_not_inside_words() -> None:
+    """DB password ``outboxkit`` and a one-letter Redis password: every line stays readable."""
+    from outboxkit.runtime import RuntimeSettings, describe, load
+
+    db_url = "mysql+pymysql://outboxkit:outboxkit@127.0.0.1:3306/outboxkit_test"
+    redis_url = "redis://:e@127.0.0.1:6379/0"
+    s = load(
+        RuntimeSettings, environ={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_REDIS_URL": redis_url}
+    )
+    with capture_json_logs(service="outboxkit-relay") as cap:
+        log_event(log, "relay-started", settings=describe(s))
+        log_event(log, "state-changed", to="stopped", path="/var/lib/outboxkit/state")
+        log.info("connected to %s; the service keeps stepping", db_url)
+        log_event(log, "cfg", note="password=outboxkit sasl.password=e", url=redis_url)
+    records = cap.records
+    warned = [r for r in records if r["event"] == "secret-too-short"]
+    assert {w["setting"] for w in warned} == {
+        "--db-url / OUTBOXKIT_DB_URL (URL password)",
+        "--redis-url / OUTBOXKIT_REDIS_URL (URL password)",
+    }
+    lines = [r for r in records if r["event"] != "secret-too-short"]
+    assert all(r["service"] == "outboxkit-relay" for r in records)
+    started, state, text, cfg = lines
+    assert started["settings"]["db_url"] == (
+        "mysql+pymysql://outboxkit:***@127.0.0.1:3306/outboxkit_test"
+    )
+    assert started["settings"]["redis_url"] == "redis://:***@127.0.0.1:6379/0"
+    assert started["settings"]["service"] == "outboxkit"
+    assert state["to"] == "stopped" and state["path"] == "/var/lib/outboxkit/state"
+    assert text["msg"] == (
+        "connected to mysql+pymysql://outboxkit:***@127.0.0.1:3306/outboxkit_test; "
+        "the service keeps stepping"
+    )
+    assert cfg["note"] == "password=*** sasl.password=***"
+    assert cfg["url"] == "redis://:***@127.0.0.1:6379/0"
+    # The secrets appear nowhere as secrets: only the three masked spots carry ***.
+    assert ":outboxkit@" not in cap.text and ":e@" not in cap.text
+
+
+def test_long_secrets_are_still_masked_verbatim_and_warned_about_once() -> None:
+    register_secret("x" * 11, source="--short")
+    register_secret("long-random-secret-7f3a", source="--long")
+    with capture_json_logs() as cap:
+        log.info("free text with long-random-secret-7f3a and xxxxxxxxxxx")
+    with capture_json_logs() as again:
+        log.info("nothing")
+    assert "long-random-secret-7f3a" not in cap.text
+    assert "xxxxxxxxxxx" in cap.text  # too short to hunt in free text
+    assert [r["setting"] for r in cap.records if r["event"] == "secret-too-short"] == ["--short"]
+    assert not [r for r in again.records if r["event"] == "secret-too-short"]
+
+
+def test_pem_private_keys_are_masked_in_free_text() -> None:
+    pem = "-----BEGIN RSA PRIVATE KEY-----\nMIIBOgIBAAJBAK\nbody==\n-----END RSA PRIVATE KEY-----"
+    assert redact(f"cfg ssl.key.pem={pem} acks=all") == "cfg ssl.key.pem=*** acks=all"
+    assert redact(f"cut off: {pem[:45]}") == "cut off: ***"  # before its END line
+    cert = "-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----"
+    assert redact(cert) == cert  # public material stays readable

@@ -225,27 +225,34 @@ def test_help_shows_env_default_and_secret_marker(capsys: pytest.CaptureFixture[
 def test_secrets_are_registered_and_described_redacted() -> None:
     env = {
         "OUTBOXKIT_TABLE": "t",
-        "OUTBOXKIT_DB_URL": "mysql+pymysql://app:db%2Fpw9@db:3306/x",
-        "OUTBOXKIT_REDIS_URL": "redis://:redispw7@r:6379/0",
-        "OUTBOXKIT_KAFKA_CONFIG": "sasl.password=kafkapw5,sasl.username=app",
-        "OUTBOXKIT_SASL_TOKEN": "tok3n-value",
+        "OUTBOXKIT_DB_URL": "mysql+pymysql://app:db%2Fpw9-long-enough@db:3306/x",
+        "OUTBOXKIT_REDIS_URL": "redis://:redispw7-long-enough@r:6379/0",
+        "OUTBOXKIT_KAFKA_CONFIG": "sasl.password=kafkapw5-long-enough,sasl.username=app",
+        "OUTBOXKIT_SASL_TOKEN": "tok3n-value-long-enough",
     }
+    secrets = (
+        "db/pw9-long-enough",
+        "db%2Fpw9-long-enough",
+        "kafkapw5-long-enough",
+        "redispw7-long-enough",
+        "tok3n-value-long-enough",
+    )
     s = load(Demo, environ=env)
     view = describe(s)
     assert view["db_url"] == "mysql+pymysql://app:***@db:3306/x"
     assert view["redis_url"] == "redis://:***@r:6379/0"
-    assert view["kafka_config"] == {"sasl.password": "***", "sasl.username": "app"}
+    # librdkafka flags sasl.username as sensitive too.
+    assert view["kafka_config"] == {"sasl.password": "***", "sasl.username": "***"}
     assert view["sasl_token"] == "***"
     assert view["topics"] == []
     with capture_json_logs() as cap:
         log = logging.getLogger("outboxkit.test")
-        log.info("raw dsn password %s / %s", "db/pw9", "db%2Fpw9")
-        log.info("kafka %s, redis %s, token %s", "kafkapw5", "redispw7", "tok3n-value")
+        log.info("raw secrets %s", " / ".join(secrets))
         try:
             raise RuntimeError(f"settings were {s!r}")
         except RuntimeError:
             log.exception("crash")
-    for secret in ("db/pw9", "db%2Fpw9", "kafkapw5", "redispw7", "tok3n-value"):
+    for secret in secrets:
         assert secret not in cap.text
     assert "sasl.username" in cap.text
 
@@ -263,3 +270,14 @@ def test_unsupported_annotation_needs_a_parser() -> None:
         ratio: complex = setting(1j, help="?", parse=complex)
 
     assert load(Custom, environ={"OUTBOXKIT_RATIO": "2+1j"}).ratio == 2 + 1j
+
+
+def test_node_id_must_fit_the_lease_owner_column() -> None:
+    """The node id is written as every claimed row's lease_owner (VARCHAR(255)); a
+    longer one must be refused at start, not by the database at the first claim."""
+    from outboxkit.schema.table import MAX_OWNER_LENGTH
+
+    ok = load(RuntimeSettings, environ={"OUTBOXKIT_NODE_ID": "n" * MAX_OWNER_LENGTH})
+    assert len(ok.node_id) == MAX_OWNER_LENGTH
+    with pytest.raises(ConfigError, match="--node-id / OUTBOXKIT_NODE_ID"):
+        load(RuntimeSettings, environ={"OUTBOXKIT_NODE_ID": "n" * (MAX_OWNER_LENGTH + 1)})

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from outboxkit.schema import apply_schema, outbox_table, read_shard_count, schema_sql
+from outboxkit.schema import (
+    apply_schema,
+    inbox_table,
+    meta_table,
+    outbox_table,
+    read_shard_count,
+    recovery_table,
+    schema_sql,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -113,6 +122,9 @@ def test_missing_db_url_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_schema_sql_prints_ddl_for_each_dialect() -> None:
     mysql = schema_sql("mysql")
     assert "CREATE TABLE IF NOT EXISTS outbox_events" in mysql
+    exact = "VARCHAR(64) CHARACTER SET utf8mb4 COLLATE {} NOT NULL"
+    assert f"event_id {exact.format('utf8mb4_0900_bin')}" in mysql
+    assert f"event_id {exact.format('utf8mb4_nopad_bin')}" in schema_sql("mariadb")
     assert "ENUM('pending','delivering','delivered','retryable','failed')" in mysql
     assert "DATETIME(6)" in mysql
     assert "CREATE INDEX ix_outbox_events_status_id ON outbox_events (status, id)" in mysql
@@ -154,3 +166,146 @@ def test_recovery_log_is_bounded(engine: sa.Engine) -> None:
         assert trim_recovery(conn, keep=10) == 20
         kept = conn.execute(sa.select(recovery_table().c.detail)).scalars().all()
     assert kept[0] == '{"ids":[20]}' and len(kept) == 10
+
+
+# -- upgrading tables made by an older release ------------------------------------------
+
+OLD_DDL = Path(__file__).parent / "data" / "schema_v1_mariadb.sql"
+META = meta_table.name
+
+
+def _identifier_columns() -> dict[str, list[str]]:
+    """The columns that hold identifiers, so compare byte for byte."""
+    return {
+        meta_table.name: ["table_name"],
+        recovery_table().name: ["kind", "node_id", "table_name"],
+        outbox_table().name: ["event_id", "topic", "lease_owner", "lease_token"],
+        inbox_table().name: ["group_id", "event_id", "topic"],
+    }
+
+
+def _collations(engine: sa.Engine) -> dict[tuple[str, str], str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT TABLE_NAME, COLUMN_NAME, COLLATION_NAME FROM information_schema.COLUMNS "
+                "WHERE TABLE_SCHEMA = DATABASE() AND COLLATION_NAME IS NOT NULL"
+            )
+        ).all()
+    return {(r[0], r[1]): r[2] for r in rows}
+
+
+def _dump(engine: sa.Engine) -> dict[str, list[tuple[object, ...]]]:
+    """Every row of every table (the meta table without its schema version)."""
+    with engine.connect() as conn:
+        return {
+            name: [
+                tuple(r)
+                for r in conn.execute(
+                    sa.text(
+                        f"SELECT {'table_name, shard_count, created_at' if name == META else '*'} "
+                        f"FROM {name} ORDER BY 1, 2"
+                    )
+                )
+            ]
+            for name in _identifier_columns()
+        }
+
+
+def _binary_collation(engine: sa.Engine) -> str:
+    """MariaDB's and MySQL's names for the binary NO PAD utf8mb4 collation."""
+    with engine.connect() as conn:
+        version = str(conn.execute(sa.text("SELECT VERSION()")).scalar())
+    return "utf8mb4_nopad_bin" if "mariadb" in version.lower() else "utf8mb4_0900_bin"
+
+
+def _create_v1_tables_with_rows(engine: sa.Engine) -> None:
+    """The tables exactly as release 1 created them (its DDL, saved), with rows in them."""
+    with engine.begin() as conn:
+        for statement in OLD_DDL.read_text().split(";\n"):
+            if statement.strip():  # MySQL 8 has no CREATE INDEX IF NOT EXISTS
+                conn.execute(sa.text(statement.replace("INDEX IF NOT EXISTS", "INDEX")))
+        conn.execute(
+            sa.text("INSERT INTO outboxkit_meta VALUES ('outbox_events', 8, 1, UTC_TIMESTAMP(6))")
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_events (event_id, topic, message_key, payload, headers, "
+                "shard, status, attempts, next_attempt_at, lease_owner, lease_token, "
+                "created_at, updated_at) VALUES "
+                "('order-1', 'orders', 'k', 'p1', NULL, 1, 'pending', 0, UTC_TIMESTAMP(6), "
+                "NULL, NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)), "
+                "('Café-2', 'ORDERS', NULL, 'p2', '{\"a\":\"b\"}', 2, 'delivering', 1, "
+                "UTC_TIMESTAMP(6), 'relay-a', 'ab12', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_inbox VALUES "
+                "('billing', 'ev-1', 'orders', 0, 5, UTC_TIMESTAMP(6)), "
+                "('billing', 'orders/0/6', 'orders', 0, 6, UTC_TIMESTAMP(6))"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO outboxkit_recovery_events (at, kind, node_id, table_name, detail) "
+                "VALUES (UTC_TIMESTAMP(6), 'requeue', 'admin@h', 'outbox_events', '{}')"
+            )
+        )
+
+
+def test_apply_upgrades_release_1_tables_to_byte_exact_identifiers(
+    engine: sa.Engine, db_url: str
+) -> None:
+    _create_v1_tables_with_rows(engine)
+    before = _dump(engine)
+    old = _collations(engine)
+    expected = _identifier_columns()
+
+    first = cli("apply", "--db-url", db_url, "--shards", "8")
+
+    assert first.returncode == 0, first.stderr
+    changed = [line for line in first.stdout.splitlines() if line.startswith("changed column")]
+    binary = _binary_collation(engine)
+    assert sorted(changed) == sorted(
+        f"changed column {t}.{c}: collation {old[(t, c)]} -> {binary}"
+        for t, columns in expected.items()
+        for c in columns
+    ), first.stdout
+    assert "schema version of outbox_events -> 2" in first.stdout
+    now = _collations(engine)
+    for t, columns in expected.items():
+        for c in columns:
+            assert now[(t, c)] == binary, (t, c)
+    assert _dump(engine) == before  # every row kept, every value unchanged
+    with engine.begin() as conn:  # and ids that differ only in case are now two events
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_inbox VALUES ('billing', 'EV-1', 'orders', 0, 7, "
+                "UTC_TIMESTAMP(6)), ('BILLING', 'ev-1', 'orders', 0, 5, UTC_TIMESTAMP(6))"
+            )
+        )
+
+    second = cli("apply", "--db-url", db_url, "--shards", "8")
+    assert second.returncode == 0, second.stderr
+    assert "schema up to date" in second.stdout, second.stdout
+
+
+def test_concurrent_upgrade_from_two_processes_changes_once(engine: sa.Engine, db_url: str) -> None:
+    _create_v1_tables_with_rows(engine)
+    before = _dump(engine)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "outboxkit", "schema", "apply", "--db-url", db_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert [r[0] for r in results] == [0, 0], results
+    outputs = sorted(r[1] for r in results)
+    assert "schema up to date" in outputs[1], results  # the second found it done
+    assert "changed column outbox_events.topic" in outputs[0], results
+    assert _dump(engine) == before

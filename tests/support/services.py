@@ -162,6 +162,9 @@ class KafkaInstance(ServiceInstance):
 
     ``proxied_port`` adds a second listener that advertises ``proxied_advertised_port``:
     clients bootstrapping through a TCP proxy on that port stay behind the proxy.
+    ``sasl_port``: also listen there with SASL PLAIN and an authorizer (see
+    ``deploy/local/kafka.sh``); :meth:`sasl_config` logs in as ``limited`` (no ACLs
+    until granted) or ``admin``. The plain port stays open as super user.
     """
 
     service = "kafka"
@@ -175,16 +178,26 @@ class KafkaInstance(ServiceInstance):
         *,
         proxied_port: int | None = None,
         proxied_advertised_port: int | None = None,
+        sasl_port: int | None = None,
     ) -> None:
         super().__init__(name, port)
         self.controller_port = controller_port
         self.message_max_bytes = message_max_bytes
         self.proxied_port = proxied_port
         self.proxied_advertised_port = proxied_advertised_port
+        self.sasl_port = sasl_port
 
     def _extra_args(self) -> list[str]:
         mmb = "" if self.message_max_bytes is None else str(self.message_max_bytes)
-        args = ["--controller-port", str(self.controller_port), "--message-max-bytes", mmb]
+        sasl = "" if self.sasl_port is None else str(self.sasl_port)
+        args = [
+            "--controller-port",
+            str(self.controller_port),
+            "--message-max-bytes",
+            mmb,
+            "--sasl-port",
+            sasl,
+        ]
         if self.proxied_port is not None:
             advertised = self.proxied_advertised_port or self.proxied_port
             args += [
@@ -194,6 +207,20 @@ class KafkaInstance(ServiceInstance):
                 str(advertised),
             ]
         return args
+
+    @property
+    def sasl_bootstrap(self) -> str:
+        assert self.sasl_port is not None, "started without sasl_port"
+        return f"127.0.0.1:{self.sasl_port}"
+
+    def sasl_config(self, user: str = "limited") -> dict[str, str]:
+        """librdkafka properties to log in on the SASL listener as ``user``."""
+        return {
+            "security.protocol": "SASL_PLAINTEXT",
+            "sasl.mechanism": "PLAIN",
+            "sasl.username": user,
+            "sasl.password": f"{user}-secret",
+        }
 
     @property
     def bootstrap(self) -> str:
@@ -206,6 +233,14 @@ class RedisInstance(ServiceInstance):
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+
+class PushgatewayInstance(ServiceInstance):
+    service = "pushgateway"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 class MariaDBInstance(ServiceInstance):

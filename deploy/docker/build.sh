@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build the outboxkit image without a Docker engine, with buildah (Debian's
+# package), and print the image id on stdout:
+#
+#   deploy/docker/build.sh                 # -> localhost/outboxkit:dev
+#   OUTBOXKIT_IMAGE=localhost/outboxkit:1 deploy/docker/build.sh
+#
+# 1. base: a Debian bookworm root file system made by mmdebstrap from Debian's
+#    own packages (python3, pip, venv), committed once as
+#    localhost/outboxkit-base:bookworm and reused afterwards (kept in buildah's
+#    image store, so every checkout on the machine shares it);
+# 2. image: deploy/docker/Dockerfile built with PYTHON_IMAGE=<that base>, the
+#    same file that builds on python:3.11-slim with Docker. Layers are cached:
+#    a second run with nothing changed takes seconds.
+#
+# The host's CA bundle and pip configuration are bind-mounted into the build
+# (never copied into a layer): this machine reaches its package index through
+# them. Progress goes to stderr, one line per step; the tools' output goes to
+# deploy/docker/.build/*.log.
+set -euo pipefail
+SERVICE=image
+# shellcheck source=../local/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../local/lib.sh"
+
+REPO_ROOT="$(cd "$LOCAL_DIR/../.." && pwd)"
+BUILD_DIR="$REPO_ROOT/deploy/docker/.build"
+BASE_IMAGE="${OUTBOXKIT_BASE_IMAGE:-localhost/outboxkit-base:bookworm}"
+IMAGE="${OUTBOXKIT_IMAGE:-localhost/outboxkit:dev}"
+mkdir -p "$BUILD_DIR"
+
+ensure_packages buildah mmdebstrap uidmap
+
+have_image() { buildah inspect --type image "$1" >/dev/null 2>&1; }
+
+if have_image "$BASE_IMAGE"; then
+    log "base $BASE_IMAGE: cached"
+else
+    log "base $BASE_IMAGE: mmdebstrap bookworm (a few minutes, log: $BUILD_DIR/base.log)"
+    tarball="$BUILD_DIR/base.tar"
+    mmdebstrap --variant=minbase \
+        --include=python3,python3-pip,python3-venv,python-is-python3,passwd,ca-certificates \
+        bookworm "$tarball" >"$BUILD_DIR/base.log" 2>&1 \
+        || die "mmdebstrap failed; see $BUILD_DIR/base.log"
+    ctr="$(buildah from scratch)"
+    trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
+    buildah add "$ctr" "$tarball" / >>"$BUILD_DIR/base.log"
+    # As in the official Python images: pip may install into the system
+    # interpreter (Debian marks it externally managed).
+    buildah run --isolation chroot "$ctr" -- \
+        sh -c 'rm -f /usr/lib/python3*/EXTERNALLY-MANAGED' >>"$BUILD_DIR/base.log" 2>&1
+    buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        "$ctr"
+    buildah commit -q "$ctr" "$BASE_IMAGE" >>"$BUILD_DIR/base.log"
+    rm -f "$tarball"
+    log "base $BASE_IMAGE: built"
+fi
+
+mounts=()
+for f in /etc/ssl/certs/ca-certificates.crt /etc/pip.conf; do
+    [[ -f "$f" ]] && mounts+=(-v "$f:$f:ro")
+done
+
+log "image $IMAGE: buildah bud (log: $BUILD_DIR/image.log)"
+started=$(date +%s)
+(cd "$REPO_ROOT" && buildah bud --isolation chroot --layers --format docker \
+    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" "${mounts[@]}" \
+    -f deploy/docker/Dockerfile -t "$IMAGE" .) >"$BUILD_DIR/image.log" 2>&1 \
+    || die "buildah bud failed; see $BUILD_DIR/image.log"
+id="$(buildah inspect --type image --format '{{.FromImageID}}' "$IMAGE")"
+size="$(buildah images --format '{{.Size}}' "$IMAGE" | sed -n 1p)"
+log "image $IMAGE: $id ($size) in $(($(date +%s) - started))s"
+echo "$id"

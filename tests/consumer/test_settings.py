@@ -1,0 +1,170 @@
+"""Consumer settings: the Kafka properties the offset guarantees depend on are
+forced or refused at load time (exit 2 naming --kafka-config), and librdkafka
+itself vets the rest before anything connects."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from procs import HERE
+
+from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.runtime import ConfigError, load
+from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, librdkafka_problem
+
+pytestmark = pytest.mark.unit
+
+_WHERE = "--kafka-config / OUTBOXKIT_KAFKA_CONFIG"
+
+
+def _refused_value(name: str) -> str:
+    return {
+        "enable.auto.commit": "false",
+        "enable.auto.offset.store": "true",
+        "partition.assignment.strategy": "range",
+        "group.protocol": "consumer",
+    }.get(name, "x")
+
+
+@pytest.mark.parametrize("name", sorted(CONSUMER_GUARDED))
+def test_guarded_properties_are_refused_with_the_reason(name: str) -> None:
+    value = _refused_value(name)
+    with pytest.raises(ConfigError) as info:
+        load(ConsumerSettings, environ={"OUTBOXKIT_KAFKA_CONFIG": f"{name}={value}"})
+    message = str(info.value)
+    assert _WHERE in message and name in message
+    assert CONSUMER_GUARDED[name].reason in message
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        "enable.auto.commit=true",
+        "enable.auto.offset.store=false",
+        "partition.assignment.strategy=cooperative-sticky",
+        "isolation.level=read_uncommitted",
+        "isolation.level=read_committed",
+        "group.protocol=classic",
+        "session.timeout.ms=10000",
+    ],
+)
+def test_values_that_change_nothing_are_accepted(props: str) -> None:
+    load(ConsumerSettings, environ={"OUTBOXKIT_KAFKA_CONFIG": props})
+
+
+@pytest.mark.parametrize(
+    "props",
+    ["no.such.property=1", "session.timeout.ms=soon", "fetch.min.bytes=-5"],
+)
+def test_librdkafka_refuses_unknown_properties_and_bad_values_at_load(props: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(ConsumerSettings, environ={"OUTBOXKIT_KAFKA_CONFIG": props})
+    assert _WHERE in str(info.value)
+
+
+def test_the_console_exits_2_before_connecting(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    for prop in ("enable.auto.commit=false", "no.such.property=1"):
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "outboxkit", "consume", "consumer_apps:Sleepy",
+                "--kafka-bootstrap", "127.0.0.1:1", "--group-id", "g", "--topics", "t",
+                "--kafka-config", prop, "--health-port", "0",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert _WHERE in done.stderr and prop.split("=")[0] in done.stderr
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    commit=st.floats(min_value=0.001, max_value=604800),
+    stats=st.floats(min_value=0, max_value=604800),
+    dlq=st.floats(min_value=0.001, max_value=604800),
+)
+def test_accepted_intervals_are_values_librdkafka_takes(
+    commit: float, stats: float, dlq: float
+) -> None:
+    """What the consumer derives from its settings must be a valid librdkafka config,
+    or the consumer would pass validation and then fail when it connects."""
+    try:
+        s = load(
+            ConsumerSettings,
+            environ={
+                "OUTBOXKIT_COMMIT_INTERVAL": f"{commit:.3f}",
+                "OUTBOXKIT_STATS_INTERVAL": f"{stats:.3f}",
+                "OUTBOXKIT_DLQ_TIMEOUT": f"{dlq:.3f}",
+            },
+        )
+    except ConfigError:
+        return
+    derived = {
+        "auto.commit.interval.ms": str(int(s.commit_interval * 1000)),
+        "statistics.interval.ms": str(int(s.stats_interval * 1000)),
+    }
+    assert librdkafka_problem(derived, "consumer") is None, derived
+    dlq_timeout = {"message.timeout.ms": str(max(1, int(s.dlq_timeout * 1000)))}
+    assert librdkafka_problem(dlq_timeout, "producer") is None, dlq_timeout
+
+
+_PEM_KEY = (
+    "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcw\nKeyBodyLine2xyz\n"
+    "-----END PRIVATE KEY-----"
+)
+
+
+@pytest.mark.integration
+def test_consumer_start_line_masks_key_material(
+    kafka_bootstrap: str, kafka_topics: Any, tmp_path: Path
+) -> None:
+    """The consumer's start line, as the operator reads it, never shows a TLS key or
+    SASL secret, and a short DB password does not cut words."""
+    from procs import ConsumerProcess
+
+    topic = kafka_topics(partitions=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["OUTBOXKIT_DB_URL"] = "mysql+pymysql://app:short@127.0.0.1:3306/db"
+    proc = ConsumerProcess(
+        "consumer_apps:Sleepy",
+        env=env,
+        args=[
+            "--kafka-bootstrap", kafka_bootstrap, "--group-id", f"g-{topic}", "--topics", topic,
+            "--health-port", "0", "--service", "orders-consumer",
+            "--kafka-config", f"ssl.key.pem={_PEM_KEY}",
+            "--kafka-config", "ssl.key.password=KeyPassphrase-123",
+            "--kafka-config", "sasl.oauthbearer.client.secret=OauthSecret-456",
+        ],
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        started = proc.wait_event("consumer-starting", timeout=30)
+        proc.health_url(timeout=30)
+        proc.signal()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    text = "".join(proc.raw)
+    for leaked in ("KeyBodyLine2xyz", "MIIEvQIBADAN", "KeyPassphrase-123", "OauthSecret-456"):
+        assert leaked not in text
+    config = started["settings"]["kafka_config"]
+    assert config["ssl.key.pem"] == config["ssl.key.password"] == "***"
+    assert config["sasl.oauthbearer.client.secret"] == "***"
+    assert started["settings"]["db_url"] == "mysql+pymysql://app:***@127.0.0.1:3306/db"
+    assert all(r["service"] == "orders-consumer" for r in proc.lines)
+    assert [r["setting"] for r in proc.events("secret-too-short")] == [
+        "--db-url / OUTBOXKIT_DB_URL (URL password)"
+    ]

@@ -1,0 +1,18 @@
+"""Consumer classes the push-convention tests run with ``outboxkit consume``."""
+
+from __future__ import annotations
+
+import time
+
+from outboxkit.consumer import Consumer, Message
+
+
+class StuckOnStop(Consumer):
+    """Handles slowly (a backlog builds up) and hangs in ``on_stop``, so the drain
+    overruns ``shutdown_timeout`` and the process is forced to exit (code 4)."""
+
+    def handle(self, message: Message) -> None:
+        time.sleep(0.5)
+
+    def on_stop(self) -> None:
+        time.sleep(120)
