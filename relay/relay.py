@@ -188,7 +188,23 @@ class Relay:
                 self._rebuild_producer()
                 continue
             self._sample_backlog_if_due()
-            batch = self._claim()
+            try:
+                batch = self._claim()
+            except Exception as exc:
+                if not (self.lifecycle.draining.is_set() and is_infrastructure_error(exc)):
+                    raise
+                # The database failed the claim that was running when the drain began
+                # (a redeploy during a blip): nothing is held, so this is the end of
+                # the loop, not a crash. A claim whose commit went through unseen left
+                # rows leased; they are reclaimed after their lease.
+                log_event(
+                    log,
+                    "claim-interrupted",
+                    level=logging.WARNING,
+                    error=redact(f"{type(exc).__name__}: {exc}"),
+                    effect="the drain goes on; nothing was held",
+                )
+                return
             if batch is None:
                 self._waker.wait(self.settings.poll_interval)
             else:
@@ -237,6 +253,21 @@ class Relay:
             spent_ids = {d.row.id for d in spent}
             to_send = [r for r in batch.rows if r.id not in spent_ids]
             if self.lifecycle.draining.is_set():  # the drain began during the claim
+                decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
+            elif to_send and time.monotonic() >= self._deadline(batch):
+                # Stalled since the claim (a stopped process, a long pause): the
+                # batch's budget is spent and its lease may have run out, so another
+                # relay may hold these rows by now. Sending them would only make
+                # duplicates; give them back (token-checked, nothing was sent).
+                log_event(
+                    log,
+                    "batch-expired-before-publish",
+                    level=logging.WARNING,
+                    rows=len(to_send),
+                    stalled_s=round(time.monotonic() - batch.claimed_mono, 3),
+                    effect="released unsent (attempt refunded) or left to the relay "
+                    "that reclaimed them",
+                )
                 decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
             else:
                 held.inflight = self._publisher.publish(to_send)
