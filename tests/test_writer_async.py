@@ -297,3 +297,23 @@ def test_package_imports_without_the_async_extra() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.unit
+def test_the_async_extra_brings_what_the_async_writer_needs() -> None:
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in md.requires("outboxkit") or ()]
+    in_extra = {
+        r.name.lower(): r
+        for r in reqs
+        if r.marker is not None and r.marker.evaluate({"extra": "async"})
+    }
+    assert "asyncio" in in_extra["sqlalchemy"].extras  # greenlet: SQLAlchemy 2.1 needs it asked
+    assert "asyncmy" in in_extra
+    dev = [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "dev"})]
+    assert any(r.name == "outboxkit" and "async" in r.extras for r in dev)
+    import asyncmy  # noqa: F401  (installed: the suite tests the async writer for real)
+    import greenlet  # noqa: F401
