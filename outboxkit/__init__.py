@@ -23,7 +23,14 @@ from outboxkit.errors import (
     UnserializablePayloadError,
 )
 from outboxkit.wakeup import enable_wakeups, notify_relays
-from outboxkit.writer import Event, enqueue, enqueue_many, uuid7
+from outboxkit.writer import (
+    Event,
+    enqueue,
+    enqueue_async,
+    enqueue_many,
+    enqueue_many_async,
+    uuid7,
+)
 
 try:
     __version__ = version("outboxkit")
@@ -48,7 +55,9 @@ __all__ = [
     "__version__",
     "enable_wakeups",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "notify_relays",
     "uuid7",
 ]

@@ -16,6 +16,12 @@ Two ways to send them, both opt-in:
   coalesces into fewer hints while one is being sent.
 * :func:`notify_relays` called by the application after its own commit.
 
+Asyncio code passes its ``AsyncEngine`` (the listeners go on its
+``sync_engine``: SQLAlchemy has no async events), an ``AsyncSession``, or an
+``async_sessionmaker`` (its sessions get a private subclass of their sync
+session class that carries the listeners; :meth:`WakeupHook.disable` puts the
+original class back). The hint is sent from the same thread either way.
+
 With an ``Engine``, a Core connection publishes when it begins its next
 transaction or goes back to the pool after the commit (SQLAlchemy has no
 after-commit event for connections); a connection kept idle after ``commit()``
@@ -27,9 +33,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import redis
 from sqlalchemy import event
@@ -37,6 +44,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
+
+if TYPE_CHECKING:
+    # Not at run time: sqlalchemy.ext.asyncio needs greenlet (the ``async`` extra).
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 __all__ = [
     "WakeupHook",
@@ -186,15 +197,19 @@ class WakeupPublisher:
 
 
 SessionTarget = Session | sessionmaker[Any] | scoped_session[Any] | type[Session]
+AsyncTarget: TypeAlias = "AsyncEngine | AsyncSession | async_sessionmaker[Any]"
 
 
 class WakeupHook:
     """What :func:`enable_wakeups` installed; :meth:`disable` removes it."""
 
-    def __init__(self, target: Engine | SessionTarget, publisher: WakeupPublisher) -> None:
+    def __init__(
+        self, target: Engine | SessionTarget | AsyncTarget, publisher: WakeupPublisher
+    ) -> None:
         self.target = target
         self.publisher = publisher
         self._listeners: list[tuple[Any, str, Any]] = []
+        self._undo: list[Callable[[], None]] = []
 
     def _listen(self, target: Any, name: str, fn: Any) -> None:
         event.listen(target, name, fn)
@@ -205,12 +220,14 @@ class WakeupHook:
         for target, name, fn in self._listeners:
             event.remove(target, name, fn)
         self._listeners.clear()
+        while self._undo:
+            self._undo.pop()()
         self.publisher.flush(timeout=2.0)
         self.publisher.close()
 
 
 def enable_wakeups(
-    target: Engine | SessionTarget,
+    target: Engine | SessionTarget | AsyncTarget,
     redis_client: str | redis.Redis[Any],
     *,
     prefix: str = "",
@@ -218,15 +235,39 @@ def enable_wakeups(
     """Publish a wake-up hint after every commit that enqueued rows.
 
     ``target`` is the ``Engine`` the service writes through, or its
-    ``sessionmaker`` / ``scoped_session`` / ``Session`` (class or instance).
-    ``prefix`` must match the relays' Redis prefix (``OUTBOXKIT_REDIS_PREFIX``).
+    ``sessionmaker`` / ``scoped_session`` / ``Session`` (class or instance);
+    for asyncio code its ``AsyncEngine``, ``async_sessionmaker`` or
+    ``AsyncSession``. ``prefix`` must match the relays' Redis prefix
+    (``OUTBOXKIT_REDIS_PREFIX``).
     """
     hook = WakeupHook(target, WakeupPublisher(redis_client, prefix=prefix))
     if isinstance(target, Engine):
         _listen_engine(hook, target)
-    else:
-        _listen_session(hook, target)
+    elif "sqlalchemy.ext.asyncio" in sys.modules:  # imported by whoever holds an async target
+        from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+        if isinstance(target, AsyncEngine):
+            _listen_engine(hook, target.sync_engine)
+        elif isinstance(target, AsyncSession):
+            _listen_session(hook, target.sync_session)
+        elif isinstance(target, async_sessionmaker):
+            _listen_async_sessionmaker(hook, target)
+        else:
+            _listen_session(hook, target)
+    else:  # without that module there can be no async target
+        _listen_session(hook, cast(SessionTarget, target))
     return hook
+
+
+def _listen_async_sessionmaker(hook: WakeupHook, factory: async_sessionmaker[Any]) -> None:
+    # Session events cannot be set on an async_sessionmaker, and setting them on
+    # its sync session class (by default Session itself) would hook every Session
+    # in the process. Its sessions get a private subclass that carries them.
+    base: type[Session] = factory.kw.get("sync_session_class", Session)
+    hooked = type(base.__name__, (base,), {"__module__": base.__module__})
+    factory.configure(sync_session_class=hooked)
+    hook._undo.append(lambda: factory.configure(sync_session_class=base))
+    _listen_session(hook, hooked)
 
 
 def _listen_session(hook: WakeupHook, target: SessionTarget) -> None:

@@ -6,6 +6,16 @@ caller's: the INSERT joins whatever transaction the given ``Connection`` or
 Every event is validated *before* anything is written; a bad one raises an
 ``EnqueueError`` (a ``ValueError``) and writes nothing, not even the good events
 of the same ``enqueue_many`` call.
+
+``enqueue_async`` and ``enqueue_many_async`` are the same for asyncio code: they
+take SQLAlchemy's ``AsyncConnection`` or ``AsyncSession`` and are awaited. They
+validate on the event loop with the very same code, then run the same INSERT on
+the caller's connection through ``run_sync``, so guarantees and errors are
+identical. They are separate names rather than overloads of ``enqueue`` so a
+forgotten ``await`` cannot pass for a write: ``enqueue`` always returns the id,
+``enqueue_async`` always returns a coroutine, and strict mypy checks both
+without overload tricks. Each refuses the other kind of target with a
+``TypeError`` naming the right function.
 """
 
 from __future__ import annotations
@@ -13,12 +23,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
@@ -47,11 +58,17 @@ from outboxkit.schema.table import (
 )
 from outboxkit.wakeup import mark_enqueued
 
+if TYPE_CHECKING:
+    # Not at run time: sqlalchemy.ext.asyncio needs greenlet (the ``async`` extra).
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "Event",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "kafka_record_size",
     "uuid7",
 ]
@@ -114,6 +131,7 @@ def enqueue(
     Set it to the relay's value if you raise that.  ``max_payload_bytes``
     optionally caps the payload alone, lower.
     """
+    _refuse_async(target, "enqueue")
     ev = Event(topic=topic, payload=payload, key=key, headers=headers, event_id=event_id)
     return enqueue_many(
         target,
@@ -136,11 +154,97 @@ def enqueue_many(
 
     The limits are those of :func:`enqueue`, per event.
     """
+    _refuse_async(target, "enqueue_many")
+    rows = _prepare(events, table, max_message_bytes, max_payload_bytes)
+    if rows:
+        _write(target, rows, table)
+    return [row["event_id"] for row in rows]
+
+
+async def enqueue_async(
+    target: AsyncConnection | AsyncSession,
+    *,
+    topic: str,
+    payload: Payload,
+    key: str | bytes | None = None,
+    headers: Mapping[str, HeaderValue] | None = None,
+    event_id: str | uuid.UUID | None = None,
+    table: str = DEFAULT_TABLE,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_payload_bytes: int | None = None,
+) -> str:
+    """:func:`enqueue` for an ``AsyncConnection`` or ``AsyncSession``; await it.
+
+    Joins the caller's transaction, never commits or flushes, validates before
+    writing and raises the same errors as :func:`enqueue`.
+    """
+    _refuse_sync(target, "enqueue_async")
+    ev = Event(topic=topic, payload=payload, key=key, headers=headers, event_id=event_id)
+    ids = await enqueue_many_async(
+        target,
+        [ev],
+        table=table,
+        max_message_bytes=max_message_bytes,
+        max_payload_bytes=max_payload_bytes,
+    )
+    return ids[0]
+
+
+async def enqueue_many_async(
+    target: AsyncConnection | AsyncSession,
+    events: Iterable[Event | Mapping[str, Any]],
+    *,
+    table: str = DEFAULT_TABLE,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_payload_bytes: int | None = None,
+) -> list[str]:
+    """:func:`enqueue_many` for an ``AsyncConnection`` or ``AsyncSession``; await it."""
+    _refuse_sync(target, "enqueue_many_async")
+    # Validation touches no connection, so it runs here; only the INSERT needs
+    # the driver, and run_sync hands it the caller's own (sync-facing) connection.
+    rows = _prepare(events, table, max_message_bytes, max_payload_bytes)
+    if rows:
+        await target.run_sync(_write, rows, table)
+    return [row["event_id"] for row in rows]
+
+
+def _is_async_target(target: object) -> bool:
+    # Whoever holds an AsyncConnection or AsyncSession has imported their module;
+    # looking it up keeps the import (and greenlet) out of sync-only services.
+    module = sys.modules.get("sqlalchemy.ext.asyncio")
+    return module is not None and isinstance(target, module.AsyncConnection | module.AsyncSession)
+
+
+def _refuse_async(target: object, name: str) -> None:
+    if not isinstance(target, Connection | Session) and _is_async_target(target):
+        raise TypeError(
+            f"{name}() takes a Connection or Session; for {type(target).__name__} "
+            f"use 'await outboxkit.{name}_async(...)'"
+        )
+
+
+def _refuse_sync(target: object, name: str) -> None:
+    if not _is_async_target(target):
+        raise TypeError(
+            f"{name}() takes an AsyncConnection or AsyncSession, not "
+            f"{type(target).__name__}; for sync code use outboxkit.{name.removesuffix('_async')}()"
+        )
+
+
+def _prepare(
+    events: Iterable[Event | Mapping[str, Any]],
+    table: str,
+    max_message_bytes: int,
+    max_payload_bytes: int | None,
+) -> list[dict[str, Any]]:
+    """Every check that can refuse the batch, before any connection is touched."""
     validate_identifier(table)
     rows = [_row(_as_event(e), max_message_bytes, max_payload_bytes) for e in events]
-    if not rows:
-        return []
     _refuse_repeated_ids(rows)
+    return rows
+
+
+def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
     conn = target.connection() if isinstance(target, Session) else target
     shard_count = _shard_count(conn, table)
     for row in rows:
@@ -159,7 +263,6 @@ def enqueue_many(
     for chunk in _chunks(rows):
         conn.execute(stmt, chunk)
     mark_enqueued(target, conn, table)  # for wake-up hints after commit, when enabled
-    return [row["event_id"] for row in rows]
 
 
 def _refuse_repeated_ids(rows: list[dict[str, Any]]) -> None:

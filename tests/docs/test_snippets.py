@@ -6,7 +6,8 @@ how it is tested:
 * ``<!-- snippet: run -->``: executed as a script against the local services
   (a fresh database with the outbox schema applied, Kafka, Redis); also
   type-checked. The addresses in the text (``mysql+pymysql://...``,
-  ``redis://...``, ``"kafka:9092"``) are replaced by the local ones.
+  ``mysql+asyncmy://...``, ``redis://...``, ``"kafka:9092"``) are replaced by
+  the local ones.
 * ``<!-- snippet: typecheck -->``: a fragment that needs a running service or
   runs until stopped; type-checked with strict mypy only.
 
@@ -176,6 +177,8 @@ def test_type_checking_catches_a_renamed_argument(tmp_path: Path) -> None:
 
 def _localize(source: str, *, db_url: str, bootstrap: str, redis_url: str) -> str:
     source = re.sub(r"mysql\+pymysql://[^\"'\s]+", lambda _: db_url, source)
+    async_url = db_url.replace("mysql+pymysql://", "mysql+asyncmy://", 1)
+    source = re.sub(r"mysql\+asyncmy://[^\"'\s]+", lambda _: async_url, source)
     source = re.sub(r"redis://[^\"'\s]+", lambda _: redis_url, source)
     return source.replace('"kafka:9092"', repr(bootstrap))
 

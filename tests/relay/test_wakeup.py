@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -10,9 +11,11 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
+from test_writer_async import async_url
 
-from outboxkit import enable_wakeups, enqueue, notify_relays
+from outboxkit import enable_wakeups, enqueue, enqueue_async, notify_relays
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.wakeup import wakeup_channel
 
@@ -121,6 +124,81 @@ def test_engine_hint_after_commit_only(
         assert rows == 3
     finally:
         hook.disable()
+
+
+def test_async_engine_hint_after_commit_only(
+    db_url: str, outbox: str, redis_url: str, redis_prefix: str, listener: Listener
+) -> None:
+    async def scenario() -> None:
+        aengine = create_async_engine(async_url(db_url))
+        hook = enable_wakeups(aengine, redis_url, prefix=redis_prefix)
+        try:
+            async with aengine.begin() as conn:
+                await enqueue_async(conn, topic="orders", payload={"n": 1}, table=outbox)
+                assert listener.count(0.3) == 0, "a hint before the commit"
+            assert listener.count(1.0) == 1
+
+            async with AsyncSession(aengine) as session:
+                await enqueue_async(session, topic="orders", payload={"n": 2}, table=outbox)
+                await session.commit()
+            assert listener.count(1.0) == 1
+
+            async with aengine.connect() as conn:
+                await enqueue_async(conn, topic="orders", payload={"n": 3}, table=outbox)
+                await conn.rollback()
+            with pytest.raises(RuntimeError):
+                async with AsyncSession(aengine) as session, session.begin():
+                    await enqueue_async(session, topic="orders", payload={"n": 4}, table=outbox)
+                    raise RuntimeError("business logic failed")
+            async with aengine.begin() as conn:  # a transaction that enqueued nothing
+                await conn.execute(sa.text("SELECT 1"))
+            assert listener.count(0.5) == 0
+        finally:
+            hook.disable()
+            await aengine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_async_sessionmaker_hint_after_commit_only(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    redis_url: str,
+    redis_prefix: str,
+    listener: Listener,
+) -> None:
+    async def scenario() -> None:
+        aengine = create_async_engine(async_url(db_url))
+        factory = async_sessionmaker(aengine, expire_on_commit=False)
+        hook = enable_wakeups(factory, redis_url, prefix=redis_prefix)
+        try:
+            async with factory() as session:
+                await enqueue_async(session, topic="orders", payload={"n": 1}, table=outbox)
+                assert listener.count(0.3) == 0, "a hint before the commit"
+                await session.commit()
+            assert listener.count(1.0) == 1
+
+            async with factory() as session:
+                await enqueue_async(session, topic="orders", payload={"n": 2}, table=outbox)
+                await session.rollback()
+            async with factory.begin() as session:
+                await session.execute(sa.text("SELECT 1"))
+            assert listener.count(0.5) == 0
+        finally:
+            hook.disable()
+        # Disabled: the factory is as it was, and its sessions send nothing.
+        async with factory.begin() as session:
+            await enqueue_async(session, topic="orders", payload={"n": 3}, table=outbox)
+        await aengine.dispose()
+        assert listener.count(0.5) == 0
+
+    asyncio.run(scenario())
+    # A plain sync Session elsewhere in the process is not hooked by the factory's hint.
+    with Session(engine) as session:
+        _enqueue(session, outbox)
+        session.commit()
+    assert listener.count(0.5) == 0
 
 
 def test_without_enable_no_hint_and_explicit_notify(
