@@ -113,6 +113,9 @@ class ProtocolModel(RuleBasedStateMachine):
         self.live: list[SimBatch] = []
         self.paused: set[str] = set()
         self.failed_ever: set[int] = set()
+        #: Rows with a fault of their own (too large, invalid): every send fails the
+        #: same way until an operator fixes and requeues them.
+        self.row_faulty: set[int] = set()
         self.acks: dict[int, set[tuple[int | None, int | None]]] = {}  # id -> {(partition, offset)}
         self.first_acked: set[int] = set()
         self.offsets = itertools.count()
@@ -201,7 +204,17 @@ class ProtocolModel(RuleBasedStateMachine):
             key, _ = self.rows[r.id]
             # A message behind one still queued (no report yet) has no report either:
             # one key goes to one partition, and a partition's reports come in order.
-            outcome = NO_REPORT if key in unreported_keys else data.draw(st.sampled_from(OUTCOMES))
+            if key in unreported_keys:
+                outcome = NO_REPORT
+            elif r.id in self.row_faulty:
+                outcome = ROW_FAULT
+            else:
+                outcome = data.draw(st.sampled_from(OUTCOMES))
+            if outcome == ROW_FAULT:
+                # It ends failed whichever relay sends it: a failed row does not
+                # hold its key back, so later rows may go ahead of it.
+                self.row_faulty.add(r.id)
+                self.failed_ever.add(r.id)
             if outcome == NO_REPORT:
                 unreported_keys.add(key)
                 continue
@@ -377,6 +390,7 @@ class ProtocolModel(RuleBasedStateMachine):
         result = requeue(self.engine, table=TABLE, selection=Selection(all_failed=True))
         for row_id in result.ids:
             self.attempts[row_id] = 0
+            self.row_faulty.discard(row_id)  # the operator fixed it
 
     # ------------------------------------------------------------------ invariants
 
