@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.metric_names import exported_metric_names
 from support.services import free_port
 from support.waiting import bound, wait_for
 
@@ -126,36 +127,6 @@ def metric_names(expr: str) -> set[str]:
         if bare[match.end() :].lstrip().startswith("(") or word.lower() in _WORDS:
             continue
         names.add(word)
-    return names
-
-
-def exported_metric_names() -> set[str]:
-    """Every family and series name the relay and the consumer register, plus ``up``."""
-    from prometheus_client import CollectorRegistry
-
-    from outboxkit.consumer.metrics import ConsumerMetrics
-    from outboxkit.relay.leases import ShardLeaseMetrics
-    from outboxkit.relay.metrics import RelayMetrics
-    from outboxkit.runtime import ServiceMetrics
-
-    names = {"up"}
-    for build in (
-        lambda r: RelayMetrics(r),
-        lambda r: ConsumerMetrics(r),
-        lambda r: ServiceMetrics(r, service="x"),
-        lambda r: ShardLeaseMetrics(r, owned_gauge=False),
-    ):
-        registry = CollectorRegistry()
-        build(registry)
-        for family in registry.collect():
-            names.add(family.name)
-            names.update(sample.name for sample in family.samples)
-            if family.type == "counter":
-                names.add(family.name + "_total")
-            if family.type == "histogram":
-                names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
-            if family.type == "stateset":
-                names.add(family.name)
     return names
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from support.metric_names import exported_metric_names
 
 from outboxkit import Event, enqueue_many
 from outboxkit.schema import apply_schema, outbox_table
@@ -286,32 +287,6 @@ def metric_names(query: str) -> set[str]:
         if after.startswith("(") or match.group(0) in PROMQL_WORDS:
             continue
         names.add(match.group(0))
-    return names
-
-
-def exported_metric_names() -> set[str]:
-    """Every family and series name the relay and the consumer export, plus ``up``."""
-    from prometheus_client import CollectorRegistry
-
-    from outboxkit.consumer.metrics import ConsumerMetrics
-    from outboxkit.relay.leases import ShardLeaseMetrics
-    from outboxkit.relay.metrics import RelayMetrics
-    from outboxkit.runtime import ServiceMetrics
-
-    names = {"up"}
-    for build in (
-        lambda r: RelayMetrics(r),
-        lambda r: ConsumerMetrics(r),
-        lambda r: ServiceMetrics(r, service="x"),
-        lambda r: ShardLeaseMetrics(r, owned_gauge=False),
-    ):
-        registry = CollectorRegistry()
-        build(registry)
-        for family in registry.collect():
-            names.add(family.name)
-            names.update(sample.name for sample in family.samples)
-            if family.type == "counter":
-                names.add(family.name + "_total")
     return names
 
 
