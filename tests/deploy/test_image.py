@@ -124,10 +124,11 @@ class ImageProcess:
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.raw.append(line)
-            with contextlib.suppress(json.JSONDecodeError):
-                self.records.append(json.loads(line))
+        with self.proc.stderr:  # closed at EOF: no unclosed pipe for a later test
+            for line in self.proc.stderr:
+                self.raw.append(line)
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.records.append(json.loads(line))
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [r for r in list(self.records) if r.get("event") == name]
@@ -166,6 +167,7 @@ class ImageProcess:
                     os.kill(pid, signal.SIGKILL)
             self.proc.kill()
             self.proc.wait(10)
+        self._reader.join(10)
 
     def last_lines(self) -> str:
         return "".join(self.raw[-20:])
