@@ -27,13 +27,13 @@ import socket
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from outboxkit.admin._db import gentle_connection
 from outboxkit.admin._parse import format_ts
 from outboxkit.admin.requeue import (
     RequeueResult,
     Selection,
     Skipped,
     named_rows_left_alone,
+    selected_chunks,
     selection_filters,
 )
 from outboxkit.admin.rows import printable_bytes
@@ -89,61 +89,50 @@ def discard(
         t.c.created_at,
         t.c.last_error,
     ]
-    last_id = 0
-    while True:
-        with gentle_connection(engine) as conn:
-            candidates = conn.execute(
-                sa.select(t.c.id, t.c.event_id)
-                .where(*filters, t.c.id > last_id)
-                .order_by(t.c.id)
-                .limit(chunk_size)
-            ).all()
-            if not candidates:
-                break
-            last_id = candidates[-1].id
-            ids = [row.id for row in candidates]
-            if dry_run:
-                result._add(ids)
-                continue
-            locked = conn.execute(
-                sa.select(*columns)
-                .where(t.c.id.in_(ids), t.c.status == Status.FAILED.value)
-                .order_by(t.c.id)
-                .with_for_update(skip_locked=True)
-            ).all()
-            if locked:
-                # One statement per row on the primary key (no range locks), the
-                # status checked again.
-                conn.execute(
-                    t.delete().where(
-                        t.c.id == sa.bindparam("row_id"), t.c.status == Status.FAILED.value
-                    ),
-                    [{"row_id": row.id} for row in locked],
-                )
-                record_recovery(
-                    conn,
-                    kind="discard",
-                    node_id=who,
-                    table=table,
-                    detail={
-                        "count": len(locked),
-                        "reason": reason,
-                        "rows": [_describe(row) for row in locked],
-                        "selection": selection.describe(),
-                    },
-                )
-            conn.commit()
-            done = {row.id for row in locked}
-            result._add([row.id for row in locked])
-            result.skipped.extend(
-                Skipped(
-                    row.id,
-                    row.event_id,
-                    "locked by another transaction or changed meanwhile; run again",
-                )
-                for row in candidates
-                if row.id not in done
+    for conn, candidates in selected_chunks(engine, t, filters, chunk_size):
+        ids = [row.id for row in candidates]
+        if dry_run:
+            result._add(ids)
+            continue
+        locked = conn.execute(
+            sa.select(*columns)
+            .where(t.c.id.in_(ids), t.c.status == Status.FAILED.value)
+            .order_by(t.c.id)
+            .with_for_update(skip_locked=True)
+        ).all()
+        if locked:
+            # One statement per row on the primary key (no range locks), the
+            # status checked again.
+            conn.execute(
+                t.delete().where(
+                    t.c.id == sa.bindparam("row_id"), t.c.status == Status.FAILED.value
+                ),
+                [{"row_id": row.id} for row in locked],
             )
+            record_recovery(
+                conn,
+                kind="discard",
+                node_id=who,
+                table=table,
+                detail={
+                    "count": len(locked),
+                    "reason": reason,
+                    "rows": [_describe(row) for row in locked],
+                    "selection": selection.describe(),
+                },
+            )
+        conn.commit()
+        done = {row.id for row in locked}
+        result._add([row.id for row in locked])
+        result.skipped.extend(
+            Skipped(
+                row.id,
+                row.event_id,
+                "locked by another transaction or changed meanwhile; run again",
+            )
+            for row in candidates
+            if row.id not in done
+        )
     return result
 
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.admin._db import gentle_connection
 from outboxkit.runtime.errors import ConfigError
@@ -179,6 +180,72 @@ def requeue(
         result.skipped.extend(named_rows_left_alone(engine, t, selection, allowed, "requeued"))
     filters = [*selection_filters(t, selection), t.c.status.in_(allowed)]
     who = node_id or f"admin@{socket.gethostname()}"
+    for conn, candidates in selected_chunks(engine, t, filters, chunk_size):
+        ids = [row.id for row in candidates]
+        if dry_run:
+            result._add(ids)
+            continue
+        # Locking read: the latest committed status, and rows someone else holds
+        # (a relay's claim in progress) are skipped rather than waited for.
+        locked = set(
+            conn.execute(
+                sa.select(t.c.id)
+                .where(t.c.id.in_(ids), t.c.status.in_(allowed))
+                .with_for_update(skip_locked=True)
+            ).scalars()
+        )
+        changed = [i for i in ids if i in locked]
+        if changed:
+            # One statement per row on the primary key: an IN list may be run as
+            # an index scan that would wait on rows someone else holds.
+            conn.execute(
+                t.update()
+                .where(
+                    t.c.id == sa.bindparam("row_id"),
+                    sa.or_(*(t.c.status == s for s in allowed)),
+                )
+                .values(
+                    status=Status.PENDING.value,
+                    attempts=0,
+                    next_attempt_at=db_now(),
+                    lease_owner=None,
+                    lease_token=None,
+                    lease_expires_at=None,
+                    last_error=None,
+                    updated_at=db_now(),
+                ),
+                [{"row_id": i} for i in changed],
+            )
+            record_recovery(
+                conn,
+                kind="requeue",
+                node_id=who,
+                table=table,
+                detail={
+                    "count": len(changed),
+                    "ids": changed[:_RECORD_IDS],
+                    "selection": selection.describe(),
+                },
+            )
+        conn.commit()
+        result._add(changed)
+        result.skipped.extend(
+            Skipped(
+                row.id,
+                row.event_id,
+                "locked by another transaction or changed meanwhile; run again",
+            )
+            for row in candidates
+            if row.id not in locked
+        )
+    return result
+
+
+def selected_chunks(
+    engine: Engine, t: sa.Table, filters: Sequence[sa.ColumnElement[bool]], chunk_size: int
+) -> Iterator[tuple[Connection, Sequence[Any]]]:
+    """The selected rows' ``(id, event_id)`` in id order, ``chunk_size`` at a time,
+    each chunk with its own gentle connection (commit it before asking for the next)."""
     last_id = 0
     while True:
         with gentle_connection(engine) as conn:
@@ -189,66 +256,9 @@ def requeue(
                 .limit(chunk_size)
             ).all()
             if not candidates:
-                break
+                return
             last_id = candidates[-1].id
-            ids = [row.id for row in candidates]
-            if dry_run:
-                result._add(ids)
-                continue
-            # Locking read: the latest committed status, and rows someone else holds
-            # (a relay's claim in progress) are skipped rather than waited for.
-            locked = set(
-                conn.execute(
-                    sa.select(t.c.id)
-                    .where(t.c.id.in_(ids), t.c.status.in_(allowed))
-                    .with_for_update(skip_locked=True)
-                ).scalars()
-            )
-            changed = [i for i in ids if i in locked]
-            if changed:
-                # One statement per row on the primary key: an IN list may be run as
-                # an index scan that would wait on rows someone else holds.
-                conn.execute(
-                    t.update()
-                    .where(
-                        t.c.id == sa.bindparam("row_id"),
-                        sa.or_(*(t.c.status == s for s in allowed)),
-                    )
-                    .values(
-                        status=Status.PENDING.value,
-                        attempts=0,
-                        next_attempt_at=db_now(),
-                        lease_owner=None,
-                        lease_token=None,
-                        lease_expires_at=None,
-                        last_error=None,
-                        updated_at=db_now(),
-                    ),
-                    [{"row_id": i} for i in changed],
-                )
-                record_recovery(
-                    conn,
-                    kind="requeue",
-                    node_id=who,
-                    table=table,
-                    detail={
-                        "count": len(changed),
-                        "ids": changed[:_RECORD_IDS],
-                        "selection": selection.describe(),
-                    },
-                )
-            conn.commit()
-            result._add(changed)
-            result.skipped.extend(
-                Skipped(
-                    row.id,
-                    row.event_id,
-                    "locked by another transaction or changed meanwhile; run again",
-                )
-                for row in candidates
-                if row.id not in locked
-            )
-    return result
+            yield conn, candidates
 
 
 def selection_filters(t: sa.Table, s: Selection) -> list[sa.ColumnElement[bool]]:
