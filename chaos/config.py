@@ -107,7 +107,7 @@ def _preset(name: str) -> dict[str, object]:
         "keys": 10_000,
         "relays": 3,
         "consumers": 2,
-        "duration_s": 1800.0,
+        "duration_s": 1500.0,
         "consumer_concurrency": 4,
         "faults": per,
     }
@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument("--duration", type=float, help="seconds of writing and faults")
     p.add_argument("--relays", type=int)
     p.add_argument("--consumers", type=int)
+    p.add_argument("--concurrency", type=int, help="worker threads per consumer")
     p.add_argument("--only", help="comma-separated fault kinds to keep (replay a subset)")
     p.add_argument(
         "--faults", help="per-kind counts, e.g. redis-restart=10,relay-kill=5 (others unchanged)"
@@ -153,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             values[k] = getattr(a, k)
     if a.duration is not None:
         values["duration_s"] = a.duration
+    if a.concurrency is not None:
+        values["consumer_concurrency"] = a.concurrency
     faults = dict(values.pop("faults"))  # type: ignore[call-overload]
     for item in filter(None, (a.faults or "").split(",")):
         kind, _, count = item.partition("=")

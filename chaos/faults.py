@@ -36,14 +36,21 @@ class Injector:
         self.lease_ends: list[dict[str, Any]] = []
 
     def run(self, fault: Fault) -> FaultRecord:
-        rec = FaultRecord(fault, time.time())
         action = getattr(self, "_" + fault.kind.replace("-", "_"))
+        # one fault at a time per relay or consumer slot (the tracks run side by side)
+        slot = self.fleet.slot_lock(fault.target) if fault.target in self.fleet.current else None
+        with slot or contextlib.nullcontext():
+            rec = FaultRecord(fault, time.time())
+            self._act(action, fault, rec)
+        return rec
+
+    @staticmethod
+    def _act(action: Any, fault: Fault, rec: FaultRecord) -> None:
         try:
             action(fault, rec)
         except Exception as exc:  # the run goes on; the report lists it
             rec.error = f"{type(exc).__name__}: {exc}"
         rec.ended = time.time()
-        return rec
 
     # -- relays --------------------------------------------------------------
     def _relay_kill(self, f: Fault, rec: FaultRecord) -> None:

@@ -33,6 +33,12 @@ class Fleet:
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
     _generation: dict[str, int] = field(default_factory=dict)
+    _slot_locks: dict[str, threading.Lock] = field(default_factory=dict)
+
+    def slot_lock(self, slot: str) -> threading.Lock:
+        """Held by a fault for as long as it acts on ``slot``'s process."""
+        with self.lock:
+            return self._slot_locks.setdefault(slot, threading.Lock())
 
     # -- settings ------------------------------------------------------------
     def relay_env(self, node_id: str) -> dict[str, str]:

@@ -114,16 +114,26 @@ class Run:
             self.logs,
         )
         t0 = time.monotonic()
-        faults = threading.Thread(target=self._run_schedule, args=(t0,), daemon=True)
-        faults.start()
+        tracks = [
+            threading.Thread(
+                target=self._run_schedule,
+                args=(t0, [f for f in self.schedule if f.track == track]),
+                name=f"chaos-{track}",
+                daemon=True,
+            )
+            for track in sorted({f.track for f in self.schedule})
+        ]
+        for thread in tracks:
+            thread.start()
         last = 0.0
-        while writer.alive() or faults.is_alive():
+        while writer.alive() or any(t.is_alive() for t in tracks):
             self.fleet.supervise()
             if time.monotonic() - last >= 10:
                 last = time.monotonic()
                 self._progress(t0)
             time.sleep(1)
         writer.wait(5)
+        self.done.sort(key=lambda r: r.started)  # the two tracks interleave
         wrote = writer.events("writer-done")
         say(f"writer exited {writer.exit_code}: {wrote[-1] if wrote else writer.tail(5)}")
         settled = self._settle(t0)
@@ -135,8 +145,10 @@ class Run:
         return self._verdict(checks, summary)
 
     # -- phases --------------------------------------------------------------
-    def _run_schedule(self, t0: float) -> None:
-        for f in self.schedule:
+    def _run_schedule(self, t0: float, track: list[Fault]) -> None:
+        """One track's faults, one at a time, each at its planned offset or as soon
+        as the previous one of the track has ended."""
+        for f in track:
             wait = t0 + f.at_s - time.monotonic()
             if wait > 0:
                 time.sleep(wait)

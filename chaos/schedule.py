@@ -1,8 +1,16 @@
 """The fault schedule: a pure function of the seed and the run's size.
 
-Faults run one at a time (two at once would blur which one caused what), at
-planned offsets from the start of writing, spread over the middle of the run so
-that the first and the last stretch are fault-free.
+Faults run on two tracks, each one fault at a time, at planned offsets from the
+start of writing, spread over the middle of the run so that the first and the
+last stretch are fault-free:
+
+- ``faults``: every kind but rolling redeploys, one at a time (two at once would
+  blur which one caused what);
+- ``deploys``: the rolling redeploys, evenly spaced, running *beside* the other
+  faults, as a deployment does in production: a relay is drained while the
+  broker is down or the database is frozen. A redeploy exits cleanly or the
+  drain check fails, so it adds no cause to blur, and a slot is never hit by
+  two faults at once (the injector holds a lock per slot).
 """
 
 from __future__ import annotations
@@ -25,22 +33,39 @@ class Fault:
     target: str
     #: how long the fault lasts (freeze, stall, outage), seconds
     hold_s: float
+    #: ``faults`` or ``deploys`` (see the module's docstring)
+    track: str = "faults"
 
     def __str__(self) -> str:
         when = f"t+{self.at_s:7.1f}s"
-        return f"#{self.seq:03d} {when} {self.kind:<20} {self.target:<10} {self.hold_s:.1f}s"
+        return (
+            f"#{self.seq:03d} {when} {self.kind:<20} {self.target:<10} {self.hold_s:.1f}s"
+            f" [{self.track}]"
+        )
+
+
+DEPLOY_KINDS = frozenset({"relay-redeploy"})
 
 
 def make_schedule(cfg: RunConfig) -> list[Fault]:
     rng = random.Random(cfg.seed)
     t = cfg.timings
-    kinds = [k for k, n in sorted(cfg.faults.items()) for _ in range(n)]
-    rng.shuffle(kinds)
     lo, hi = 0.08 * cfg.duration_s, 0.9 * cfg.duration_s
-    step = (hi - lo) / max(1, len(kinds))
+    planned: list[tuple[float, str, str]] = []
+    for track, chosen in (
+        ("faults", {k: n for k, n in cfg.faults.items() if k not in DEPLOY_KINDS}),
+        ("deploys", {k: n for k, n in cfg.faults.items() if k in DEPLOY_KINDS}),
+    ):
+        kinds = [k for k, n in sorted(chosen.items()) for _ in range(n)]
+        rng.shuffle(kinds)
+        step = (hi - lo) / max(1, len(kinds))
+        planned += [
+            (round(lo + i * step + rng.uniform(0, step * 0.5), 1), kind, track)
+            for i, kind in enumerate(kinds)
+        ]
+    planned.sort(key=lambda p: (p[0], p[2]))
     faults = []
-    for i, kind in enumerate(kinds):
-        at = lo + i * step + rng.uniform(0, step * 0.5)
+    for i, (at, kind, track) in enumerate(planned):
         if kind.startswith("relay-"):
             target = f"relay-{rng.randrange(cfg.relays)}"
         elif kind.startswith("consumer-"):
@@ -49,7 +74,7 @@ def make_schedule(cfg: RunConfig) -> list[Fault]:
             target = rng.choice(NET_TARGETS)
         else:
             target = kind.split("-")[0]
-        faults.append(Fault(i, round(at, 1), kind, target, round(_hold(kind, t, rng), 1)))
+        faults.append(Fault(i, at, kind, target, round(_hold(kind, t, rng), 1), track))
     return faults
 
 

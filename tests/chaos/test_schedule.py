@@ -24,6 +24,9 @@ def test_a_seed_replays_the_same_schedule_with_every_fault_in_the_run(seed: int,
     times = [f.at_s for f in schedule]
     assert times == sorted(times)
     assert times[0] > 0 and times[-1] < cfg.duration_s
+    # rolling redeploys run on their own track beside the other faults
+    assert {f.track for f in schedule if f.kind == "relay-redeploy"} == {"deploys"}
+    assert {f.track for f in schedule if f.kind != "relay-redeploy"} == {"faults"}
     t = cfg.timings
     for f in schedule:
         if f.kind == "relay-stall":
