@@ -89,6 +89,8 @@ class _Held:
     inflight: InFlight | None = None
     #: Refund the attempt if the rows end up released (False after a crash).
     refund: bool = True
+    #: What the salvage decided (known outcomes kept) when it could not write it.
+    decisions: list[Decision] | None = None
 
 
 class Relay:
@@ -191,24 +193,39 @@ class Relay:
             try:
                 batch = self._claim()
             except Exception as exc:
-                if not (self.lifecycle.draining.is_set() and is_infrastructure_error(exc)):
-                    raise
                 # The database failed the claim that was running when the drain began
                 # (a redeploy during a blip): nothing is held, so this is the end of
                 # the loop, not a crash. A claim whose commit went through unseen left
                 # rows leased; they are reclaimed after their lease.
-                log_event(
-                    log,
-                    "claim-interrupted",
-                    level=logging.WARNING,
-                    error=redact(f"{type(exc).__name__}: {exc}"),
-                    effect="the drain goes on; nothing was held",
+                self._end_if_interrupted(
+                    exc, "claim-interrupted", "the drain goes on; nothing was held"
                 )
                 return
             if batch is None:
                 self._waker.wait(self.settings.poll_interval)
-            else:
+                continue
+            try:
                 self._deliver(batch)
+            except Exception as exc:
+                # Same for the batch's finalize: the drain retries the release of
+                # what is still held while its budget lasts (_release_leftover).
+                self._end_if_interrupted(
+                    exc, "batch-interrupted", "the drain releases what is still held"
+                )
+                return
+
+    def _end_if_interrupted(self, exc: Exception, event: str, effect: str) -> None:
+        """Re-raise ``exc`` (a crash) unless the drain has begun and a dependency
+        failed: then log ``event`` and let the loop end as a clean stop."""
+        if not (self.lifecycle.draining.is_set() and is_infrastructure_error(exc)):
+            raise exc
+        log_event(
+            log,
+            event,
+            level=logging.WARNING,
+            error=redact(f"{type(exc).__name__}: {exc}"),
+            effect=effect,
+        )
 
     def _claim(self) -> Batch | None:
         assert self._ownership is not None
@@ -242,7 +259,8 @@ class Relay:
 
     def _deliver(self, batch: Batch) -> None:
         """Publish the batch, wait for its reports, finalize. On an unexpected
-        exception: finalize what is known, release the rest without refund, re-raise.
+        exception: finalize what is known, release the rest (without refund unless
+        a dependency failed), re-raise.
         """
         held = self._held
         assert held is not None and held.batch is batch and self._publisher is not None
@@ -279,8 +297,8 @@ class Relay:
                     refund_unknown=True,
                 )
             self._settle(held, [*spent, *decisions])
-        except Exception:
-            self._salvage(held)
+        except Exception as exc:
+            self._salvage(held, refund=is_infrastructure_error(exc))
             raise
 
     def _deadline(self, batch: Batch) -> float:
@@ -356,11 +374,13 @@ class Relay:
         self._held = None
         self._account(held.batch, decisions, result)
 
-    def _salvage(self, held: _Held) -> None:
+    def _salvage(self, held: _Held, *, refund: bool) -> None:
         """After an unexpected exception inside a batch: finalize known outcomes,
         release the rest **without** refund (a row that always crashes the relay
-        must still reach ``failed``). Failures here leave the rows leased."""
-        held.refund = False
+        must still reach ``failed``), unless a dependency failed (the database or
+        Kafka went away: not the rows' fault). Failures here leave the rows
+        leased; the drain tries again (:meth:`_release_leftover`)."""
+        held.refund = refund
         try:
             reports: dict[int, Report] = {}
             if held.inflight is not None and self._publisher is not None:
@@ -370,8 +390,9 @@ class Relay:
                 held.batch.rows,
                 reports,
                 max_attempts=self.settings.max_attempts,
-                refund_unknown=False,
+                refund_unknown=refund,
             )
+            held.decisions = decisions
             self._settle(held, decisions)
         except Exception as exc:
             log_event(
@@ -383,10 +404,62 @@ class Relay:
                 effect="rows stay leased until their lease expires",
             )
 
+    def _release_leftover(self) -> None:
+        """Release a batch the loop could not settle, retrying while the database is
+        unreachable for as long as the shutdown budget leaves time to close the rest
+        (a database blip during a redeploy must not leave rows leased)."""
+        if self._held is None:
+            return
+        rows = len(self._held.batch)
+        reserve = _CLOSE_BUDGET + 1.0 + _RECORD_RESERVE
+        tries = 0
+
+        def retry_logged(state: tenacity.RetryCallState) -> None:
+            nonlocal tries
+            tries = state.attempt_number
+            if tries == 1:
+                exc = state.outcome.exception() if state.outcome else None
+                log_event(
+                    log,
+                    "release-retrying",
+                    level=logging.WARNING,
+                    rows=rows,
+                    error=redact(f"{type(exc).__name__}: {exc}"),
+                    budget_s=round(max(0.0, self.lifecycle.remaining() - reserve), 3),
+                )
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_infrastructure_error),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+            stop=lambda _state: self.lifecycle.remaining() <= reserve,
+            before_sleep=retry_logged,
+            reraise=True,
+        )
+        try:
+            retrying(self._settle_leftover)
+        except Exception as exc:
+            log_event(
+                log,
+                "release-failed",
+                level=logging.ERROR,
+                rows=rows,
+                attempts=tries + 1,
+                error=redact(f"{type(exc).__name__}: {exc}"),
+                effect="rows stay leased until their lease expires",
+            )
+        else:
+            if tries:
+                log_event(log, "release-recovered", rows=rows, attempts=tries + 1)
+
     def _settle_leftover(self) -> None:
-        """Release a batch a crashed run could not settle (raises if the DB is still gone)."""
+        """Settle a batch a crashed run could not settle (raises if the DB is still
+        gone): the salvage's decisions when it got that far (acknowledged rows stay
+        delivered, no second copy), else release every row."""
         held = self._held
         if held is None:
+            return
+        if held.decisions is not None:
+            self._settle(held, held.decisions)
             return
         result = release(
             self.engine, self.settings.table, held.batch, held.batch.rows, refund=held.refund
@@ -510,8 +583,7 @@ class Relay:
                     "invalid --db-url / OUTBOXKIT_DB_URL: the relay supports MySQL and "
                     f"MariaDB (got {self.engine.dialect.name})"
                 )
-            with self.engine.connect() as conn:
-                shard_count = read_shard_count(conn, s.table)
+            shard_count = self._read_shard_count()
             self._shard_count = shard_count
             self._publisher = Publisher(s)
             self._open.append("kafka-producer")
@@ -541,6 +613,43 @@ class Relay:
             settings=describe(s),
         )
         return None
+
+    def _read_shard_count(self) -> int:
+        """The first database round trip, retried while the database is unreachable
+        (restarting, a connection reset) for up to ``connect_timeout``, as Kafka and
+        Redis are: a blip at start must not fail the pod. A SIGTERM ends the wait."""
+
+        def read() -> int:
+            with self.engine.connect() as conn:
+                return read_shard_count(conn, self.settings.table)
+
+        def sleep(seconds: float) -> None:
+            self.lifecycle.wait_draining(seconds)  # a SIGTERM ends the wait
+
+        def waiting(state: tenacity.RetryCallState) -> None:
+            if state.attempt_number == 1:
+                exc = state.outcome.exception() if state.outcome else None
+                log_event(
+                    log,
+                    "database-waiting",
+                    level=logging.WARNING,
+                    error=redact(f"{type(exc).__name__}: {exc}"),
+                    connect_timeout_s=self.settings.connect_timeout,
+                )
+
+        started = time.monotonic()
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_infrastructure_error),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+            before_sleep=waiting,
+            stop=lambda _state: (
+                self.lifecycle.draining.is_set()
+                or time.monotonic() - started >= self.settings.connect_timeout
+            ),
+            sleep=sleep,
+            reraise=True,
+        )
+        return retrying(read)
 
     def _default_ownership(self, shard_count: int) -> ShardOwnership:
         """Redis shard leases when ``redis_url`` is set; else every shard, and a watch
@@ -591,19 +700,9 @@ class Relay:
     def _stop(self) -> int:
         """The drain, in order. Each step says why it comes where it does."""
         # 1. Rows first: the loop finalized or released its batch unless it crashed;
-        #    try once more, so nothing waits for lease expiry without need.
-        if self._held is not None:
-            try:
-                self._settle_leftover()
-            except Exception as exc:
-                log_event(
-                    log,
-                    "release-failed",
-                    level=logging.ERROR,
-                    rows=len(self._held.batch),
-                    error=redact(f"{type(exc).__name__}: {exc}"),
-                    effect="rows stay leased until their lease expires",
-                )
+        #    try again while the budget lasts, so nothing waits for lease expiry
+        #    without need.
+        self._release_leftover()
         left = len(self._held.batch) if self._held is not None else 0
         # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
         #    then Redis (shard leases: the next owner must find our rows settled and
