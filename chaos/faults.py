@@ -84,6 +84,8 @@ class Injector:
             proc.fate = "term"
             proc.stopped_at = time.time()
         rec.detail["node_id"] = proc.node_id
+        # a pod gets no SIGTERM before it is up (one restarted by supervise() may not be)
+        proc.wait_for_event("relay-started" if proc.role == "relay" else "partitions-assigned", 60)
         proc.signal(signal.SIGTERM)
         if proc.wait(45) is None:
             proc.kill()

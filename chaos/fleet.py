@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tenacity
+
 from chaos.cluster import Cluster
 from chaos.config import RunConfig
 from chaos.procs import Proc
 
 TABLE = "outbox_events"
+#: starts of one slot's process before a failing start counts as an unexpected exit
+START_ATTEMPTS = 20
 REDIS_PREFIX = "chaos:"
 
 
@@ -31,6 +35,9 @@ class Fleet:
     current: dict[str, Proc] = field(default_factory=dict)
     history: list[Proc] = field(default_factory=list)
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
+    #: processes that exited 3 at start (a dependency down for longer than their
+    #: connect timeout): designed behaviour, restarted as an orchestrator would
+    start_failures: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
     _generation: dict[str, int] = field(default_factory=dict)
     _slot_locks: dict[str, threading.Lock] = field(default_factory=dict)
@@ -100,6 +107,45 @@ class Fleet:
 
     # -- processes -----------------------------------------------------------
     def start(self, slot: str, *, wait: bool = True) -> Proc:
+        """Start ``slot``'s next process. With ``wait``, until it is up (its signal
+        handlers installed): one that exits at start because a dependency is down
+        (exit 3, ``start-failed``) is started again with backoff, as a pod would be."""
+        if not wait:
+            return self._spawn(slot)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_result(lambda proc: proc.fate == "start-failed"),
+            wait=tenacity.wait_exponential(multiplier=0.5, max=5.0),
+            stop=tenacity.stop_after_attempt(START_ATTEMPTS),
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+        )
+        proc: Proc = retrying(self._spawn_and_wait, slot)
+        return proc
+
+    def _spawn_and_wait(self, slot: str) -> Proc:
+        proc = self._spawn(slot, fate="starting")
+        started_event = "relay-started" if slot.startswith("relay") else "partitions-assigned"
+        up = proc.wait_for_event(started_event, 60)
+        with self.lock:
+            if not up and not proc.alive() and self._failed_start(proc):
+                proc.fate = "start-failed"
+            else:  # up, or slow: supervise() takes it from here
+                proc.fate = None
+        return proc
+
+    def _failed_start(self, proc: Proc) -> bool:
+        """Did ``proc`` exit 3 with ``start-failed`` (a dependency unreachable for its
+        whole connect timeout)? Then it is recorded as a start failure."""
+        code = proc.wait(5)
+        failed = proc.events("start-failed")
+        if code != 3 or not failed or failed[-1].get("kind") != "dependency":
+            return False
+        self.start_failures.append(
+            {"node_id": proc.node_id, "at": time.time(), "error": failed[-1].get("error")}
+        )
+        print(f"[chaos] {proc.node_id} failed to start (exit 3): {failed[-1].get('error')}")
+        return True
+
+    def _spawn(self, slot: str, fate: str | None = None) -> Proc:
         with self.lock:
             gen = self._generation.get(slot, -1) + 1
             self._generation[slot] = gen
@@ -113,7 +159,6 @@ class Fleet:
                     self.relay_env(node_id),
                     self.logs,
                 )
-                started_event = "relay-started"
             else:
                 proc = Proc.start(
                     "consumer",
@@ -123,11 +168,9 @@ class Fleet:
                     self.consumer_env(node_id, slot),
                     self.logs,
                 )
-                started_event = "partitions-assigned"
+            proc.fate = fate
             self.current[slot] = proc
             self.history.append(proc)
-        if wait:  # a SIGTERM before the handlers are installed would just kill it
-            proc.wait_for_event(started_event, 60)
         return proc
 
     def slots(self, role: str) -> list[str]:
@@ -139,6 +182,10 @@ class Fleet:
         with self.lock:
             for slot, proc in list(self.current.items()):
                 if proc.fate is None and not proc.alive():
+                    if self._failed_start(proc):
+                        proc.fate = "start-failed"
+                        self.start(slot, wait=False)
+                        continue
                     code = proc.wait(1)
                     proc.fate = "exited"
                     self.unexpected_exits.append(

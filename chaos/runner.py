@@ -315,6 +315,7 @@ class Run:
             "unexpected_exits": [
                 {k: v for k, v in e.items() if k != "tail"} for e in obs.unexpected_exits
             ],
+            "start_failures": self.fleet.start_failures,
             "checks": {c.name: {"ok": c.ok, "summary": c.summary, **c.figures} for c in checks},
             "ok": all(c.ok for c in checks),
             "wall_s": round(time.time() - started, 1),
@@ -326,6 +327,7 @@ class Run:
         text = json.dumps(summary, indent=2, default=str)
         (self.logs / "summary.json").write_text(text)
         (RESULTS / "latest.json").write_text(text)
+        (self.logs / "lease_ends.json").write_text(json.dumps(obs.lease_ends, indent=1))
         (self.logs / "faults.txt").write_text(
             "\n".join(
                 f"{r.fault} started {r.started:.3f} ended {r.ended:.3f} {json.dumps(r.detail)}"
@@ -391,6 +393,10 @@ def markdown_table(s: dict[str, Any]) -> str:
         ("overlapping shard owners", f"{owners['overlaps']} of {owners['intervals']} intervals"),
         ("longest commit-to-delivered", f"{stuck['longest_blocked_s']} s"),
         ("unexpected process exits", str(len(s["unexpected_exits"]))),
+        (
+            "starts failed on a dependency outage (exit 3), restarted",
+            str(len(s.get("start_failures", []))),
+        ),
         ("verdict", "PASS" if s["ok"] else "FAIL"),
     ]
     return "\n".join(["| figure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])

@@ -12,6 +12,11 @@ it. ``lease-unproven`` is a local deadline and carries the relay's clock (the
 same machine's), seconds before the lease can expire in Redis. A caller that
 observed a lease's end itself (a killed or frozen relay cannot log one) adds a
 record with ``redis_ms`` and event ``shard-lost``.
+
+A draining relay that cannot reach Redis logs ``shard-release-failed`` with the
+shards it still held: it has stopped claiming by then (release comes after the
+drain), so its ownership of each ends at that record (its clock); in Redis the
+lease lingers until its TTL, and no other relay can take the shard before.
 """
 
 from __future__ import annotations
@@ -52,20 +57,28 @@ def lease_events(records: Iterable[Mapping[str, Any]]) -> list[Event]:
     """The lease events among log records, sorted by time (Redis's where known)."""
     events: list[Event] = []
     for r in records:
+        if r.get("event") == "shard-release-failed":
+            at = _wall(r)
+            events += [
+                (at, "shard-lost", str(r["node_id"]), int(s), "release-failed") for s in r["shards"]
+            ]
+            continue
         if r.get("event") not in LEASE_EVENTS:
             continue
-        if "redis_ms" in r:
-            at = float(r["redis_ms"]) / 1000
-        else:
-            at = (
-                dt.datetime.strptime(str(r["ts"]), "%Y-%m-%dT%H:%M:%S.%fZ")
-                .replace(tzinfo=dt.UTC)
-                .timestamp()
-            )
+        at = float(r["redis_ms"]) / 1000 if "redis_ms" in r else _wall(r)
         reason = str(r.get("reason", ""))
         events.append((at, str(r["event"]), str(r["node_id"]), int(r["shard"]), reason))
     events.sort()
     return events
+
+
+def _wall(record: Mapping[str, Any]) -> float:
+    """A log record's own time (``ts``), as a Unix time."""
+    return (
+        dt.datetime.strptime(str(record["ts"]), "%Y-%m-%dT%H:%M:%S.%fZ")
+        .replace(tzinfo=dt.UTC)
+        .timestamp()
+    )
 
 
 #: shard -> [(node_id, start, end)], seconds on Redis's clock; end is inf while held
