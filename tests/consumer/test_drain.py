@@ -152,8 +152,9 @@ def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
         assert running.stop() == 0
 
 
+@SLEEPY
 def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
-    kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
+    app: str, kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
 ) -> None:
     pushgateway = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
     if not pushgateway:
@@ -164,7 +165,7 @@ def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
     topic = kafka_topics(1)
     produce(kafka_bootstrap, topic, [(b"k", b"sleep:60", "e0")])
     proc = spawn(
-        "consumer_apps:Sleepy",
+        app,
         OUTBOXKIT_TOPICS=topic,
         OUTBOXKIT_GROUP_ID=f"g-{topic}",
         OUTBOXKIT_WORKER_DRAIN_TIMEOUT="20",
@@ -184,6 +185,8 @@ def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
     assert proc.wait_event("drain-hurried", 1)["unfinished"] == 1
     record = proc.exit_record()
     assert record["unknown"] == 1 and _adds_up(record)
+    if app.endswith("Async"):  # hurried: cancelled at once, not after the 20 s
+        assert [r["offset"] for r in proc.events("handler-cancelled")] == [0]
     # The process is gone; its last numbers are not.
     with urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5) as resp:  # noqa: S310
         text = resp.read().decode()
