@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxkit.consumer.message import Message
-from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.logs import log_event, redact
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -121,10 +121,20 @@ class LoopThread:
             pending = list(self._pending)
         return sum(1 for future in pending if future.cancel())
 
-    def stop(self, grace: float = _CANCEL_GRACE) -> bool:
-        """Refuse new work, cancel what still runs, let it clean up within ``grace``
-        seconds, stop and close the loop. False if a coroutine outlived the grace
-        (then the loop thread is left running, as a sync handler thread would be)."""
+    def stop(
+        self,
+        grace: float = _CANCEL_GRACE,
+        *,
+        last: Callable[[], Awaitable[None]] | None = None,
+    ) -> bool:
+        """Refuse new work, cancel what still runs and let it clean up within
+        ``grace`` seconds, then await ``last()`` (closing what the coroutines
+        used, bounded by ``grace`` too), stop and close the loop.
+
+        False if a coroutine outlived the grace: then ``last`` is not run (what
+        it closes may still be in use) and the loop thread is left running, as
+        a sync handler thread would be.
+        """
         with self._lock:
             self._closing = True
         if not self._thread.is_alive():
@@ -143,17 +153,28 @@ class LoopThread:
                 _, late = await asyncio.wait(tasks, timeout=grace)
                 if late:
                     return False
+            if last is not None:
+                try:
+                    await asyncio.wait_for(last(), grace)
+                except Exception as exc:  # closing is best effort; the loop still stops
+                    log_event(
+                        _log,
+                        "event-loop-close-failed",
+                        level=logging.WARNING,
+                        error=redact(f"{type(exc).__name__}: {exc}"),
+                    )
             await self.loop.shutdown_asyncgens()
             return True
 
         try:
-            done = asyncio.run_coroutine_threadsafe(settle(), self.loop).result(grace + 1.0)
+            bound = 2 * grace + 1.0
+            done = asyncio.run_coroutine_threadsafe(settle(), self.loop).result(bound)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             done = False
         if not done:
             return False
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(grace)
+        self._thread.join(1.0)
         if not self._thread.is_alive():
             self.loop.close()
         return True
@@ -234,21 +255,12 @@ class AsyncHandlers:
         return n
 
     def close(self, grace: float = _CANCEL_GRACE) -> None:
-        """Close the inbox's connections (and its engine if the consumer built it),
-        then stop the loop. Bounded by ``grace`` per step."""
+        """Stop the loop: cancelled coroutines get ``grace`` seconds to finish, then
+        the inbox's connections and pool are closed on the loop (``grace`` more at
+        most). Logs ``event-loop-abandoned`` if a coroutine would not finish."""
         started = time.monotonic()
-        if self.inbox is not None:
-            try:
-                inbox = self.inbox
-                self.loop_thread.run(lambda: asyncio.wait_for(inbox.aclose(), grace))
-            except (HandlerCancelled, Exception) as exc:
-                log_event(
-                    _log,
-                    "inbox-close-failed",
-                    level=logging.WARNING,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-        if not self.loop_thread.stop(grace):
+        inbox = self.inbox
+        if not self.loop_thread.stop(grace, last=inbox.aclose if inbox is not None else None):
             log_event(
                 _log,
                 "event-loop-abandoned",
