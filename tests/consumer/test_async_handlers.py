@@ -22,7 +22,7 @@ from consumer_apps import effects
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
-from kafkahelp import committed, produce, wait_for
+from kafkahelp import committed, produce, read_all, wait_for
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message
@@ -284,3 +284,65 @@ def test_a_handler_cancelled_at_the_drain_deadline_rolls_back_is_unknown_and_red
         rows = conn.execute(sa.text("SELECT event_id FROM effects ORDER BY id")).scalars().all()
     assert rows == ["ev-0", "ev-1"]  # each effect exactly once
     assert _count(engine, "outbox_inbox") == 2
+
+
+class RecordsConnection(Consumer):
+    """Writes its effect through ``message.async_tx`` and notes the server connection id."""
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        super().__init__(settings)
+        self.connections: list[int] = []
+
+    async def handle(self, message: Message) -> None:
+        result = await message.async_tx.exec_driver_sql("SELECT CONNECTION_ID()")
+        self.connections.append(int(result.scalar_one()))
+        await message.async_tx.execute(
+            effects.insert().values(
+                event_id=message.identity[:64],
+                kafka_partition=message.partition,
+                kafka_offset=message.offset,
+                pid=0,
+            )
+        )
+
+
+@pytest.mark.integration
+def test_a_lost_async_inbox_connection_is_retried_and_replaced_never_dead_lettered(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    engine: sa.Engine,
+    db_url: str,
+    run_consumer: Any,
+) -> None:
+    apply_schema(engine, shards=8)
+    effects.metadata.create_all(engine)
+    topic = kafka_topics(1)
+    dlq = kafka_topics(1, name=f"{topic}.dlq")
+    group = f"g-{topic}"
+    consumer = RecordsConnection(
+        settings(group_id=group, topics=(topic,), inbox=True, db_url=db_url, max_attempts=1)
+    )
+    with run_consumer(consumer) as running:
+        produce(kafka_bootstrap, topic, [(b"k", b"a", "e-1")])
+        wait_for(lambda: len(consumer.connections) == 1, 20, what="the first message")
+        # The server drops the worker's held connection between two messages.
+        with engine.connect() as admin:
+            admin.exec_driver_sql(f"KILL {consumer.connections[0]}")
+        produce(kafka_bootstrap, topic, [(b"k", b"b", "e-2")])
+        wait_for(
+            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2}, 30, what="2 committed"
+        )
+        assert running.stop() == 0
+    # One failed attempt on the dead connection (a dependency failure: retried even with
+    # max_attempts=1, not dead-lettered), then a new connection.
+    assert consumer.connections[-1] != consumer.connections[0]
+    assert consumer.registry.get_sample_value("worker_messages_total", {"result": "retry"}) >= 1
+    assert consumer.registry.get_sample_value("worker_messages_total", {"result": "dlq"}) in (
+        None,
+        0.0,
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT event_id FROM effects ORDER BY id")).scalars().all()
+    assert rows == ["e-1", "e-2"]
+    assert read_all(kafka_bootstrap, dlq, expect=0) == []
