@@ -13,6 +13,9 @@
     OrderConsumer(ConsumerSettings(kafka_bootstrap="kafka:9092")).run()
     # or: outboxkit consume mypkg.consumers:OrderConsumer
 
+``handle`` may be ``async def``: it then runs on the consumer's event loop
+thread with the same guarantees (``consumer/asyncio_handler.py``).
+
 Guarantees (details in ``docs/consumer.md``): an offset is committed only
 after its message was handled, or dead-lettered and acknowledged; a crash or a
 redeploy redelivers what was not finished; one message never runs on two
@@ -25,14 +28,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Hashable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka import KafkaException
 from sqlalchemy.engine import Engine
 
+from outboxkit.consumer.asyncio_handler import AsyncHandlers, HandlerCancelled, is_async_handler
 from outboxkit.consumer.dlq import DeadLetters
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.handling import Handling, Outcome, Result
@@ -49,6 +53,9 @@ from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import describe
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["PUSH_JOB", "Consumer"]
 
@@ -111,17 +118,27 @@ class Consumer:
     permanent_errors: ClassVar[tuple[type[BaseException], ...]] = ()
 
     def __init__(
-        self, settings: ConsumerSettings | None = None, *, engine: Engine | None = None
+        self,
+        settings: ConsumerSettings | None = None,
+        *,
+        engine: Engine | AsyncEngine | None = None,
     ) -> None:
         """Check the configuration (``ConfigError`` naming the setting); connect nothing yet.
 
         ``engine``: a SQLAlchemy engine for the inbox (default: one built from
-        ``db_url``); an engine passed in is not disposed at exit.
+        ``db_url``), an ``AsyncEngine`` for an ``async def handle``. An ``Engine``
+        passed in is not disposed at exit; an ``AsyncEngine``'s pool is, on the
+        consumer's loop, whose connections it holds (the engine stays usable).
         """
         self.settings = s = settings if settings is not None else ConsumerSettings()
         self.group = s.group_id or self.group_id
         self.subscribed = tuple(s.topics or self.topics)
         self.workers = s.concurrency or self.concurrency
+        self._async = (
+            AsyncHandlers(cast(Callable[[Message], Awaitable[None]], self.handle), name="consumer")
+            if is_async_handler(self.handle)
+            else None
+        )
         self._check(engine)
         rt = ServiceRuntime.build(s, logger=_log, details=self._details)
         self.registry, self.service_metrics = rt.registry, rt.service_metrics
@@ -129,7 +146,8 @@ class Consumer:
         self.metrics = ConsumerMetrics(self.registry)
         self.lifecycle.on_hurry(self._on_hurry)
         self.report: DrainReport | None = None
-        self._engine = engine
+        self._engine: Engine | None = engine if isinstance(engine, Engine) else None
+        self._async_engine = engine
         self._owns_engine = False
         self._dispatcher = Dispatcher()
         self._completions: queue.SimpleQueue[Completion] = queue.SimpleQueue()
@@ -141,11 +159,14 @@ class Consumer:
 
     # -- what subclasses implement ------------------------------------------------
 
-    def handle(self, message: Message) -> None:
+    def handle(self, message: Message) -> Awaitable[None] | None:
         """Process one message. Return normally when done; raise to retry or dead-letter.
 
         With the inbox on, write through ``message.tx``: your writes commit together
         with the inbox row. Called from a worker thread.
+
+        May be ``async def``: it then runs on the consumer's event loop thread, and
+        with the inbox writes through ``message.async_tx`` (an ``AsyncConnection``).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement handle(message)")
 
@@ -197,7 +218,7 @@ class Consumer:
 
     # -- start ---------------------------------------------------------------------
 
-    def _check(self, engine: Engine | None) -> None:
+    def _check(self, engine: Engine | AsyncEngine | None) -> None:
         s = self.settings
         problems = list(s.validate())
         if not self.group:
@@ -208,6 +229,10 @@ class Consumer:
             problems.append("missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP")
         if s.inbox and engine is None and not s.db_url:
             problems.append("invalid --inbox / OUTBOXKIT_INBOX: needs --db-url / OUTBOXKIT_DB_URL")
+        if engine is not None and (self._async is None) != isinstance(engine, Engine):
+            problems.append(
+                "invalid engine=: an async def handle needs an AsyncEngine, a sync one an Engine"
+            )
         if not isinstance(self.workers, int) or self.workers < 1:
             problems.append(f"invalid concurrency {self.workers!r}: must be an integer >= 1")
         store = str(s.kafka_config.get("enable.auto.offset.store", "false")).lower()
@@ -232,6 +257,8 @@ class Consumer:
         )
         try:
             self.health.start()
+            if self._async is not None:
+                self._async.start()
             self._connect()
             self._open_inbox()
         except DependencyError as exc:
@@ -320,7 +347,9 @@ class Consumer:
                         else "a message that fails pauses its partition until the topic exists",
                     )
         self._handling = Handling(
-            handler=self.handle,
+            handler=cast(Callable[[Message], None], self.handle)
+            if self._async is None
+            else self._async.handler,
             classify=self.classify,
             on_failure=self._on_failure,
             policy=RetryPolicy(
@@ -337,6 +366,16 @@ class Consumer:
     def _open_inbox(self) -> None:
         s = self.settings
         if not s.inbox:
+            return
+        if self._async is not None:
+            # Same run/release interface as Inbox, for an async handler.
+            self._handling.inbox = self._async.open_inbox(  # type: ignore[assignment]
+                self._async_engine,
+                s.db_url,
+                group_id=str(self.group),
+                table=s.inbox_table,
+                pool_size=self.workers + 1,
+            )
             return
         if self._engine is None:
             assert s.db_url is not None
@@ -381,6 +420,8 @@ class Consumer:
     def _work(self) -> None:
         try:
             self._work_until_stopped()
+        except HandlerCancelled:
+            pass  # an async handler cancelled at the drain deadline: already counted unknown
         finally:
             if self._handling.inbox is not None:
                 self._handling.inbox.release()
@@ -451,6 +492,8 @@ class Consumer:
             started = lc.drain_started_at or time.monotonic()
             loop.wait_drained(started + s.worker_drain_timeout, lc.hurry.is_set)
             report = loop.end_drain()
+            if self._async is not None:
+                self._async.cancel_running()  # after end_drain counted them unknown
             committed = self._commit_and_close()
             report.committed = committed
         self.report = report
@@ -458,6 +501,8 @@ class Consumer:
             self._dead_letters.close(1.0)
         if self._owns_engine and self._engine is not None:
             self._engine.dispose()
+        if self._async is not None:
+            self._async.close()
         self._call_hook("on_stop")
         self.metrics.shutdown_released.set(report.released + report.unknown)
         self.metrics.shutdown_committed.set(report.committed_messages)

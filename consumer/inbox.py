@@ -164,41 +164,54 @@ class Inbox:
     def _run(
         self, conn: sa.Connection, message: Message, handler: Callable[[Message], None]
     ) -> bool:
-        key = inbox_key(message)
-        tx = conn.begin()
-        if key.startswith(RESERVED_PREFIX) and self._seen_as_v1_fallback(conn, message):
-            tx.rollback()
+        if self.claim(conn, message):
             return True
-        try:
-            conn.execute(
-                self._insert,
-                {
-                    "group_id": self._group_key,
-                    "event_id": key,
-                    "topic": message.topic,
-                    "kafka_partition": message.partition,
-                    "kafka_offset": message.offset,
-                },
-            )
-        except sa.exc.IntegrityError:
-            tx.rollback()
-            row = self._seen(conn, key)
-            if row is not None and _v1_fallback_of_another_record(row, message):
-                self._rekey_v1_row(conn, row)
-                return self._run(conn, message, handler)  # the row no longer clashes
-            if row is not None:
-                return True
-            # The row that clashed was rolled back meanwhile: try again later.
-            raise TransientError(
-                "inbox insert clashed with a transaction that rolled back"
-            ) from None
         try:
             handler(message.with_tx(conn))
         except BaseException:
-            tx.rollback()
+            conn.rollback()
             raise
-        tx.commit()
+        conn.commit()
         return False
+
+    def claim(self, conn: sa.Connection, message: Message) -> bool:
+        """Begin the message's transaction on ``conn`` and insert its inbox row.
+
+        True: a duplicate (seen before), and no transaction is left open. False:
+        the row is inserted and the transaction stays open for the handler; the
+        caller commits or rolls it back. The async inbox calls this too, through
+        ``AsyncConnection.run_sync``.
+        """
+        key = inbox_key(message)
+        while True:
+            tx = conn.begin()
+            if key.startswith(RESERVED_PREFIX) and self._seen_as_v1_fallback(conn, message):
+                tx.rollback()
+                return True
+            try:
+                conn.execute(
+                    self._insert,
+                    {
+                        "group_id": self._group_key,
+                        "event_id": key,
+                        "topic": message.topic,
+                        "kafka_partition": message.partition,
+                        "kafka_offset": message.offset,
+                    },
+                )
+            except sa.exc.IntegrityError:
+                tx.rollback()
+                row = self._seen(conn, key)
+                if row is not None and _v1_fallback_of_another_record(row, message):
+                    self._rekey_v1_row(conn, row)
+                    continue  # the row no longer clashes
+                if row is not None:
+                    return True
+                # The row that clashed was rolled back meanwhile: try again later.
+                raise TransientError(
+                    "inbox insert clashed with a transaction that rolled back"
+                ) from None
+            return False
 
     def _seen(self, conn: sa.Connection, key: str) -> _InboxRow | None:
         t = self.table

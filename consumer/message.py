@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
 
 from outboxkit.consumer._rawheaders import header_names_decodable
 from outboxkit.consumer.errors import InvalidMessageError
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
 __all__ = ["EVENT_ID_HEADER", "Message"]
 
@@ -55,7 +58,7 @@ class Message:
         value: bytes | None,
         headers: Sequence[tuple[str, bytes]] = (),
         timestamp_ms: int | None = None,
-        _tx: Connection | None = None,
+        _tx: Connection | AsyncConnection | None = None,
     ) -> None:
         self._topic = topic
         self._partition = partition
@@ -169,11 +172,26 @@ class Message:
         at all). Only available with the inbox on; do not commit or roll it back
         yourself, raise instead.
         """
-        if self._tx is None:
+        tx = self._tx
+        if tx is None:
             raise RuntimeError("message.tx needs the inbox: set inbox=true and a database")
-        return self._tx
+        if not isinstance(tx, Connection):
+            raise RuntimeError("an async handler's transaction is message.async_tx")
+        return tx
 
-    def with_tx(self, tx: Connection | None) -> Message:
+    @property
+    def async_tx(self) -> AsyncConnection:
+        """:attr:`tx` for an ``async def handle``: the ``AsyncConnection`` whose
+        transaction also records this message in the inbox (``await
+        message.async_tx.execute(...)``). Do not commit or roll it back; raise."""
+        tx = self._tx
+        if tx is None:
+            raise RuntimeError("message.async_tx needs the inbox: set inbox=true and a database")
+        if isinstance(tx, Connection):
+            raise RuntimeError("a sync handler's transaction is message.tx")
+        return tx
+
+    def with_tx(self, tx: Connection | AsyncConnection | None) -> Message:
         return Message(
             topic=self.topic,
             partition=self.partition,
@@ -281,7 +299,7 @@ class _KafkaMessage(Message):
             return
         self._headers = headers
 
-    def with_tx(self, tx: Connection | None) -> Message:
+    def with_tx(self, tx: Connection | AsyncConnection | None) -> Message:
         self._readable_headers()  # decoded here, once, not again by the copy
         m = _KafkaMessage.__new__(_KafkaMessage)
         m._record, m._headers, m._tx = self._record, self._headers, tx

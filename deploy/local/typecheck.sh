@@ -27,4 +27,8 @@ targets=("$tree")
 [[ -d tests/support ]] && targets+=(tests/support)
 [[ -d bench ]] && targets+=(bench)
 [[ -d chaos ]] && targets+=(chaos)
+# Each worked example is a folder of top-level modules, checked on its own path.
+for example in examples/*/; do
+    [[ -d "$example" ]] && targets+=("$example")
+done
 exec "${PYTHON:-python3}" -m mypy "$@" "${targets[@]}"

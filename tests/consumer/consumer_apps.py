@@ -5,6 +5,7 @@ Parameters come from ``APP_*`` environment variables so one class serves several
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -41,6 +42,20 @@ class RecordEffects(Consumer):
         )
 
 
+class RecordEffectsAsync(Consumer):
+    """:class:`RecordEffects` as an ``async def handle``, through ``message.async_tx``."""
+
+    async def handle(self, message: Message) -> None:
+        await message.async_tx.execute(
+            effects.insert().values(
+                event_id=message.event_id or "",
+                kafka_partition=message.partition,
+                kafka_offset=message.offset,
+                pid=os.getpid(),
+            )
+        )
+
+
 class Sleepy(Consumer):
     """A message whose value is ``sleep:<seconds>`` sleeps that long; logs start and end."""
 
@@ -50,6 +65,22 @@ class Sleepy(Consumer):
         log_event(log, "handler-started", **where)
         if text.startswith("sleep:"):
             time.sleep(float(text.split(":", 1)[1]))
+        log_event(log, "handler-finished", **where)
+
+
+class SleepyAsync(Consumer):
+    """:class:`Sleepy` as an ``async def handle`` (``asyncio.sleep``); logs a cancellation."""
+
+    async def handle(self, message: Message) -> None:
+        text = (message.value or b"").decode()
+        where = {"partition": message.partition, "offset": message.offset}
+        log_event(log, "handler-started", **where)
+        try:
+            if text.startswith("sleep:"):
+                await asyncio.sleep(float(text.split(":", 1)[1]))
+        except asyncio.CancelledError:
+            log_event(log, "handler-cancelled", **where)
+            raise
         log_event(log, "handler-finished", **where)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,27 @@ class Sleeper(Consumer):
             self.done += 1
 
 
+class AsyncSleeper(Sleeper):
+    """:class:`Sleeper` with an ``async def handle``: the coroutines share one event loop."""
+
+    async def handle(self, message: Message) -> None:  # type: ignore[override]
+        body = message.json()
+        key = body["key"]
+        with self.lock:
+            if key in self.active_keys:
+                self.key_overlaps.append(key)
+            self.active_keys.add(key)
+            self.max_parallel = max(self.max_parallel, len(self.active_keys))
+        await asyncio.sleep(self.sleep if body.get("slow") is None else body["slow"])
+        with self.lock:
+            self.active_keys.discard(key)
+            self.by_key.setdefault(key, []).append(body["seq"])
+            self.done += 1
+
+
+SLEEPERS = pytest.mark.parametrize("sleeper", [Sleeper, AsyncSleeper], ids=["sync", "async"])
+
+
 def _run(consumer: Sleeper, n: int, run_consumer: Any) -> float:
     with run_consumer(consumer) as running:
         wait_for(lambda: consumer.done >= 1, 30, 0.005, "first message")
@@ -51,7 +73,9 @@ def _run(consumer: Sleeper, n: int, run_consumer: Any) -> float:
     return took
 
 
+@SLEEPERS
 def test_concurrency_8_keeps_per_key_order_and_is_faster(
+    sleeper: type[Sleeper],
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -59,9 +83,9 @@ def test_concurrency_8_keeps_per_key_order_and_is_faster(
 ) -> None:
     topic = kafka_topics(2)
     produce(kafka_bootstrap, topic, make_events(161, keys=16))
-    serial = Sleeper(settings(group_id=f"g1-{topic}", topics=(topic,)), sleep=0.02)
+    serial = sleeper(settings(group_id=f"g1-{topic}", topics=(topic,)), sleep=0.02)
     t1 = _run(serial, 161, run_consumer)
-    parallel = Sleeper(settings(group_id=f"g8-{topic}", topics=(topic,), concurrency=8), sleep=0.02)
+    parallel = sleeper(settings(group_id=f"g8-{topic}", topics=(topic,), concurrency=8), sleep=0.02)
     t8 = _run(parallel, 161, run_consumer)
 
     assert serial.max_parallel == 1
@@ -75,7 +99,9 @@ def test_concurrency_8_keeps_per_key_order_and_is_faster(
     print(f"160 x 20 ms after the first: concurrency=1 {t1:.2f} s, concurrency=8 {t8:.2f} s")
 
 
+@SLEEPERS
 def test_committed_offset_never_passes_an_unfinished_message(
+    sleeper: type[Sleeper],
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -85,7 +111,7 @@ def test_committed_offset_never_passes_an_unfinished_message(
     group = f"g-{topic}"
     slow = (b"slow", b'{"key": "slow", "seq": 1, "slow": 3}', "e-slow")
     produce(kafka_bootstrap, topic, [slow, *make_events(20, keys=5)])
-    consumer = Sleeper(settings(group_id=group, topics=(topic,), concurrency=8), sleep=0.0)
+    consumer = sleeper(settings(group_id=group, topics=(topic,), concurrency=8), sleep=0.0)
     with run_consumer(consumer) as running:
         wait_for(lambda: consumer.done >= 20, 10, 0.01, "the 20 fast messages")
         assert consumer.by_key.get("slow") is None  # offset 0 still running

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.integration
 
 MESSAGES = 20_000
 PARTITIONS = 4
+#: The same consumer with a sync handler (``message.tx``) and an async one
+#: (``message.async_tx`` on the event loop thread).
+APPS = ["consumer_apps:RecordEffects", "consumer_apps:RecordEffectsAsync"]
 
 
 def _effects(engine: sa.Engine) -> tuple[int, int, dict[int, set[int]]]:
@@ -41,7 +44,9 @@ def _count(engine: sa.Engine) -> int:
         return int(conn.execute(sa.select(sa.func.count()).select_from(effects)).scalar_one())
 
 
+@pytest.mark.parametrize("app", APPS, ids=["sync", "async"])
 def test_sigkill_at_a_random_point_loses_nothing_and_the_inbox_applies_each_event_once(
+    app: str,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     engine: sa.Engine,
@@ -68,7 +73,7 @@ def test_sigkill_at_a_random_point_loses_nothing_and_the_inbox_applies_each_even
     }
     kill_at = random.randint(2_000, 12_000)
 
-    first = ConsumerProcess("consumer_apps:RecordEffects", env=env, cwd=tmp_path)
+    first = ConsumerProcess(app, env=env, cwd=tmp_path)
     try:
         wait_for(lambda: _count(engine) >= kill_at, 120, 0.01, f"{kill_at} effects")
         first.proc.send_signal(signal.SIGKILL)
@@ -84,9 +89,7 @@ def test_sigkill_at_a_random_point_loses_nothing_and_the_inbox_applies_each_even
     committed_total = sum(max(o, 0) for o in offsets.values())
     assert committed_total <= rows
 
-    second = ConsumerProcess(
-        "consumer_apps:RecordEffects", env={**env, "OUTBOXKIT_LOG_LEVEL": "INFO"}, cwd=tmp_path
-    )
+    second = ConsumerProcess(app, env={**env, "OUTBOXKIT_LOG_LEVEL": "INFO"}, cwd=tmp_path)
     try:
         wait_for(lambda: _count(engine) >= MESSAGES, 180, 0.1, "all effects")
         wait_for(

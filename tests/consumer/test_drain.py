@@ -42,19 +42,26 @@ def spawn(tmp_path: Path, kafka_bootstrap: str) -> Iterator[Callable[..., Consum
         p.kill()
 
 
+#: The same handler, sync (``time.sleep``) and ``async def`` (``asyncio.sleep``).
+SLEEPY = pytest.mark.parametrize(
+    "app", ["consumer_apps:Sleepy", "consumer_apps:SleepyAsync"], ids=["sync", "async"]
+)
+
+
 def _adds_up(record: dict[str, Any]) -> bool:
     parts = record["succeeded"] + record["failed"] + record["unknown"] + record["released"]
     return bool(record["batch_size"] == parts)
 
 
+@SLEEPY
 def test_sigterm_lets_the_slow_handler_finish_commits_and_exits_0(
-    kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
+    app: str, kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
 ) -> None:
     topic = kafka_topics(1)
     group = f"g-{topic}"
     produce(kafka_bootstrap, topic, [(b"k", b"fast", "e0"), (b"k", b"sleep:3", "e1")])
     proc = spawn(
-        "consumer_apps:Sleepy",
+        app,
         OUTBOXKIT_TOPICS=topic,
         OUTBOXKIT_GROUP_ID=group,
         OUTBOXKIT_WORKER_DRAIN_TIMEOUT="10",
@@ -97,7 +104,9 @@ class Recorder(Consumer):
             self.offsets.append(message.offset)
 
 
+@SLEEPY
 def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
+    app: str,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     spawn: Any,
@@ -112,7 +121,7 @@ def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
         [(b"k", b"fast", "e0"), (b"k", b"sleep:60", "e1"), (b"k", b"fast", "e2")],
     )
     proc = spawn(
-        "consumer_apps:Sleepy",
+        app,
         OUTBOXKIT_TOPICS=topic,
         OUTBOXKIT_GROUP_ID=group,
         OUTBOXKIT_WORKER_DRAIN_TIMEOUT="1",
@@ -127,6 +136,13 @@ def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
     assert record["result"] == "unknown-left"
     assert _adds_up(record)
     assert proc.events("consumer-exit")[0]["committed"] in ({}, {f"{topic}/0": 1})
+    if app.endswith("Async"):
+        # The coroutine was cancelled at the deadline (its except block ran), not
+        # left running; the consumer says how many it cancelled.
+        assert [r["offset"] for r in proc.events("handler-cancelled")] == [1]
+        assert proc.wait_event("handlers-cancelled", 1)["cancelled"] == 1
+    else:
+        assert proc.events("handlers-cancelled") == []
     # Offset 1 was never finished: the group's position stays on it.
     assert committed(kafka_bootstrap, group, topic, 1) == {0: 1}
 
@@ -136,8 +152,9 @@ def test_handler_outliving_the_drain_timeout_is_unknown_and_redelivered(
         assert running.stop() == 0
 
 
+@SLEEPY
 def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
-    kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
+    app: str, kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
 ) -> None:
     pushgateway = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
     if not pushgateway:
@@ -148,7 +165,7 @@ def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
     topic = kafka_topics(1)
     produce(kafka_bootstrap, topic, [(b"k", b"sleep:60", "e0")])
     proc = spawn(
-        "consumer_apps:Sleepy",
+        app,
         OUTBOXKIT_TOPICS=topic,
         OUTBOXKIT_GROUP_ID=f"g-{topic}",
         OUTBOXKIT_WORKER_DRAIN_TIMEOUT="20",
@@ -168,6 +185,8 @@ def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
     assert proc.wait_event("drain-hurried", 1)["unfinished"] == 1
     record = proc.exit_record()
     assert record["unknown"] == 1 and _adds_up(record)
+    if app.endswith("Async"):  # hurried: cancelled at once, not after the 20 s
+        assert [r["offset"] for r in proc.events("handler-cancelled")] == [0]
     # The process is gone; its last numbers are not.
     with urllib.request.urlopen(f"{pushgateway}/metrics", timeout=5) as resp:  # noqa: S310
         text = resp.read().decode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -53,11 +54,25 @@ class Scripted(Consumer):
         self.failures.append((message.offset, type(error).__name__))
 
 
+class AsyncScripted(Scripted):
+    """:class:`Scripted` with an ``async def handle``: the same script, raised from a coroutine."""
+
+    async def handle(self, message: Message) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        Scripted.handle(self, message)
+
+
+#: Every scenario runs with a sync and an async handler.
+SCRIPTED = pytest.mark.parametrize("scripted", [Scripted, AsyncScripted], ids=["sync", "async"])
+
+
 def _value(consumer: Consumer, name: str, **labels: str) -> float:
     return consumer.registry.get_sample_value(name, labels) or 0.0
 
 
+@SCRIPTED
 def test_transient_twice_then_success_is_processed_once_committed_no_dlq(
+    scripted: type[Scripted],
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -66,7 +81,7 @@ def test_transient_twice_then_success_is_processed_once_committed_no_dlq(
     topic = kafka_topics(1)
     dlq = kafka_topics(1, name=f"{topic}.dlq")
     produce(kafka_bootstrap, topic, [(b"k", b"transient:2", "e-1"), (b"k", b"ok", "e-2")])
-    consumer = Scripted(settings(group_id=f"g-{topic}", topics=(topic,), max_attempts=5))
+    consumer = scripted(settings(group_id=f"g-{topic}", topics=(topic,), max_attempts=5))
     with run_consumer(consumer) as running:
         wait_for(lambda: len(consumer.succeeded) == 2, 20, what="both handled")
         assert running.stop() == 0
@@ -81,7 +96,9 @@ def test_transient_twice_then_success_is_processed_once_committed_no_dlq(
     assert _value(consumer, "worker_messages_total", result="dlq") == 0
 
 
+@SCRIPTED
 def test_permanent_error_bad_json_and_exhausted_retries_go_to_the_dlq_with_headers(
+    scripted: type[Scripted],
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -99,7 +116,7 @@ def test_permanent_error_bad_json_and_exhausted_retries_go_to_the_dlq_with_heade
             (b"k4", b'{"ok": true}', "ev-ok"),
         ],
     )
-    consumer = Scripted(settings(group_id=f"g-{topic}", topics=(topic,), max_attempts=3))
+    consumer = scripted(settings(group_id=f"g-{topic}", topics=(topic,), max_attempts=3))
     with run_consumer(consumer) as running:
         wait_for(lambda: consumer.succeeded == [3], 20, what="the good message")
         wait_for(
@@ -142,7 +159,9 @@ def test_permanent_error_bad_json_and_exhausted_retries_go_to_the_dlq_with_heade
     assert _value(consumer, "worker_messages_total", result="dlq") == 3
 
 
+@SCRIPTED
 def test_dlq_unavailable_holds_the_offset_pauses_then_recovers(
+    scripted: type[Scripted],
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -156,7 +175,7 @@ def test_dlq_unavailable_holds_the_offset_pauses_then_recovers(
         [(b"a", b"permanent", "ev-0"), (b"b", b"ok", "ev-1"), (b"c", b"ok", "ev-2")],
     )
     # No dead-letter topic yet (auto-create is off): the DLQ write cannot succeed.
-    consumer = Scripted(settings(group_id=group, topics=(topic,), dlq_timeout=1.0))
+    consumer = scripted(settings(group_id=group, topics=(topic,), dlq_timeout=1.0))
     with run_consumer(consumer) as running:
         wait_for(
             lambda: _value(consumer, "worker_dlq_unavailable_total") >= 2,

@@ -43,12 +43,41 @@ class WriteThenMaybeFail(Consumer):
             raise RetryableError("lost the connection to the payment service")
 
 
+class AsyncWriteThenMaybeFail(WriteThenMaybeFail):
+    """:class:`WriteThenMaybeFail` as an ``async def handle`` writing through
+    ``message.async_tx``; its inbox builds an asyncmy engine from ``db_url``."""
+
+    def __init__(self, settings: ConsumerSettings, engine: sa.Engine) -> None:
+        Consumer.__init__(self, settings)
+        self.calls = 0
+        self.failed_once = False
+
+    async def handle(self, message: Message) -> None:  # type: ignore[override]
+        self.calls += 1
+        await message.async_tx.execute(
+            effects.insert().values(
+                event_id=message.identity[:64],
+                kafka_partition=message.partition,
+                kafka_offset=message.offset,
+                pid=0,
+            )
+        )
+        if message.value == b"fail-once" and not self.failed_once:
+            self.failed_once = True
+            raise RetryableError("lost the connection to the payment service")
+
+
 def _rows(engine: sa.Engine, query: str) -> list[Any]:
     with engine.connect() as conn:
         return list(conn.execute(sa.text(query)))
 
 
+@pytest.mark.parametrize(
+    "consumer_class", [WriteThenMaybeFail, AsyncWriteThenMaybeFail], ids=["sync", "async"]
+)
 def test_duplicates_are_skipped_failed_attempts_roll_back_and_ids_fall_back(
+    consumer_class: type[WriteThenMaybeFail],
+    db_url: str,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -70,7 +99,9 @@ def test_duplicates_are_skipped_failed_attempts_roll_back_and_ids_fall_back(
             (b"k", b"no id 2", None),
         ],
     )
-    consumer = WriteThenMaybeFail(settings(group_id=group, topics=(topic,), inbox=True), engine)
+    consumer = consumer_class(
+        settings(group_id=group, topics=(topic,), inbox=True, db_url=db_url), engine
+    )
     with run_consumer(consumer) as running:
         wait_for(
             lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 5}, 20, what="5 committed"

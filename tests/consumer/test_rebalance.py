@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -57,7 +58,25 @@ class Member(Consumer):
             self.ledger.runs.append((self.name, *where))
 
 
+class AsyncMember(Member):
+    """:class:`Member` with an ``async def handle``."""
+
+    async def handle(self, message: Message) -> None:  # type: ignore[override]
+        where = (message.partition, message.offset)
+        with self.ledger.lock:
+            if where in self.ledger.active:
+                self.ledger.overlaps.append(where)
+            self.ledger.active.add(where)
+        await asyncio.sleep(0.004)
+        with self.ledger.lock:
+            self.ledger.active.discard(where)
+            self.ledger.done.setdefault(message.partition, set()).add(message.offset)
+            self.ledger.runs.append((self.name, *where))
+
+
+@pytest.mark.parametrize("member", [Member, AsyncMember], ids=["sync", "async"])
 def test_join_then_leave_loses_nothing_and_commits_consistently(
+    member: type[Member],
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     settings: Callable[..., ConsumerSettings],
@@ -66,7 +85,7 @@ def test_join_then_leave_loses_nothing_and_commits_consistently(
     topic = kafka_topics(PARTITIONS)
     group = f"g-{topic}"
     ledger = Ledger()
-    make = lambda name: Member(settings(group_id=group, topics=(topic,)), name, ledger)  # noqa: E731
+    make = lambda name: member(settings(group_id=group, topics=(topic,)), name, ledger)  # noqa: E731
 
     def consistent() -> list[str]:
         return offsets_all_below(

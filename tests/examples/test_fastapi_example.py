@@ -1,0 +1,262 @@
+"""examples/fastapi_orders end to end on the local services, as a user runs it.
+
+The order service under a real uvicorn (``serve.py``, any free port), orders
+posted over HTTP, ``outboxkit relay`` and ``outboxkit consume invoicing:Invoicing``
+as processes; every order is invoiced exactly once, in order per customer, and
+SIGTERM ends all three with status 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from support.waiting import bound, wait_for
+
+from outboxkit.schema import apply_schema
+
+pytestmark = pytest.mark.integration
+
+httpx = pytest.importorskip("httpx", reason="the examples extra is not installed")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fastapi_orders"
+FAST_GROUP = "session.timeout.ms=6000,heartbeat.interval.ms=500"
+
+
+class Proc:
+    """A child process whose stderr lines are kept (JSON ones parsed)."""
+
+    def __init__(self, args: Sequence[str], *, env: dict[str, str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            env={**os.environ, **env},
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.raw: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.raw.append(line)
+        self.proc.stderr.close()
+
+    def records(self, event: str) -> list[dict[str, Any]]:
+        out = []
+        for line in list(self.raw):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("event") == event:
+                out.append(record)
+        return out
+
+    def wait_line(self, pattern: str, timeout: float) -> re.Match[str]:
+        regex = re.compile(pattern)
+
+        def found() -> re.Match[str] | None:
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                raise AssertionError(f"exited {self.proc.returncode}:\n{self.tail()}")
+            return next((m for line in list(self.raw) if (m := regex.search(line))), None)
+
+        match: re.Match[str] = wait_for(found, timeout=timeout, what=pattern)
+        return match
+
+    def stop(self, timeout: float = 30) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(bound(timeout))
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(5)
+
+    def tail(self, n: int = 20) -> str:
+        return "".join(self.raw[-n:])
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    procs: list[Proc] = []
+
+    def start(*args: str, **env: str) -> Proc:
+        # Not the repository as working directory: its outboxkit/ folder would
+        # shadow the installed package. The example's modules come from PYTHONPATH.
+        p = Proc(args, env={"PYTHONPATH": str(EXAMPLE), **env}, cwd=tmp_path)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+
+
+def _invoices(engine: sa.Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT id, order_id, customer, amount_cents, event_id "
+                    "FROM example_invoices ORDER BY id"
+                )
+            )
+        )
+
+
+def _count(engine: sa.Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(f"SELECT COUNT(*) FROM {table}")).scalar_one())
+
+
+def test_orders_posted_to_the_service_are_invoiced_exactly_once_and_all_exit_0(
+    db_url: str,
+    engine: sa.Engine,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    spawn: Callable[..., Proc],
+) -> None:
+    apply_schema(engine, shards=8)
+    topic = kafka_topics(3)
+    kafka_topics(1, name=f"{topic}.dlq")
+    async_url = sa.make_url(db_url).set(drivername="mysql+asyncmy")
+    service = spawn(
+        str(EXAMPLE / "serve.py"),
+        "--port",
+        "0",
+        ORDERS_DB_URL=async_url.render_as_string(hide_password=False),
+        ORDERS_TOPIC=topic,
+    )
+    base_url = service.wait_line(r"Uvicorn running on (http://[\d.]+:\d+)", 60).group(1)
+    customers = ["ada", "bob", "cy", "dee", "eve"]
+    placed: dict[int, tuple[str, int, str]] = {}  # order id -> (customer, amount, event id)
+
+    def place(client: Any, n: int) -> None:
+        customer, amount = customers[n % len(customers)], 100 + n
+        r = client.post("/orders", json={"customer": customer, "amount_cents": amount})
+        assert r.status_code == 201, r.text
+        body = r.json()
+        placed[body["id"]] = (customer, amount, body["event_id"])
+
+    common = {
+        "OUTBOXKIT_DB_URL": db_url,
+        "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "OUTBOXKIT_HEALTH_PORT": "0",
+    }
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        # Refused before anything is written: no order, no event.
+        bad = client.post("/orders", json={"customer": "ada", "amount_cents": 0})
+        assert bad.status_code == 422
+        assert _count(engine, "outbox_events") == 0
+        for n in range(30):  # before the relay and the consumer run
+            place(client, n)
+        relay = spawn("-m", "outboxkit", "relay", OUTBOXKIT_POLL_INTERVAL="0.2", **common)
+        consumer = spawn(
+            "-m",
+            "outboxkit",
+            "consume",
+            "invoicing:Invoicing",
+            OUTBOXKIT_TOPICS=topic,
+            OUTBOXKIT_GROUP_ID=f"invoicing-{topic}",
+            OUTBOXKIT_INBOX="true",
+            OUTBOXKIT_KAFKA_CONFIG=FAST_GROUP,
+            OUTBOXKIT_COMMIT_INTERVAL="0.5",
+            **common,
+        )
+        wait_for(lambda: _count(engine, "example_invoices") >= 30, timeout=90, what="30 invoices")
+        for n in range(30, 45):  # while everything runs
+            place(client, n)
+    wait_for(lambda: _count(engine, "example_invoices") >= 45, timeout=60, what="45 invoices")
+    # Settle: anything invoiced twice would show up by now (commit interval 0.5 s).
+    time.sleep(1.0)
+
+    invoices = _invoices(engine)
+    assert len(placed) == 45
+    assert sorted(row.order_id for row in invoices) == sorted(placed)  # each order exactly once
+    for row in invoices:
+        assert (row.customer, row.amount_cents, row.event_id) == placed[row.order_id]
+    for customer in customers:  # in placement order per customer (the event key)
+        ids = [row.order_id for row in invoices if row.customer == customer]
+        assert ids == sorted(ids), customer
+    with engine.connect() as conn:
+        statuses = {
+            status: n
+            for status, n in conn.execute(
+                sa.text("SELECT status, COUNT(*) FROM outbox_events GROUP BY status")
+            )
+        }
+    assert statuses == {"delivered": 45}
+    assert _count(engine, "outbox_inbox") == 45
+
+    # SIGTERM: the service first (no new orders), then the relay, then the consumer.
+    assert service.stop() == 0, service.tail()
+    assert relay.stop() == 0, relay.tail()
+    assert consumer.stop() == 0, consumer.tail()
+    [relay_exit] = relay.records("relay-exit")
+    assert relay_exit["result"] == "clean", relay_exit
+    [consumer_exit] = consumer.records("consumer-exit")
+    assert consumer_exit["result"] == "ok", consumer_exit
+    # Each event handled once; a redelivery (the relay and Kafka are at-least-once)
+    # would be a duplicate skipped by the inbox, never a second invoice.
+    assert consumer_exit["totals"]["success"] == 45, consumer_exit
+    assert set(consumer_exit["totals"]) <= {"success", "duplicate"}, consumer_exit
+
+
+@pytest.mark.unit
+def test_the_examples_extra_is_separate_and_the_package_imports_without_it() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((EXAMPLE.parents[1] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=\[ ]", r, maxsplit=1)[0].lower() for r in extras["examples"]}
+    assert {"fastapi", "uvicorn", "httpx"} <= names
+    assert "outboxkit[examples]" in extras["dev"]  # the suite runs the example's test
+    runtime = {
+        re.split(r"[<>=\[ ]", r, maxsplit=1)[0].lower()
+        for r in pyproject["project"]["dependencies"]
+    }
+    assert not {"fastapi", "uvicorn", "httpx", "starlette"} & runtime
+    probe = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'httpx', 'starlette', 'greenlet', 'asyncmy'):\n"
+        "    sys.modules[name] = None  # as if not installed\n"
+        "import outboxkit, outboxkit.consumer, outboxkit.relay, outboxkit.cli\n"
+        "from outboxkit.consumer import Consumer, ConsumerSettings, Message\n"
+        "class Billing(Consumer):\n"
+        "    topics = ('orders',)\n"
+        "    group_id = 'billing'\n"
+        "    async def handle(self, message: Message) -> None: ...\n"
+        "Billing(ConsumerSettings(kafka_bootstrap='127.0.0.1:1'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={
+            **os.environ,
+            "OUTBOXKIT_KAFKA_BOOTSTRAP": "127.0.0.1:1",
+            "OUTBOXKIT_HEALTH_PORT": "0",
+        },
+        cwd=EXAMPLE,
+    )
+    assert out.returncode == 0, out.stderr
