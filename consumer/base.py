@@ -49,6 +49,7 @@ from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import describe
+from outboxkit.runtime.tracing import consumer_tracing
 
 __all__ = ["PUSH_JOB", "Consumer"]
 
@@ -332,6 +333,7 @@ class Consumer:
             dead_letters=self._dead_letters,
             inbox=None,
             metrics=self.metrics,
+            tracing=consumer_tracing(group=str(self.group)),
         )
 
     def _open_inbox(self) -> None:
