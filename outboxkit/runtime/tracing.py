@@ -39,6 +39,7 @@ backends still chart; ``messaging.client.id`` (the relay's node id) and
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ try:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # the otel extra is not installed: every hook is a no-op
     _trace = None  # type: ignore[assignment]
+
+from outboxkit.runtime.logs import log_event, redact
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -68,6 +71,24 @@ TRACESTATE = "tracestate"
 _TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 _PROPAGATOR = TraceContextTextMapPropagator() if _trace is not None else None
 _INSTRUMENTATION = "outboxkit"
+_log = logging.getLogger("outboxkit.tracing")
+_failed: set[str] = set()
+
+
+def _hook_failed(where: str, exc: Exception) -> None:
+    """Tracing is a hook: a failure is logged (once per place) and never breaks the
+    relay's or the consumer's loop; the row or message goes on untraced."""
+    if where in _failed:
+        return
+    _failed.add(where)
+    log_event(
+        _log,
+        "tracing-failed",
+        level=logging.WARNING,
+        where=where,
+        error=redact(f"{type(exc).__name__}: {exc}"),
+        effect="sent or handled without this span; logged once per process",
+    )
 
 
 def available() -> bool:
@@ -157,7 +178,23 @@ class ProducerTracing:
         spans: dict[int, Any],
         row_id: int,
     ) -> tuple[list[tuple[str, str | bytes | None]], DeliveryCallback]:
-        """The headers and callback to produce with; unchanged for an untraced row."""
+        """The headers and callback to produce with; unchanged for an untraced row
+        (or when tracing fails: the row is sent as stored)."""
+        try:
+            return self._send(topic, event_id, headers, callback, spans, row_id)
+        except Exception as exc:
+            _hook_failed("producer-span", exc)
+            return headers, callback
+
+    def _send(
+        self,
+        topic: str,
+        event_id: str,
+        headers: list[tuple[str, str | bytes | None]],
+        callback: DeliveryCallback,
+        spans: dict[int, Any],
+        row_id: int,
+    ) -> tuple[list[tuple[str, str | bytes | None]], DeliveryCallback]:
         carrier = _carrier(headers)
         if TRACEPARENT not in carrier:
             return headers, callback
@@ -189,7 +226,10 @@ class ProducerTracing:
         def on_delivery(err: Any, msg: Any) -> None:
             ended = spans.pop(row_id, None)
             if ended is not None:
-                _end_delivered(ended, err, msg)
+                try:
+                    _end_delivered(ended, err, msg)
+                except Exception as exc:  # the report itself must still land
+                    _hook_failed("producer-span-end", exc)
             callback(err, msg)
 
         return sent, on_delivery
@@ -199,8 +239,11 @@ class ProducerTracing:
         """End the spans still open: their rows got no delivery report."""
         while spans:
             _row_id, span = spans.popitem()
-            span.set_attribute("outboxkit.outcome", "no-delivery-report")
-            span.end()
+            try:
+                span.set_attribute("outboxkit.outcome", "no-delivery-report")
+                span.end()
+            except Exception as exc:
+                _hook_failed("producer-span-end", exc)
 
 
 def _end_delivered(span: Span, err: Any, msg: Any) -> None:
@@ -237,13 +280,24 @@ class ConsumerTracing:
         self._group = group
 
     @contextlib.contextmanager
-    def span(self, message: Any) -> Iterator[Span]:
+    def span(self, message: Any) -> Iterator[Span | None]:
         """``with tracing.span(message): handle(message)``.
 
         ``message`` is an ``outboxkit.consumer.Message``: its headers, topic,
         partition, offset and event id are read (an undecodable header block
-        starts a new trace instead of failing here).
+        starts a new trace instead of failing here). If the span cannot be
+        started, the body runs without one (None) and the failure is logged.
+        Exceptions of the body pass through unchanged.
         """
+        with contextlib.ExitStack() as stack:
+            try:
+                span: Span | None = stack.enter_context(self._start(message))
+            except Exception as exc:
+                _hook_failed("consumer-span", exc)
+                span = None
+            yield span
+
+    def _start(self, message: Any) -> contextlib.AbstractContextManager[Span]:
         assert _PROPAGATOR is not None and _trace is not None
         try:
             carrier = _carrier(message.headers)
@@ -263,13 +317,12 @@ class ConsumerTracing:
             event_id = message.event_id
             if event_id:
                 attributes["messaging.message.id"] = event_id
-        with self._tracer.start_as_current_span(
+        return self._tracer.start_as_current_span(
             f"process {message.topic}",
             context=_PROPAGATOR.extract(carrier),
             kind=_trace.SpanKind.CONSUMER,
             attributes=attributes,
-        ) as span:
-            yield span
+        )
 
 
 def consumer_tracing(*, group: str) -> ConsumerTracing | None:

@@ -13,6 +13,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -388,3 +389,84 @@ def test_the_otel_extra_brings_the_api_only() -> None:
     dev = [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "dev"})]
     assert any(r.name == "outboxkit" and "otel" in r.extras for r in dev)
     assert any(r.name.lower() == "opentelemetry-sdk" for r in dev)
+
+
+# -- tracing is a hook: its failures never stop a row or a message ------------------------
+
+
+class _BrokenTracer:
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("exporter exploded")
+
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("exporter exploded")
+
+
+class _BrokenSpan:
+    def set_attribute(self, *args: Any) -> None:
+        raise RuntimeError("span exploded")
+
+    def end(self) -> None:
+        raise RuntimeError("span exploded")
+
+
+@pytest.mark.unit
+def test_a_failing_tracer_sends_the_row_as_stored_and_logs_once() -> None:
+    from outboxkit.runtime.testing import capture_json_logs
+
+    tracing._failed.clear()
+    producer = tracing.ProducerTracing(_BrokenTracer(), client_id="r")  # type: ignore[arg-type]
+    headers: list[tuple[str, str | bytes | None]] = [
+        ("traceparent", _TRACEPARENT.encode()),
+        ("event_id", b"e-1"),
+    ]
+    got: list[Any] = []
+
+    def callback(err: Any, msg: Any) -> None:
+        got.append((err, msg))
+
+    spans: dict[int, Any] = {}
+    with capture_json_logs() as cap:
+        for row_id in (1, 2):
+            sent, cb = producer.send("orders", "e-1", headers, callback, spans, row_id)
+            assert sent is headers and cb is callback
+    assert spans == {}
+    [failed] = cap.events("tracing-failed")
+    assert failed["where"] == "producer-span" and "exporter exploded" in str(failed["error"])
+
+
+@pytest.mark.unit
+def test_a_span_that_fails_to_end_still_delivers_the_report() -> None:
+    tracing._failed.clear()
+    got: list[Any] = []
+    provider = TracerProvider()
+    producer = tracing.ProducerTracing(provider.get_tracer("t"), client_id="r")
+    spans: dict[int, Any] = {}
+    _, cb = producer.send(
+        "orders",
+        "e-1",
+        [("traceparent", _TRACEPARENT.encode())],
+        lambda err, msg: got.append((err, msg)),
+        spans,
+        7,
+    )
+    spans[7] = _BrokenSpan()
+    msg = types.SimpleNamespace(partition=lambda: 0, offset=lambda: 5)
+    cb(None, msg)
+    assert got == [(None, msg)]
+    spans[8] = _BrokenSpan()
+    tracing.ProducerTracing.abandon(spans)
+    assert spans == {}
+
+
+@pytest.mark.unit
+def test_a_failing_tracer_still_runs_the_handler_and_lets_its_error_through() -> None:
+    tracing._failed.clear()
+    consumer = tracing.ConsumerTracing(_BrokenTracer(), group="g")  # type: ignore[arg-type]
+    message = Message(topic="t", partition=0, offset=1, key=None, value=b"v")
+    ran: list[Any] = []
+    with consumer.span(message) as span:
+        ran.append(span)
+    assert ran == [None]
+    with pytest.raises(KeyError), consumer.span(message):
+        raise KeyError("the handler's own error")
