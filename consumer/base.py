@@ -53,6 +53,7 @@ from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_exit_metrics, push_job
 from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import describe
+from outboxkit.runtime.tracing import consumer_tracing
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -361,6 +362,7 @@ class Consumer:
             dead_letters=self._dead_letters,
             inbox=None,
             metrics=self.metrics,
+            tracing=consumer_tracing(group=str(self.group)),
         )
 
     def _open_inbox(self) -> None:

@@ -52,7 +52,12 @@ def _consume(args: argparse.Namespace) -> int:
     cls = load_consumer_class(args.target)
     settings = load(ConsumerSettings, args=args)
     consumer = cls(settings)
-    configure_logging(level=settings.log_level, service=settings.service, node_id=settings.node_id)
+    configure_logging(
+        level=settings.log_level,
+        service=settings.service,
+        node_id=settings.node_id,
+        log_format=settings.log_format,
+    )
     code = consumer.run(handle_signals=True)
     if not consumer.closed_cleanly:
         # A close stuck inside librdkafka would also hang interpreter exit.

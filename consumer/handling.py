@@ -27,6 +27,7 @@ from outboxkit.consumer.metrics import ConsumerMetrics
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.workers import WorkItem
 from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.tracing import ConsumerTracing
 
 __all__ = ["Handling", "Outcome", "Result"]
 
@@ -71,6 +72,7 @@ class Handling:
         dead_letters: DeadLetters,
         inbox: Inbox | None,
         metrics: ConsumerMetrics,
+        tracing: ConsumerTracing | None = None,
     ) -> None:
         self.handler = handler
         self.classify = classify
@@ -79,6 +81,8 @@ class Handling:
         self.dead_letters = dead_letters
         self.inbox = inbox
         self.metrics = metrics
+        #: CONSUMER spans around each attempt; None without OpenTelemetry or a provider.
+        self.tracing = tracing
 
     def process(self, item: WorkItem) -> Result:
         if item.failure is None:
@@ -102,7 +106,11 @@ class Handling:
         timer = time.perf_counter()
         try:
             try:
-                duplicate = self._run(item.message)
+                if self.tracing is None:
+                    duplicate = self._run(item.message)
+                else:
+                    with self.tracing.span(item.message):
+                        duplicate = self._run(item.message)
             finally:
                 self.metrics.handle_seconds.observe(time.perf_counter() - timer)
         except Exception as exc:

@@ -44,6 +44,7 @@ from outboxkit.errors import (
     PayloadTooLargeError,
     UnserializablePayloadError,
 )
+from outboxkit.runtime.tracing import trace_headers, with_trace_headers
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
 from outboxkit.schema.table import (
@@ -239,7 +240,9 @@ def _prepare(
 ) -> list[dict[str, Any]]:
     """Every check that can refuse the batch, before any connection is touched."""
     validate_identifier(table)
-    rows = [_row(_as_event(e), max_message_bytes, max_payload_bytes) for e in events]
+    # Inside a span, every event carries its W3C context (docs/tracing.md).
+    trace = trace_headers()
+    rows = [_row(_as_event(e), max_message_bytes, max_payload_bytes, trace) for e in events]
     _refuse_repeated_ids(rows)
     return rows
 
@@ -289,15 +292,21 @@ def _as_event(e: Event | Mapping[str, Any]) -> Event:
     raise TypeError(f"events must be Event or mappings, not {type(e).__name__}")
 
 
-def _row(ev: Event, max_message_bytes: int, max_payload_bytes: int | None) -> dict[str, Any]:
+def _row(
+    ev: Event,
+    max_message_bytes: int,
+    max_payload_bytes: int | None,
+    trace: Mapping[str, str] | None,
+) -> dict[str, Any]:
+    headers = with_trace_headers(ev.headers, trace) if trace else ev.headers
     row = {
         "topic": validate_topic(ev.topic),
         "payload": serialise_payload(ev.payload, max_payload_bytes),
         "message_key": _key_bytes(ev.key),
-        "headers": _headers_text(ev.headers),
+        "headers": _headers_text(headers),
         "event_id": _event_id(ev.event_id),
     }
-    _check_record_size(row, ev.headers or {}, max_message_bytes)
+    _check_record_size(row, headers or {}, max_message_bytes)
     return row
 
 

@@ -48,7 +48,12 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load settings (ConfigError -> exit 2 via the main CLI), then run the relay."""
     settings = load(RelaySettings, args=args)
-    configure_logging(level=settings.log_level, service=settings.service, node_id=settings.node_id)
+    configure_logging(
+        level=settings.log_level,
+        service=settings.service,
+        node_id=settings.node_id,
+        log_format=settings.log_format,
+    )
     relay = Relay(settings)
     relay.install_process_handlers()
     return relay.run()

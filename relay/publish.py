@@ -44,6 +44,7 @@ from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.tracing import producer_tracing
 from outboxkit.schema.codec import StoredRowError, kafka_headers, shown, topic_problem
 
 __all__ = [
@@ -188,6 +189,8 @@ class InFlight:
     def __init__(self, rows: Iterable[ClaimedRow]) -> None:
         self.expected = {r.id for r in rows}
         self.reports: dict[int, Report] = {}
+        #: Producer spans waiting for their report (only with tracing on).
+        self.spans: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def add(self, report: Report) -> None:
@@ -260,6 +263,9 @@ class Publisher:
         self.fatal: ProducerFatal | None = None
         #: Producers built so far (1 + rebuilds).
         self.sessions = 0
+        # Decided once: None (no OpenTelemetry or no tracer provider) costs one
+        # attribute test per row.
+        self._tracing = producer_tracing(client_id=settings.node_id)
         self.producer = self._build()
 
     def _build(self) -> Producer:
@@ -363,6 +369,10 @@ class Publisher:
             inflight.add(_row_fault(row.id, f"invalid row: {type(exc).__name__}: {exc}"))
             return
         callback = _callback(inflight, row.id)
+        if self._tracing is not None:
+            headers, callback = self._tracing.send(
+                row.topic, row.event_id, headers, callback, inflight.spans, row.id
+            )
         while True:
             try:
                 self.producer.produce(
@@ -421,6 +431,8 @@ class Publisher:
         config-fault report (the topic is paused, the attempt refunded), otherwise
         no report (released, the attempt refunded).
         """
+        if self._tracing is not None:
+            self._tracing.abandon(inflight.spans)
         reports = {i: self.blame(r) for i, r in inflight.snapshot().items()}
         fatal = self.fatal
         if fatal is None:

@@ -4,10 +4,17 @@
 # loopback (deploy/local/up.sh), applies the schema in its own database, and runs
 # an order service, two relays and the example consumer with live progress and
 # a summary. Ctrl-C drains everything. See docs/demo.md.
+# Quiet set-up: pip's output goes to deploy/local/.state/pip.log (shown when it
+# fails), or to stderr with VERBOSE=1.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
 PY="${PYTHON:-python3}"
+SERVICE=demo
+# shellcheck source=lib.sh
+source "$REPO_ROOT/deploy/local/lib.sh"
 
-"$PY" -m pip install -q --disable-pip-version-check -e . </dev/null >&2
+mkdir -p "$STATE_DIR"
+: >"$STATE_DIR/pip.log"
+run_logged "$STATE_DIR/pip.log" "$PY" -m pip install -q --disable-pip-version-check -e . || exit 1
 exec "$PY" -m outboxkit demo "$@"

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Stop every local service instance, default and named, that has state in .state/.
 # Data stays on disk; delete deploy/local/.state for a clean slate.
+# One line per stopped instance, unless --verbose (or VERBOSE=1).
 set -euo pipefail
 SERVICE=down
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+for arg in "$@"; do
+    case "$arg" in
+        -v | --verbose) export VERBOSE=1 ;;
+        *) die "usage: $(basename "$0") [--verbose]" ;;
+    esac
+done
 
 [[ -d "$STATE_DIR" ]] || exit 0
 

@@ -49,7 +49,7 @@ ensure_jars() {
     fi
     command -v java >/dev/null || ensure_packages openjdk-17-jre-headless
     command -v mvn >/dev/null || ensure_packages maven
-    log "fetching Kafka jars with Maven into $LIB_DIR"
+    log "fetching Kafka jars with Maven (once; log: $KAFKA_HOME/mvn.log)"
     rm -rf "$LIB_DIR"
     mkdir -p "$LIB_DIR"
     if ! mvn -B -Dstyle.color=never -f "$LOCAL_DIR/kafka/pom.xml" dependency:copy-dependencies \
@@ -167,7 +167,7 @@ start() {
     fi
     ensure_jars
     if instance_pid_alive; then
-        log "$NAME: process is up but not answering yet; waiting"
+        detail "$NAME: process is up but not answering yet; waiting"
     else
         require_free_port "$PORT"
         require_free_port "$CONTROLLER_PORT"
@@ -181,7 +181,7 @@ start() {
         write_config
         java_cmd
         if [[ ! -f "$DATA_DIR/meta.properties" ]]; then
-            log "$NAME: formatting storage in $DATA_DIR"
+            detail "$NAME: formatting storage in $DATA_DIR"
             rm -rf "$DATA_DIR"
             "${JAVA[@]}" kafka.tools.StorageTool format -t "$CLUSTER_ID" -c "$PROPS" \
                 --standalone >>"$INSTANCE_DIR/format.log" 2>&1 || {
@@ -189,7 +189,7 @@ start() {
                 die "kafka storage format failed"
             }
         fi
-        log "$NAME: starting broker on 127.0.0.1:$PORT (controller $CONTROLLER_PORT)"
+        detail "$NAME: starting broker on 127.0.0.1:$PORT (controller $CONTROLLER_PORT)"
         spawn_daemon "$INSTANCE_DIR/stdout.log" "${JAVA[@]}" kafka.Kafka "$PROPS"
     fi
     local deadline=$(($(date +%s) + ${KAFKA_START_TIMEOUT:-120}))

@@ -3,6 +3,9 @@
 #
 # Conventions:
 #   - all diagnostics go to stderr; stdout is reserved for what a caller evals
+#   - quiet by default: one line per service (or step) and errors; `detail`
+#     lines and package-manager output only with VERBOSE=1 (or --verbose),
+#     else the package-manager output goes to a log file under .state/
 #   - each instance lives in $STATE_DIR/<service>-<name>/ (data, pid, log, config)
 #   - daemons are started directly (no systemd / init scripts) and bound to 127.0.0.1
 
@@ -11,6 +14,29 @@ STATE_DIR="${OUTBOXKIT_LOCAL_STATE:-$LOCAL_DIR/.state}"
 
 log() { printf '[%s] %s\n' "${SERVICE:-local}" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
+verbose() { [[ "${VERBOSE:-0}" == 1 || "${VERBOSE:-}" == true ]]; }
+# detail MSG: a line only worth reading when asked for (VERBOSE=1 / --verbose).
+detail() { if verbose; then log "$@"; fi; }
+
+# run_logged LOGFILE CMD...: run CMD with its output appended to LOGFILE (and on
+# stderr with VERBOSE=1); on failure show the log's last lines and return its status.
+run_logged() {
+    local logfile="$1" rc=0
+    shift
+    mkdir -p "$(dirname "$logfile")"
+    if verbose; then
+        local -
+        set -o pipefail # the command's status, not tee's
+        "$@" 2>&1 </dev/null | tee -a "$logfile" >&2 || rc=$?
+    else
+        "$@" </dev/null >>"$logfile" 2>&1 || rc=$?
+    fi
+    if [[ $rc -ne 0 ]]; then
+        show_log_tail "$logfile" 30
+        log "failed (exit $rc): $* (full log: $logfile)"
+    fi
+    return "$rc"
+}
 
 # Parse "<cmd> [--name N] [--port P] [...]". Sets CMD, NAME, PORT plus any extra
 # --flag given in the EXTRA_FLAGS array (e.g. controller-port -> CONTROLLER_PORT).
@@ -28,6 +54,11 @@ parse_args() {
     done
     GIVEN=" "
     while [[ $# -gt 0 ]]; do
+        if [[ "$1" == --verbose ]]; then
+            export VERBOSE=1
+            shift
+            continue
+        fi
         local flag="${1#--}" val
         [[ "$1" == --* && $# -ge 2 ]] || die "bad argument: $1"
         val="$2"
@@ -149,8 +180,9 @@ kill_instance() {
 stop_instance() {
     local pid
     if pid="$(read_pid)" && pid_alive "$pid"; then
-        log "$NAME: stopping pid $pid"
+        detail "$NAME: stopping pid $pid"
         stop_pid "$pid" "$1"
+        log "$NAME stopped"
     fi
     rm -f "$PID_FILE"
 }
@@ -198,13 +230,13 @@ show_log_tail() {
 already_served() {
     if instance_pid_alive; then
         "$@" >/dev/null 2>&1 || return 1
-        log "$NAME already running on 127.0.0.1:$PORT"
+        log "$NAME ready on 127.0.0.1:$PORT (already running)"
         return 0
     fi
     [[ "$NAME" == default ]] || return 1
     port_open "$PORT" || return 1
     "$@" >/dev/null 2>&1 || return 1
-    log "$NAME: 127.0.0.1:$PORT is already served by an instance started elsewhere; using it"
+    log "$NAME ready on 127.0.0.1:$PORT (started outside this checkout)"
     return 0
 }
 
@@ -229,7 +261,8 @@ ensure_packages() {
         pkg_installed "$p" || missing+=("$p")
     done
     [[ ${#missing[@]} -gt 0 ]] || return 0
-    log "installing missing packages: ${missing[*]}"
+    local apt_log="$STATE_DIR/apt.log"
+    log "installing ${missing[*]} (log: $apt_log)"
     local policy=/usr/sbin/policy-rc.d created_policy=0
     if [[ ! -e "$policy" ]]; then
         printf '#!/bin/sh\nexit 101\n' >"$policy"
@@ -237,14 +270,14 @@ ensure_packages() {
         created_policy=1
     fi
     local rc=0
-    {
-        if [[ -z "${OUTBOXKIT_APT_UPDATED:-}" ]]; then
-            apt-get update -qq >&2
-            export OUTBOXKIT_APT_UPDATED=1
-        fi
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            "${missing[@]}" >&2
-    } || rc=$?
+    if [[ -z "${OUTBOXKIT_APT_UPDATED:-}" ]]; then
+        run_logged "$apt_log" apt-get update -qq || rc=$?
+        [[ $rc -ne 0 ]] || export OUTBOXKIT_APT_UPDATED=1
+    fi
+    if [[ $rc -eq 0 ]]; then
+        run_logged "$apt_log" env DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends "${missing[@]}" || rc=$?
+    fi
     [[ $created_policy -eq 1 ]] && rm -f "$policy"
     [[ $rc -eq 0 ]] || die "apt-get install ${missing[*]} failed"
 }

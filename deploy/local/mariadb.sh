@@ -59,14 +59,14 @@ start() {
     fi
     ensure_packages mariadb-server mariadb-client
     if instance_pid_alive; then
-        log "$NAME: process is up but not answering yet; waiting"
+        detail "$NAME: process is up but not answering yet; waiting"
     else
         require_free_port "$PORT"
         mkdir -p "$INSTANCE_DIR"
         remember_settings PORT
         write_config
         if [[ ! -d "$DATA_DIR/mysql" ]]; then
-            log "$NAME: initialising datadir $DATA_DIR"
+            detail "$NAME: initialising datadir $DATA_DIR"
             rm -rf "$DATA_DIR"
             mariadb-install-db --defaults-file="$CNF" --auth-root-authentication-method=socket \
                 --skip-test-db >>"$INSTANCE_DIR/install-db.log" 2>&1 ||
@@ -75,7 +75,7 @@ start() {
                     die "mariadb-install-db failed"
                 }
         fi
-        log "$NAME: starting mariadbd on 127.0.0.1:$PORT"
+        detail "$NAME: starting mariadbd on 127.0.0.1:$PORT"
         spawn_daemon "$INSTANCE_DIR/stdout.log" mariadbd --defaults-file="$CNF"
     fi
     if ! wait_for 60 "mariadb $NAME socket" root_sql -e 'SELECT 1'; then

@@ -35,7 +35,7 @@ start() {
         require_free_port "$PORT"
         mkdir -p "$INSTANCE_DIR"
         remember_settings PORT
-        log "$NAME: starting pushgateway on 127.0.0.1:$PORT"
+        detail "$NAME: starting pushgateway on 127.0.0.1:$PORT"
         # Debian's build defaults --persistence.file to
         # /var/lib/prometheus/pushgateway.data, one file for every instance on
         # the machine: a restarted instance would load groups pushed long ago.

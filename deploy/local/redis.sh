@@ -28,7 +28,7 @@ start() {
         mkdir -p "$INSTANCE_DIR"
         remember_settings PORT
         rm -f "$PID_FILE"
-        log "$NAME: starting redis-server on 127.0.0.1:$PORT"
+        detail "$NAME: starting redis-server on 127.0.0.1:$PORT"
         # redis-server daemonizes itself (and calls setsid) and writes the pid file.
         setsid redis-server --bind 127.0.0.1 --port "$PORT" --daemonize yes \
             --pidfile "$PID_FILE" --dir "$INSTANCE_DIR" --logfile "$LOG_FILE" \

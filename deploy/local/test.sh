@@ -5,10 +5,15 @@
 # (deploy/local/up.sh), then runs ruff, the typecheck and pytest. All three run
 # even if an earlier one fails; the exit status is non-zero if any failed.
 # pytest collecting no tests (exit 5) counts as a failure.
+# Quiet set-up: one line per step; the package managers' output goes to log files
+# under deploy/local/.state/ (shown when a step fails), or to stderr with VERBOSE=1.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
 PY="${PYTHON:-python3}"
+SERVICE=test
+# shellcheck source=lib.sh
+source "$REPO_ROOT/deploy/local/lib.sh"
 
 declare -a summary=()
 failed=0
@@ -36,7 +41,9 @@ report() {
 trap report EXIT
 
 install_deps() {
-    "$PY" -m pip install -q --disable-pip-version-check -e '.[dev]' </dev/null >&2
+    mkdir -p "$STATE_DIR"
+    : >"$STATE_DIR/pip.log"
+    run_logged "$STATE_DIR/pip.log" "$PY" -m pip install -q --disable-pip-version-check -e '.[dev]'
 }
 
 services_up() {

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Start the default local services (installing what is missing) and print the
 # test environment on stdout:   eval "$(deploy/local/up.sh)"
-# Everything else goes to stderr. Safe to run again: running services are kept.
+# Everything else goes to stderr: one line per service and a total, unless
+# --verbose (or VERBOSE=1). Safe to run again: running services are kept.
 set -euo pipefail
 SERVICE=up
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+for arg in "$@"; do
+    case "$arg" in
+        -v | --verbose) export VERBOSE=1 ;;
+        *) die "usage: $(basename "$0") [--verbose]" ;;
+    esac
+done
 
 started=$(date +%s)
 

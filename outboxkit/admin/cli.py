@@ -43,8 +43,8 @@ from outboxkit.admin.status import (
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_OK
-from outboxkit.runtime.logs import redact, redact_url
-from outboxkit.runtime.settings import add_arguments, load, parse_duration
+from outboxkit.runtime.logs import logging_configured, redact, redact_url
+from outboxkit.runtime.settings import add_arguments, default_node_id, load, parse_duration
 from outboxkit.schema.table import STATUSES
 
 __all__ = ["register"]
@@ -236,7 +236,14 @@ def _run(body: Callable[[AdminSettings, sa.Engine], int]) -> Callable[[argparse.
         except (sa.exc.ArgumentError, ImportError) as exc:
             raise ConfigError(f"invalid --db-url / OUTBOXKIT_DB_URL: {redact(str(exc))}") from None
         try:
-            return body(settings, engine)
+            # Warnings only (a retried purge batch): the command's output is its text.
+            with logging_configured(
+                level="WARNING",
+                service="outboxkit-admin",
+                node_id=default_node_id(),
+                log_format=settings.log_format,
+            ):
+                return body(settings, engine)
         except SchemaNotAppliedError as exc:
             return _fail(str(exc), EXIT_CONFIG)
         except sa.exc.ProgrammingError as exc:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from outboxkit.runtime.settings import setting, valid_database_url, valid_redis_url
+from outboxkit.runtime.settings import (
+    log_format_setting,
+    setting,
+    valid_database_url,
+    valid_redis_url,
+)
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
 __all__ = ["AdminSettings"]
@@ -25,3 +30,4 @@ class AdminSettings:
         validate=valid_redis_url,
     )
     redis_prefix: str = setting("", help="key prefix the relays use in Redis", default_help="none")
+    log_format: str = log_format_setting()

@@ -9,7 +9,7 @@ from typing import Any
 
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_OK
-from outboxkit.runtime.logs import redact
+from outboxkit.runtime.logs import LOG_FORMATS, redact
 from outboxkit.runtime.settings import parse_duration, valid_database_url, valid_redis_url
 from outboxkit.writer import validate_topic
 
@@ -47,6 +47,13 @@ def register(sub: Any) -> None:
     p.add_argument("--db-url", help="use this database server instead of the local one")
     p.add_argument("--kafka-bootstrap", help="use this Kafka instead of the local one")
     p.add_argument("--redis-url", help="use this Redis instead of the local one")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="json",
+        help="format of the relays' and the consumer's log files: json or console "
+        "(readable lines) [json]",
+    )
     p.add_argument(
         "--state-dir",
         type=Path,
@@ -90,6 +97,7 @@ def _demo(args: argparse.Namespace) -> int:
                 topic=args.topic,
                 settle_timeout=settle,
                 state_dir=args.state_dir,
+                log_format=args.log_format,
             )
         )
     except DependencyError as exc:

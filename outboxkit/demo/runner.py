@@ -67,6 +67,8 @@ class DemoOptions:
     topic: str = "orders"
     settle_timeout: float = 60.0
     state_dir: Path | None = None
+    #: OUTBOXKIT_LOG_FORMAT of the children (their logs go to files: auto means json).
+    log_format: str = "json"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -257,6 +259,7 @@ class _Demo:
             "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka,
             "OUTBOXKIT_SHUTDOWN_TIMEOUT": str(CHILD_SHUTDOWN_TIMEOUT),
             "OUTBOXKIT_LOG_LEVEL": "INFO",
+            "OUTBOXKIT_LOG_FORMAT": self.o.log_format,
         }
         for n in range(1, self.o.relays + 1):
             self._spawn(
@@ -486,7 +489,8 @@ class _Demo:
         self.say("  metrics   /metrics of each process (while it ran):")
         for name, url in s.metrics_urls.items():
             self.say(f"              {name:9s} {url}")
-        self.say(f"  logs      {s.logs} (JSON lines; the exit record is the last line)")
+        kind = "readable lines" if self.o.log_format == "console" else "JSON lines"
+        self.say(f"  logs      {s.logs} ({kind}; the exit record is the last line)")
         if s.delivered < s.written:
             self.say(
                 f"  {s.written - s.delivered} events are still in the outbox, not lost: "

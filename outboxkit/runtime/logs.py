@@ -1,4 +1,4 @@
-"""Structured JSON logging with redaction of secrets.
+"""Structured logging (JSON lines, or readable console lines) with redaction of secrets.
 
 Every line written by the handler that :func:`configure_logging` installs is
 one JSON object::
@@ -6,6 +6,14 @@ one JSON object::
     {"ts": "2024-05-01T12:00:00.123Z", "level": "INFO", "logger": "outboxkit.relay",
      "service": "relay", "node_id": "pod-1-4242-a1b2", "event": "state-changed",
      "from": "running", "to": "draining", "reason": "SIGTERM"}
+
+or, with ``log_format="console"`` (``auto``: when the stream is a terminal),
+the same fields as one readable line, the level coloured on a terminal::
+
+    2024-05-01T12:00:00.123Z INFO    state-changed from=running to=draining reason=SIGTERM
+      logger=outboxkit.relay service=relay node_id=pod-1-4242-a1b2
+
+(one line; wrapped here). Both formatters read the same redacted fields.
 
 Records made with :func:`log_event` carry an event name and fields; plain
 ``logger.info("text")`` records get ``"event": "log"`` and ``"msg"``.
@@ -35,22 +43,26 @@ import datetime as _dt
 import json
 import logging
 import math
+import os
 import re
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TextIO
 from urllib.parse import quote, unquote, urlsplit
 
 from outboxkit.runtime.kafkaconf import SENSITIVE_KAFKA_PROPERTIES
 
 __all__ = [
+    "LOG_FORMATS",
     "MIN_SECRET_LENGTH",
+    "ConsoleFormatter",
     "JsonFormatter",
     "configure_logging",
     "flush_logging",
     "log_event",
+    "logging_configured",
     "redact",
     "redact_url",
     "register_secret",
@@ -272,6 +284,10 @@ class JsonFormatter(logging.Formatter):
         self.node_id = node_id
 
     def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(self.fields(record), ensure_ascii=False, default=lambda o: redact(str(o)))
+
+    def fields(self, record: logging.LogRecord) -> dict[str, object]:
+        """The record as the JSON object's fields, in order, every value redacted."""
         out: dict[str, object] = {
             "ts": _utc_ts(record.created),
             "level": record.levelname,
@@ -299,7 +315,68 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = redact(record.exc_text)
         if record.stack_info:
             out["stack"] = redact(record.stack_info)
-        return json.dumps(out, ensure_ascii=False, default=lambda o: redact(str(o)))
+        return out
+
+
+#: What a terminal acts on: C0 controls, DEL, C1 controls (U+009B is CSI), and the
+#: bidirectional overrides and isolates that reorder the text shown.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+#: A value shown without quotes: no space, quote, '=' or backslash.
+_BARE = re.compile("[^\\s\"'=\\\\]+")
+_ENVELOPE = ("logger", "service", "node_id")
+_MULTILINE = ("exc", "stack")
+_COLOURS = {
+    "DEBUG": "\x1b[2m",
+    "INFO": "\x1b[32m",
+    "WARNING": "\x1b[33m",
+    "ERROR": "\x1b[31m",
+    "CRITICAL": "\x1b[1;31m",
+}
+_DIM, _BOLD, _RESET = "\x1b[2m", "\x1b[1m", "\x1b[0m"
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\u{code:04x}"
+
+
+def _shown(value: object) -> str:
+    """A field value as ``key=<this>``: bare when plain, else JSON-quoted; never a
+    character that would drive the terminal."""
+    if isinstance(value, str):
+        bare = _BARE.fullmatch(value) and not _UNSAFE.search(value)
+        text = value if bare else json.dumps(value, ensure_ascii=False)
+    else:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    return _UNSAFE.sub(_escape, text)
+
+
+class ConsoleFormatter(JsonFormatter):
+    """The JSON formatter's fields as one readable line: time, level, event, then
+    ``key=value`` for every field, the envelope last; a traceback follows on its
+    own lines. Same redaction (the same :meth:`JsonFormatter.fields`)."""
+
+    def __init__(self, *, service: str, node_id: str, colour: bool = False) -> None:
+        super().__init__(service=service, node_id=node_id)
+        self.colour = colour
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = self.fields(record)
+        ts, level, event = fields.pop("ts"), str(fields.pop("level")), fields.pop("event")
+        tail = {name: fields.pop(name) for name in _MULTILINE if name in fields}
+        envelope = {name: fields.pop(name) for name in _ENVELOPE}
+        pairs = [f"{_UNSAFE.sub(_escape, k)}={_shown(v)}" for k, v in fields.items()]
+        context = " ".join(f"{k}={_shown(v)}" for k, v in envelope.items())
+        head = f"{ts} {level:<7} {_shown(event)}"
+        if self.colour:
+            colour = _COLOURS.get(level, "")
+            head = f"{ts} {colour}{level:<7}{_RESET} {_BOLD}{_shown(event)}{_RESET}"
+            context = f"{_DIM}{context}{_RESET}"
+        line = " ".join([head, *pairs, context])
+        for text in tail.values():
+            lines = str(text).splitlines()
+            line += "".join("\n    " + _UNSAFE.sub(_escape, part) for part in lines)
+        return line
 
 
 class _OutboxkitHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -307,29 +384,76 @@ class _OutboxkitHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: ``auto``: console lines when the log stream is a terminal, JSON lines otherwise.
+LOG_FORMATS = ("auto", "json", "console")
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def configure_logging(
-    *, level: str = "INFO", service: str, node_id: str, stream: TextIO | None = None
+    *,
+    level: str = "INFO",
+    service: str,
+    node_id: str,
+    stream: TextIO | None = None,
+    log_format: str = "json",
 ) -> None:
-    """Install the JSON handler on the root logger (stderr unless ``stream`` is given).
+    """Install our handler on the root logger (stderr unless ``stream`` is given).
 
-    Idempotent: a previous handler installed by this function is replaced;
-    handlers installed by others are left alone.
+    ``log_format``: ``json`` (one JSON object per line), ``console`` (readable
+    lines, coloured when the stream is a terminal and ``NO_COLOR`` is unset) or
+    ``auto`` (console on a terminal, JSON otherwise). Idempotent: a previous
+    handler installed by this function is replaced; handlers installed by
+    others are left alone.
     """
     name = level.upper()
     if name not in _LEVELS:
         raise ValueError(f"log level must be one of {', '.join(_LEVELS)} (got {level!r})")
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)} (got {log_format!r})")
+    out = stream if stream is not None else sys.stderr
+    terminal = _is_terminal(out)
+    formatter: JsonFormatter
+    if log_format == "console" or (log_format == "auto" and terminal):
+        colour = terminal and not os.environ.get("NO_COLOR")
+        formatter = ConsoleFormatter(service=service, node_id=node_id, colour=colour)
+    else:
+        formatter = JsonFormatter(service=service, node_id=node_id)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, _OutboxkitHandler):
             root.removeHandler(handler)
             handler.close()
-    handler = _OutboxkitHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter(service=service, node_id=node_id))
+    handler = _OutboxkitHandler(out)
+    handler.setFormatter(formatter)
     root.addHandler(handler)
     root.setLevel(name)
     _warn_short_secrets()
+
+
+@contextlib.contextmanager
+def logging_configured(
+    *, level: str, service: str, node_id: str, log_format: str = "json"
+) -> Iterator[None]:
+    """:func:`configure_logging` for the block only: a short command that may also
+    run inside another program (``outboxkit admin`` called in-process) leaves the
+    root logger as it found it, apart from a handler of ours it replaced."""
+    root = logging.getLogger()
+    old_level = root.level
+    configure_logging(level=level, service=service, node_id=node_id, log_format=log_format)
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if isinstance(handler, _OutboxkitHandler):
+                root.removeHandler(handler)
+                handler.close()
+        root.setLevel(old_level)
 
 
 def _warn_short_secrets() -> None:

@@ -42,6 +42,7 @@ from urllib.parse import unquote, urlsplit
 
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.logs import (
+    LOG_FORMATS,
     MASK,
     is_secret_key,
     redact,
@@ -65,6 +66,7 @@ __all__ = [
     "env_name",
     "flag_name",
     "load",
+    "log_format_setting",
     "non_negative",
     "optional_url",
     "parse_bool",
@@ -730,6 +732,21 @@ def _node_id(value: str) -> str | None:
     return _non_empty(value)
 
 
+def log_format_setting() -> Any:
+    """The ``--log-format`` / ``OUTBOXKIT_LOG_FORMAT`` setting, for every command that logs.
+
+    ``auto`` by default: readable lines for a person at a terminal, JSON lines
+    for whatever collects a pod's or a service's stderr (not a terminal).
+    """
+    return setting(
+        "auto",
+        help="log lines: json, console (readable, coloured on a terminal) or auto "
+        "(console when stderr is a terminal, else json)",
+        parse=str.lower,
+        choices=LOG_FORMATS,
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RuntimeSettings:
     """Settings every outboxkit process has; components inherit and add their own.
@@ -755,6 +772,7 @@ class RuntimeSettings:
         validate=port_number,
     )
     log_level: str = setting("INFO", help="log level", parse=str.upper, choices=LOG_LEVELS)
+    log_format: str = log_format_setting()
     shutdown_timeout: float = setting(
         30.0,
         help="seconds from the first signal to a forced exit (exit code 4)",

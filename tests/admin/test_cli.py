@@ -299,3 +299,18 @@ def test_recovery_shows_reclaims_requeues_and_purges(
     every = json.loads(admin("recovery", "--all-tables", "--json", "--limit", "10").out)
     assert {e["table"] for e in every} == {"outbox_events", "other_table"}
     assert len(json.loads(admin("recovery", "--json", "--limit", "1").out)) == 1
+
+
+def test_log_format_is_an_admin_setting_and_the_root_logger_is_left_as_found(
+    admin: Any,
+) -> None:
+    import logging
+
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    ok = admin("status", "--log-format", "console")
+    assert ok.code == 0, ok.err
+    assert (list(root.handlers), root.level) == before
+    bad = admin("status", "--log-format", "xml")
+    assert bad.code == 2
+    assert "--log-format" in bad.err

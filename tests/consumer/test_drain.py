@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -199,3 +200,33 @@ def test_second_signal_hurries_the_drain_and_the_counts_reach_the_pushgateway(
         and 'job="outboxkit_consumer"' in line
     ]
     assert len(lines) == 1 and lines[0].endswith(" 1"), lines
+
+
+def test_console_log_format_gives_readable_lines(
+    spawn: Callable[..., ConsumerProcess],
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    produce(kafka_bootstrap, topic, [(b"k", b"hello", "e-1")])
+    proc = spawn(
+        "consumer_apps:Sleepy",
+        OUTBOXKIT_TOPICS=topic,
+        OUTBOXKIT_GROUP_ID=f"g-{topic}",
+        OUTBOXKIT_LOG_FORMAT="console",
+        OUTBOXKIT_WORKER_DRAIN_TIMEOUT="5",
+    )
+    wait_for(
+        lambda: any(" handler-finished " in x for x in proc.raw) or proc.proc.poll() is not None,
+        timeout=60,
+        what="the message handled",
+    )
+    assert proc.proc.poll() is None, "".join(proc.raw)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    line = re.compile(r"\d{4}-\d\d-\d\dT[\d:.]+Z (?P<level>[A-Z]+) +(?P<event>[a-z-]+)(?P<rest>.*)")
+    parsed = [m for m in map(line.fullmatch, (x.rstrip("\n") for x in proc.raw)) if m]
+    assert proc.lines == [] and parsed, "".join(proc.raw)  # not one JSON line
+    events = {m["event"]: m["rest"] for m in parsed}
+    assert " partition=0 offset=0 logger=consumer_apps " in events["handler-finished"]
+    assert " result=ok " in events["consumer-exit"], events["consumer-exit"]

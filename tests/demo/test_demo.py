@@ -110,3 +110,26 @@ def test_ctrl_c_stops_writing_and_drains_cleanly(
         if proc.poll() is None:
             proc.kill()
         topics_cleanup(kafka_bootstrap, out_path.read_text())
+
+
+def test_console_log_format_gives_the_children_readable_logs(
+    db_url: str, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    cmd = demo_command(
+        db_url, kafka_bootstrap, redis_url, tmp_path,
+        "--duration", "1", "--rate", "20", "--relays", "1", "--log-format", "console",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "(readable lines; the exit record is the last line)" in proc.stdout
+        logs = sorted((tmp_path / "state").rglob("*.log"))
+        assert {p.name for p in logs} >= {"relay-1.log", "consumer.log"}
+        line = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z [A-Z]+ +[a-z-]+( .*)?")
+        for log in logs:
+            text = log.read_text()
+            heads = [x for x in text.splitlines() if not x.startswith(" ")]  # not tracebacks
+            assert heads and all(line.fullmatch(x) for x in heads), text
+            assert "state-changed" in text
+    finally:
+        topics_cleanup(kafka_bootstrap, proc.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,3 +260,59 @@ def test_key_material_is_masked_and_short_passwords_do_not_garble_the_log(
     ]
     assert unmasked == []
     assert relay.events("relay-exit")[0]["result"] == "clean"
+
+
+_CONSOLE_LINE = re.compile(
+    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?P<level>[A-Z]+) +(?P<event>[a-z-]+)(?P<rest>.*)"
+)
+
+
+@pytest.mark.integration
+def test_console_log_format_gives_readable_lines_with_the_same_masking(
+    engine: sa.Engine,
+    outbox: str,
+    secret_db_user: tuple[str, str],
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    url, db_password = secret_db_user
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, payload=b"ok") for _ in range(3)])
+    relay = relay_process(
+        [
+            "--kafka-bootstrap", kafka_bootstrap, "--health-port", "0", "--start-jitter", "0",
+            "--poll-interval", "0.05", "--lease-ttl", "6", "--flush-timeout", "1",
+            "--kafka-config", "message.timeout.ms=2000", "--node-id", "console-relay",
+        ],
+        env={"OUTBOXKIT_DB_URL": url, "OUTBOXKIT_LOG_FORMAT": "console"},
+    )  # fmt: skip
+    wait_for(
+        lambda: status_counts(engine, outbox).get("delivered") == 3, timeout=30, what="delivery"
+    )
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(timeout=15) == 0
+
+    text = "\n".join(relay.lines)
+    assert relay.lines and relay.records == [], text  # not one JSON line
+    parsed = [m for m in map(_CONSOLE_LINE.fullmatch, relay.lines) if m]
+    events = {m["event"]: m for m in parsed}
+    assert {"relay-started", "state-changed", "relay-exit"} <= set(events), text
+    running = [m for m in parsed if m["event"] == "state-changed" and " to=running" in m["rest"]]
+    assert running and running[0]["level"] == "INFO", text
+    exit_line = events["relay-exit"]["rest"]
+    assert " state=stopped " in exit_line and " result=clean " in exit_line, exit_line
+    assert exit_line.endswith(" service=outboxkit-relay node_id=console-relay"), exit_line
+    started = events["relay-started"]["rest"]
+    assert url.replace(f":{db_password}@", ":***@") in started
+    assert db_password not in text
+
+
+@pytest.mark.unit
+def test_a_bad_log_format_exits_2_naming_the_setting() -> None:
+    out = _cli("--log-format", "xml")
+    assert out.returncode == EXIT_CONFIG
+    assert "--log-format" in out.stderr
+    env_out = _cli(env={"OUTBOXKIT_LOG_FORMAT": "xml", "OUTBOXKIT_DB_URL": "mysql://h/db"})
+    assert env_out.returncode == EXIT_CONFIG
+    assert "--log-format / OUTBOXKIT_LOG_FORMAT" in env_out.stderr

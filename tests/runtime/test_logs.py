@@ -6,6 +6,8 @@ import logging
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from outboxkit.runtime import configure_logging, log_event, redact, redact_url, register_secret
 from outboxkit.runtime.testing import capture_json_logs
@@ -220,3 +222,113 @@ def test_pem_private_keys_are_masked_in_free_text() -> None:
     assert redact(f"cut off: {pem[:45]}") == "cut off: ***"  # before its END line
     cert = "-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----"
     assert redact(cert) == cert  # public material stays readable
+
+
+# -- console lines ----------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal, as stderr does in an interactive shell."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+_CONSOLE_LINE = re.compile(
+    r"(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (?P<level>[A-Z]+) +(?P<event>\S+)(?P<rest>.*)"
+)
+
+
+def _console(stream: io.StringIO, **kwargs: str) -> None:
+    configure_logging(service="relay", node_id="pod-1", stream=stream, **kwargs)
+
+
+def test_console_lines_show_time_level_event_and_fields() -> None:
+    out = io.StringIO()
+    _console(out, log_format="console")
+    log_event(
+        log, "relay-exit", delivered=3, topics=["a", "b"], reason="two words", none=None, ok=True
+    )
+    log.warning("plain %s", "text")
+    first, second = out.getvalue().splitlines()
+    m = _CONSOLE_LINE.fullmatch(first)
+    assert m, first
+    assert (m["level"], m["event"]) == ("INFO", "relay-exit")
+    assert m["rest"] == (
+        ' delivered=3 topics=["a","b"] reason="two words" none=null ok=true'
+        " logger=outboxkit.test service=relay node_id=pod-1"
+    )
+    m = _CONSOLE_LINE.fullmatch(second)
+    assert m and (m["level"], m["event"]) == ("WARNING", "log"), second
+    assert m["rest"].startswith(' msg="plain text" ')
+    assert "\x1b[" not in out.getvalue()  # not a terminal: no colour
+
+
+def test_console_escapes_what_would_drive_the_terminal() -> None:
+    out = io.StringIO()
+    _console(out, log_format="console")
+    log_event(log, "row", topic="evil\x1b[2J\u202etopic", text="a\nb")
+    (line,) = out.getvalue().splitlines()
+    assert "\x1b" not in line and "\u202e" not in line
+    assert r'topic="evil\u001b[2J\u202etopic"' in line and r'text="a\nb"' in line
+
+
+def test_auto_is_console_on_a_terminal_and_json_elsewhere() -> None:
+    pipe, tty = io.StringIO(), _Terminal()
+    _console(pipe, log_format="auto")
+    log_event(log, "hello", n=1)
+    _console(tty, log_format="auto")
+    log_event(log, "hello", n=1)
+    assert json.loads(pipe.getvalue())["event"] == "hello"
+    line = tty.getvalue()
+    assert "hello" in line and not line.startswith("{")
+    assert "\x1b[" in line  # coloured on a terminal
+
+
+def test_json_is_the_default_and_stays_byte_for_byte_the_same() -> None:
+    a, b = io.StringIO(), io.StringIO()
+    _console(a)
+    log_event(log, "batch-done", delivered=3, db_url="mysql://u:pw-long-long-1@h/db")
+    _console(b, log_format="json")
+    log_event(log, "batch-done", delivered=3, db_url="mysql://u:pw-long-long-1@h/db")
+    for text in (a.getvalue(), b.getvalue()):
+        rec = json.loads(text)
+        ts = rec["ts"]
+        assert text == (
+            f'{{"ts": "{ts}", "level": "INFO", "logger": "outboxkit.test", "service": "relay", '
+            '"node_id": "pod-1", "event": "batch-done", "delivered": 3, '
+            '"db_url": "mysql://u:***@h/db"}\n'
+        )
+
+
+def test_a_bad_log_format_is_rejected() -> None:
+    with pytest.raises(ValueError, match="log format"):
+        configure_logging(service="s", node_id="n", log_format="xml", stream=io.StringIO())
+
+
+@given(
+    password=st.text(
+        alphabet=st.characters(codec="ascii", categories=("L", "N"), include_characters="-_.~!$"),
+        min_size=12,
+        max_size=40,
+    )
+)
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_a_dsn_password_never_reaches_console_output(password: str) -> None:
+    from outboxkit.runtime.logs import _clear_secrets_for_tests
+
+    _clear_secrets_for_tests()
+    register_secret(password, source="--db-url")
+    dsn = f"mysql+pymysql://outboxkit:{password}@db.internal:3306/orders"
+    out = _Terminal()
+    _console(out, log_format="console")
+    log_event(log, "relay-started", settings={"db_url": dsn, "sasl.password": password})
+    log_event(log, "db-error", error=f"cannot connect to {dsn}: password={password} refused")
+    log.error("connect %s failed", dsn)
+    try:
+        raise RuntimeError(f"boom {dsn}")
+    except RuntimeError:
+        log.exception("failed with %s", password)
+    text = out.getvalue()
+    assert password not in text
+    assert "mysql+pymysql://outboxkit:***@db.internal:3306/orders" in text

@@ -1,0 +1,130 @@
+"""deploy/local scripts are quiet: one short line per service or step, the rest on request.
+
+``eval "$(deploy/local/up.sh)"`` must keep working: stdout holds the export
+lines only, whatever the verbosity.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from support.services import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = REPO / "deploy" / "local"
+
+
+def _run(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != "VERBOSE"}
+    full.update(env or {})
+    return subprocess.run(
+        args, capture_output=True, text=True, env=full, timeout=timeout, check=False, cwd=REPO
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("verbose", [False, True])
+def test_up_prints_the_exports_on_stdout_and_one_line_per_service(verbose: bool) -> None:
+    env = {"VERBOSE": "1"} if verbose else {}
+    out = _run(
+        ["bash", "-c", 'eval "$(deploy/local/up.sh)"; echo "db=$OUTBOXKIT_TEST_DB_URL"'], env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("db=mysql+pymysql://"), out.stdout
+    direct = _run([str(LOCAL / "up.sh"), *(["--verbose"] if verbose else [])])
+    assert direct.returncode == 0, direct.stderr
+    assert [line.split("=")[0] for line in direct.stdout.splitlines()] == [
+        "export OUTBOXKIT_TEST_DB_URL",
+        "export OUTBOXKIT_TEST_KAFKA_BOOTSTRAP",
+        "export OUTBOXKIT_TEST_REDIS_URL",
+        "export OUTBOXKIT_TEST_PUSHGATEWAY_URL",
+    ]
+    if not verbose:  # services already run: one line each and the total
+        lines = direct.stderr.splitlines()
+        assert len(lines) == 5, direct.stderr
+        for service in ("mariadb", "redis", "pushgateway", "kafka"):
+            [line] = [x for x in lines if x.startswith(f"[{service}] ")]
+            assert " ready on 127.0.0.1:" in line and len(line) < 100, line
+        assert lines[-1].startswith("[up] all services up in ")
+
+
+@pytest.mark.integration
+def test_a_service_start_and_stop_print_one_line_unless_verbose(tmp_path: Path) -> None:
+    port = free_port()
+    name = f"quiet{port}"
+    env = {"OUTBOXKIT_LOCAL_STATE": str(tmp_path)}
+    redis = str(LOCAL / "redis.sh")
+    try:
+        start = _run([redis, "start", "--name", name, "--port", str(port)], env=env)
+        assert start.returncode == 0, start.stderr
+        assert start.stderr.splitlines() == [
+            f"[redis] {name} ready on 127.0.0.1:{port} (pid {_pid(tmp_path, name)})"
+        ]
+        stop = _run([redis, "stop", "--name", name], env=env)
+        assert stop.returncode == 0, stop.stderr
+        assert stop.stderr.splitlines() == [f"[redis] {name} stopped"]
+
+        loud = _run([redis, "start", "--name", name, "--port", str(port), "--verbose"], env=env)
+        assert loud.returncode == 0, loud.stderr
+        assert f"[redis] {name}: starting redis-server on 127.0.0.1:{port}" in loud.stderr
+        loud_stop = _run([redis, "stop", "--name", name], env={**env, "VERBOSE": "1"})
+        assert "stopping pid" in loud_stop.stderr and f"{name} stopped" in loud_stop.stderr
+    finally:
+        _run([redis, "stop", "--name", name], env=env)
+
+
+def _pid(state: Path, name: str) -> str:
+    return (state / f"redis-{name}" / "pid").read_text().strip()
+
+
+def _fake_apt(tmp_path: Path, *, fail: bool) -> dict[str, str]:
+    """An ``apt-get`` on PATH that prints what a fresh machine's install prints."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "apt-get"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for i in $(seq 1 300); do echo "Selecting previously unselected package p$i."; done\n'
+        + ("echo 'E: Unable to locate package' >&2; exit 100\n" if fail else "exit 0\n")
+    )
+    script.chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "OUTBOXKIT_LOCAL_STATE": str(tmp_path / "state"),
+        "OUTBOXKIT_APT_UPDATED": "",
+    }
+
+
+def _ensure(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    probe = f"set -euo pipefail; source {LOCAL / 'lib.sh'}; ensure_packages outboxkit-no-such-pkg"
+    return _run(["bash", "-c", probe], env=env)
+
+
+@pytest.mark.unit
+def test_package_manager_output_goes_to_a_log_file_unless_verbose(tmp_path: Path) -> None:
+    env = _fake_apt(tmp_path, fail=False)
+    quiet = _ensure(env)
+    assert quiet.returncode == 0, quiet.stderr
+    log = tmp_path / "state" / "apt.log"
+    assert quiet.stderr.splitlines() == [f"[local] installing outboxkit-no-such-pkg (log: {log})"]
+    assert (
+        log.read_text().count("Selecting previously unselected package") == 600
+    )  # update + install
+
+    loud = _ensure({**env, "VERBOSE": "1"})
+    assert loud.returncode == 0
+    assert loud.stderr.count("Selecting previously unselected package") == 600
+
+
+@pytest.mark.unit
+def test_a_failed_install_shows_the_end_of_its_log(tmp_path: Path) -> None:
+    out = _ensure(_fake_apt(tmp_path, fail=True))
+    assert out.returncode != 0
+    assert "E: Unable to locate package" in out.stderr
+    assert "ERROR: apt-get install outboxkit-no-such-pkg failed" in out.stderr
+    assert out.stderr.count("Selecting previously unselected package") <= 30  # a tail, not all
