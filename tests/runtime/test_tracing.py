@@ -188,6 +188,15 @@ class _Handled(Consumer):
             self.seen.append(message)
 
 
+class _HandledAsync(_Handled):
+    """The same with ``async def handle``: it runs on the consumer's event loop thread."""
+
+    async def handle(self, message: Message) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        with trace.get_tracer("handler").start_as_current_span("charge-card"):
+            self.seen.append(message)
+
+
 def _relay_settings(db_url: str, bootstrap: str) -> RelaySettings:
     return RelaySettings(
         db_url=db_url,
@@ -211,8 +220,8 @@ def _run_relay_until(relay: Relay, done: Callable[[], bool]) -> None:
     assert not thread.is_alive()
 
 
-def _consume(settings: ConsumerSettings, expected: int) -> _Handled:
-    consumer = _Handled(settings)
+def _consume(settings: ConsumerSettings, expected: int, handler: str = "sync") -> _Handled:
+    consumer = _Handled(settings) if handler == "sync" else _HandledAsync(settings)
     thread = threading.Thread(target=consumer.run, kwargs={"handle_signals": False}, daemon=True)
     thread.start()
     try:
@@ -243,9 +252,10 @@ def _by_name(exporter: InMemorySpanExporter) -> dict[str, list[ReadableSpan]]:
     return out
 
 
-@pytest.mark.parametrize("writer", ["sync", "async"])
+@pytest.mark.parametrize(("writer", "handler"), [("sync", "sync"), ("async", "async")])
 def test_one_trace_from_the_writer_through_the_relay_to_the_handler(
     writer: str,
+    handler: str,
     engine: sa.Engine,
     db_url: str,
     outbox: str,
@@ -282,7 +292,7 @@ def test_one_trace_from_the_writer_through_the_relay_to_the_handler(
     _run_relay_until(
         relay, lambda: relay.registry.get_sample_value("outbox_rows_delivered_total") == 2
     )
-    consumer = _consume(_consumer_settings(kafka_bootstrap, topic), expected=2)
+    consumer = _consume(_consumer_settings(kafka_bootstrap, topic), expected=2, handler=handler)
 
     named = _by_name(spans)
     [place] = named["place-order"]
