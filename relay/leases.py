@@ -64,6 +64,7 @@ from sqlalchemy.engine import Connection
 
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.rediskeys import lease_key, members_key
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
 
 __all__ = [
@@ -144,14 +145,6 @@ end
 redis.call('PEXPIRE', KEYS[1], ttl * 2)
 return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
-
-
-def lease_key(prefix: str, table: str, shard: int) -> str:
-    return f"{prefix}outboxkit:{table}:shard:{shard}"
-
-
-def members_key(prefix: str, table: str) -> str:
-    return f"{prefix}outboxkit:{table}:members"
 
 
 def _weight(member: str, shard: int) -> int:
