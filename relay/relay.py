@@ -26,7 +26,6 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Engine
 
-from outboxkit.admin.purge import run_retention
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, claim_batch
@@ -41,9 +40,10 @@ from outboxkit.relay.metrics import (
 )
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
+from outboxkit.relay.retention import run_retention
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker, claiming
-from outboxkit.relay.wakeup import RedisWaker
+from outboxkit.relay.shards import AllShards, ShardOwnership, claiming
+from outboxkit.relay.wakeup import PollWaker, RedisWaker, Waker
 from outboxkit.runtime import (
     EXIT_CONFIG,
     EXIT_DEPENDENCY,

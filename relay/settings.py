@@ -12,8 +12,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from outboxkit.admin._parse import parse_retention
 from outboxkit.runtime.kafkaconf import RELAY_GUARDED, guarded_problems, librdkafka_problem
+from outboxkit.runtime.parse import parse_retention
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,

@@ -7,17 +7,18 @@ without Redis, :class:`AllShards` owns every shard (one relay per table; two
 such relays never double-claim a row, but give up per-key order). A Redis-lease
 implementation plugs in through the same protocol.
 
-:class:`Waker` is the seam for wake-up hints: the relay waits on it between
-empty claims. :class:`PollWaker` just sleeps ``poll_interval``.
+The wakers (:class:`Waker`, :class:`PollWaker`) live in
+:mod:`outboxkit.relay.wakeup`; they are re-exported here for older imports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
+
+from outboxkit.relay.wakeup import PollWaker, Waker
 
 __all__ = ["AllShards", "PollWaker", "ShardOwnership", "Waker", "claiming"]
 
@@ -89,29 +90,3 @@ def claiming(ownership: ShardOwnership) -> AbstractContextManager[frozenset[int]
     if callable(method):
         return method()  # type: ignore[no-any-return]
     return contextlib.nullcontext(ownership.claimable())
-
-
-@runtime_checkable
-class Waker(Protocol):
-    """Where the relay waits when there was nothing to claim.
-
-    ``wait`` returns after ``timeout`` seconds, or earlier on a wake-up hint
-    (new rows were committed) or when the relay drains. A waker that also has a
-    ``wake()`` method gets it called by the relay when the drain begins.
-    """
-
-    def wait(self, timeout: float) -> None: ...
-
-
-class PollWaker:
-    """The default waker: sleep the poll interval; :meth:`wake` ends the sleep for good."""
-
-    def __init__(self) -> None:
-        self._woken = threading.Event()
-
-    def wait(self, timeout: float) -> None:
-        self._woken.wait(timeout)
-
-    def wake(self) -> None:
-        """Called when the drain begins: current and later waits return at once."""
-        self._woken.set()

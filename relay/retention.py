@@ -35,7 +35,7 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.admin._db import gentle_connection
+from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.logs import log_event
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
@@ -48,7 +48,7 @@ __all__ = [
     "run_retention",
 ]
 
-_log = logging.getLogger("outboxkit.admin.purge")
+_log = logging.getLogger("outboxkit.relay.retention")
 
 #: MySQL/MariaDB errors after which the same batch may simply be tried again.
 _LOCK_WAIT_TIMEOUT, _DEADLOCK = 1205, 1213
