@@ -14,13 +14,28 @@ The wakers (:class:`Waker`, :class:`PollWaker`) live in
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from outboxkit.relay.foreign import ForeignRelayMonitor
+from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
 from outboxkit.relay.wakeup import PollWaker, Waker
 
-__all__ = ["AllShards", "PollWaker", "ShardOwnership", "Waker", "claiming"]
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from outboxkit.relay.settings import RelaySettings
+
+__all__ = [
+    "AllShards",
+    "PollWaker",
+    "ShardOwnership",
+    "Waker",
+    "claiming",
+    "default_ownership",
+]
 
 
 @runtime_checkable
@@ -90,3 +105,34 @@ def claiming(ownership: ShardOwnership) -> AbstractContextManager[frozenset[int]
     if callable(method):
         return method()  # type: ignore[no-any-return]
     return contextlib.nullcontext(ownership.claimable())
+
+
+def default_ownership(
+    s: RelaySettings,
+    shard_count: int,
+    *,
+    registry: CollectorRegistry,
+    logger: logging.Logger,
+) -> tuple[ShardOwnership, ForeignRelayMonitor | None]:
+    """Redis shard leases when ``redis_url`` is set; else every shard, and a watch
+    for a second relay on the table (which would give up per-key order): the
+    ownership, and the monitor to check with each backlog sample."""
+    if not s.redis_url:
+        return AllShards(shard_count), ForeignRelayMonitor(s.table, s.node_id, logger)
+    leases = RedisShardLeases(
+        s.redis_url,
+        table=s.table,
+        node_id=s.node_id,
+        shard_count=shard_count,
+        settings=LeaseSettings(
+            ttl=s.shard_lease_ttl,
+            renew_interval=s.shard_renew_interval,
+            batch_budget=s.shard_batch_budget(),
+            prefix=s.redis_prefix,
+        ),
+        registry=registry,
+        owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
+        logger=logger,
+    )
+    leases.check_reachable(s.connect_timeout)
+    return leases, None
