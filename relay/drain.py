@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -33,6 +33,7 @@ from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, finalize
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
+from outboxkit.runtime.exitrecord import ExitRecord as ServiceExitRecord
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_exit_metrics
 
@@ -73,8 +74,8 @@ def release(
 
 
 @dataclasses.dataclass
-class ExitRecord:
-    """The one line an operator reads after a relay stopped.
+class ExitRecord(ServiceExitRecord):
+    """The one line an operator reads after a relay stopped (``relay-exit``).
 
     The row counts describe the batch in flight when the drain began:
     ``batch_size = delivered + failed + retryable + unknown + left_leased + lease_lost``.
@@ -101,6 +102,9 @@ class ExitRecord:
     exit_code: int = 0
     metrics_pushed: bool | None = None
 
+    event: ClassVar[str] = "relay-exit"
+    clean_results: ClassVar[frozenset[str] | None] = frozenset({"clean"})
+
     def add(self, batch_size: int, result: FinalizeResult) -> None:
         self.batch_size += batch_size
         self.delivered += result.counts[Fate.DELIVERED]
@@ -111,9 +115,8 @@ class ExitRecord:
 
 
 def log_exit_record(record: ExitRecord) -> None:
-    """``relay-exit``: service and node_id are in every line's envelope."""
-    level = logging.INFO if record.result == "clean" else logging.ERROR
-    log_event(log, "relay-exit", level=level, **dataclasses.asdict(record))
+    """``relay-exit``: the one place the relay writes its exit record."""
+    record.write(log)
 
 
 # -- the drain, in order --------------------------------------------------------

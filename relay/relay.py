@@ -1,9 +1,10 @@
 """The relay: claim a batch -> publish it -> finalize it, until drained.
 
 ``Relay(settings).run()`` blocks until the relay has drained and returns an
-exit code. It installs no signal handlers: the CLI calls
-:meth:`Relay.install_process_handlers` (signals and the forced-exit watchdog);
-an application embedding the relay calls :meth:`Relay.drain` instead.
+exit code. It installs no signal handlers unless asked: the CLI calls
+:meth:`Relay.install_process_handlers` (signals and the forced-exit watchdog;
+``run(handle_signals=True)`` does the same), and ``run`` removes the handlers
+when it returns; an application embedding the relay calls :meth:`Relay.drain`.
 
 Guarantees: a row is marked ``delivered`` only after Kafka acknowledged it;
 every row change after the claim is checked against the lease token; no row is
@@ -56,6 +57,7 @@ from outboxkit.runtime import (
 )
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
+from outboxkit.runtime.settings import invalid
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -136,8 +138,18 @@ class Relay:
 
     # -- public API -----------------------------------------------------------
 
-    def run(self) -> int:
-        """Start, relay until drained, shut down in order; return the exit code."""
+    def run(self, *, handle_signals: bool = False) -> int:
+        """Start, relay until drained, shut down in order; return the exit code.
+
+        ``handle_signals=True`` does for this run what :meth:`install_process_handlers`
+        does; either way signal handlers are removed again when ``run`` returns.
+        """
+        with self.lifecycle.process_signals(
+            handle_signals, cut=lambda: drain.cut(self), on_forced=lambda: drain.on_forced(self)
+        ):
+            return self._run()
+
+    def _run(self) -> int:
         code = self._start()
         if code is not None:
             return code
@@ -456,8 +468,10 @@ class Relay:
             self._open.append("database")
             if self.engine.dialect.name not in ("mysql", "mariadb"):
                 raise ConfigError(
-                    "invalid --db-url / OUTBOXKIT_DB_URL: the relay supports MySQL and "
-                    f"MariaDB (got {self.engine.dialect.name})"
+                    invalid(
+                        "db_url",
+                        f"the relay supports MySQL and MariaDB (got {self.engine.dialect.name})",
+                    )
                 )
             with self.engine.connect() as conn:
                 shard_count = read_shard_count(conn, s.table)
