@@ -36,8 +36,9 @@ from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka import KafkaException
 from sqlalchemy.engine import Engine
 
+from outboxkit.consumer import drain
 from outboxkit.consumer.asyncio_handler import AsyncHandlers, HandlerCancelled, is_async_handler
-from outboxkit.consumer.dlq import DeadLetters
+from outboxkit.consumer.dlq import DeadLetters, producer_config
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.handling import Handling, Outcome, Result
 from outboxkit.consumer.inbox import Inbox
@@ -49,10 +50,11 @@ from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, WorkItem
 from outboxkit.runtime.errors import ConfigError, DependencyError, is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
+from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.runtime.metrics import push_exit_metrics, push_job
+from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import ServiceRuntime
-from outboxkit.runtime.settings import describe
+from outboxkit.runtime.settings import describe, invalid, missing, where
 from outboxkit.runtime.tracing import consumer_tracing
 
 if TYPE_CHECKING:
@@ -68,34 +70,9 @@ _log = logging.getLogger("outboxkit.consumer")
 
 _kafka_log = logging.getLogger("outboxkit.consumer.kafka")
 
-_CONNECT_TIMEOUT = 10.0
 # How many messages of one lane a worker runs back to back before it goes back to
 # the ready queue, so one busy partition (or key) cannot starve the others.
 _LANE_STREAK = 64
-# Consumer properties a user may pass in kafka_config; the dead-letter producer
-# shares the rest (bootstrap, security) and would warn about these.
-_CONSUMER_ONLY_PREFIXES = (
-    "group.",
-    "auto.",
-    "enable.auto.",
-    "fetch.",
-    "session.",
-    "heartbeat.",
-    "max.poll.",
-    "partition.assignment.",
-    "queued.",
-    "isolation.",
-    "check.crcs",
-    "enable.partition.eof",
-    "coordinator.",
-    "consume.",
-)
-
-
-def _consumer_only(key: str) -> bool:
-    return key.startswith(_CONSUMER_ONLY_PREFIXES)
-
-
 _FORCED_CONFIG = {"enable.auto.offset.store": "false"}
 
 
@@ -145,7 +122,7 @@ class Consumer:
         self.registry, self.service_metrics = rt.registry, rt.service_metrics
         self.lifecycle, self.supervisor, self.health = rt.lifecycle, rt.supervisor, rt.health
         self.metrics = ConsumerMetrics(self.registry)
-        self.lifecycle.on_hurry(self._on_hurry)
+        self.lifecycle.on_hurry(lambda: drain.on_hurry(self))
         self.report: DrainReport | None = None
         self._engine: Engine | None = engine if isinstance(engine, Engine) else None
         self._async_engine = engine
@@ -190,22 +167,20 @@ class Consumer:
         """Consume until drained; return the process exit code.
 
         ``handle_signals=True`` (entry points): SIGTERM/SIGINT drain, a second
-        one hurries, and a watchdog forces the exit past ``shutdown_timeout``.
-        Embedded in a larger program pass ``False`` and call :meth:`stop`.
+        one hurries, and a watchdog forces the exit past ``shutdown_timeout``;
+        the handlers are removed again when ``run`` returns. Embedded in a larger
+        program pass ``False`` and call :meth:`stop`. (The default stays ``True``
+        for existing callers; the relay's is ``False``: see docs/architecture.md.)
         """
         lc = self.lifecycle
-        if handle_signals:
-            lc.install_signal_handlers()
-            lc.start_watchdog(cut=self._cut, on_forced=self._on_forced)
-        try:
+        with lc.process_signals(
+            handle_signals, cut=lambda: drain.cut(self), on_forced=lambda: drain.on_forced(self)
+        ):
             if self._start():
                 lc.set_running()
                 self.supervisor.run("consumer-poll", self._poll_until_draining)
             lc.drain("stopped")
-            self._shutdown()
-        finally:
-            if handle_signals:
-                lc.uninstall_signal_handlers()
+            drain.shutdown(self)
         return lc.exit_code()
 
     def stop(self) -> None:
@@ -223,25 +198,21 @@ class Consumer:
         s = self.settings
         problems = list(s.validate())
         if not self.group:
-            problems.append("missing --group-id / OUTBOXKIT_GROUP_ID (or class attribute group_id)")
+            problems.append(missing("group_id", " (or class attribute group_id)"))
         if not self.subscribed:
-            problems.append("missing --topics / OUTBOXKIT_TOPICS (or class attribute topics)")
+            problems.append(missing("topics", " (or class attribute topics)"))
         if not (s.kafka_bootstrap or s.kafka_config.get("bootstrap.servers")):
-            problems.append("missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP")
+            problems.append(missing("kafka_bootstrap"))
         if s.inbox and engine is None and not s.db_url:
-            problems.append("invalid --inbox / OUTBOXKIT_INBOX: needs --db-url / OUTBOXKIT_DB_URL")
+            problems.append(invalid("inbox", f"needs {where('db_url')}"))
         if engine is not None and (self._async is None) != isinstance(engine, Engine):
             problems.append(
                 "invalid engine=: an async def handle needs an AsyncEngine, a sync one an Engine"
             )
         if not isinstance(self.workers, int) or self.workers < 1:
             problems.append(f"invalid concurrency {self.workers!r}: must be an integer >= 1")
-        store = str(s.kafka_config.get("enable.auto.offset.store", "false")).lower()
-        if store not in ("false", "0"):
-            problems.append(
-                "invalid --kafka-config enable.auto.offset.store: offsets are stored only after "
-                "processing; it must stay false"
-            )
+        # Forced Kafka properties (enable.auto.offset.store and the rest) are checked
+        # in one place: ConsumerSettings.validate(), through runtime/kafkaconf.py.
         if problems:
             raise ConfigError(errors=problems)
 
@@ -288,17 +259,9 @@ class Consumer:
         )
         return True
 
-    def _kafka_config(self) -> dict[str, Any]:
-        s = self.settings
-        config: dict[str, Any] = {"client.id": s.node_id, "logger": _kafka_log}
-        if s.kafka_bootstrap:
-            config["bootstrap.servers"] = s.kafka_bootstrap
-        config.update(s.kafka_config)
-        return config
-
     def _connect(self) -> None:
         s = self.settings
-        base = self._kafka_config()
+        base = client_config(s, logger=_kafka_log)
         self._loop = None
         config: dict[str, Any] = {
             "group.id": self.group,
@@ -324,11 +287,11 @@ class Consumer:
             revoke_timeout=s.revoke_timeout,
         )
         try:
-            metadata = self._kafka.list_topics(timeout=_CONNECT_TIMEOUT)
+            metadata = self._kafka.list_topics(timeout=s.connect_timeout)
         except KafkaException as exc:
             raise DependencyError(f"Kafka unreachable: {exc}") from None
         self._dead_letters = DeadLetters(
-            {k: v for k, v in base.items() if not _consumer_only(k)},
+            producer_config(base),
             group_id=str(self.group),
             timeout=s.dlq_timeout,
             topic_override=s.dlq_topic or self.dlq_topic,
@@ -466,143 +429,8 @@ class Consumer:
         self._completions.put((item, outcome, result.error))
         return nxt
 
-    # -- shutdown ----------------------------------------------------------------------------
-
-    def _shutdown(self) -> None:
-        """Shutdown, in this order, and why:
-
-        1. drain: pause every partition and release what has not started, then let
-           running handlers finish within ``worker_drain_timeout`` (a second
-           signal cuts it short), still serving Kafka callbacks so a rebalance
-           meanwhile is answered;
-        2. stop the workers: a handler still running is *unknown*, its offset is
-           never stored, Kafka redelivers it;
-        3. commit synchronously what is done, then close the consumer (leaving the
-           group moves the partitions at once instead of after
-           ``session.timeout.ms``); both bounded by ``close_timeout`` so a sick
-           cluster cannot hang the exit;
-        4. close the dead-letter producer (nothing is pending: every write was
-           awaited) and the inbox engine;
-        5. ``on_stop``, the exit record, the metrics push, the health server.
-        """
-        lc = self.lifecycle
-        s = self.settings
-        loop = self._loop
-        report = DrainReport()
-        if loop is not None and self._kafka is not None:
-            loop.begin_drain()
-            started = lc.drain_started_at or time.monotonic()
-            loop.wait_drained(started + s.worker_drain_timeout, lc.hurry.is_set)
-            report = loop.end_drain()
-            if self._async is not None:
-                self._async.cancel_running()  # after end_drain counted them unknown
-            committed = self._commit_and_close()
-            report.committed = committed
-        self.report = report
-        if self._dead_letters is not None:
-            self._dead_letters.close(1.0)
-        if self._owns_engine and self._engine is not None:
-            self._engine.dispose()
-        if self._async is not None:
-            self._async.close()
-        self._call_hook("on_stop")
-        self.metrics.shutdown_released.set(report.released + report.unknown)
-        self.metrics.shutdown_committed.set(report.committed_messages)
-        self._exit_record(report, result=self._result(report))
-        self._push_metrics()
-        self.health.stop()
-        lc.set_stopped()
-
-    def _commit_and_close(self) -> dict[str, int]:
-        assert self._loop is not None
-        loop = self._loop
-        box: dict[str, int] = {}
-
-        def commit_and_close() -> None:
-            loop.commit()
-            # What the group holds now for the partitions this process had, whether
-            # the periodic commit or this one wrote it.
-            box.update(loop.committed_offsets())
-            loop.closing = True
-            self._kafka.close()
-            self._closed = True
-
-        thread = threading.Thread(target=commit_and_close, name="consumer-close", daemon=True)
-        thread.start()
-        thread.join(self.settings.close_timeout)
-        if thread.is_alive():
-            log_event(
-                _log,
-                "close-timed-out",
-                level=logging.ERROR,
-                close_timeout_s=self.settings.close_timeout,
-                note="the group notices this member is gone after session.timeout.ms",
-            )
-        return dict(box)
-
-    def _result(self, report: DrainReport) -> str:
-        if self.lifecycle.exit_code() != 0:
-            return "failed"
-        if report.unknown:
-            return "unknown-left"
-        if not self._closed or report.commit_error:
-            return "commit-incomplete"
-        return "ok"
-
-    def _exit_record(self, report: DrainReport, *, result: str) -> None:
-        lc = self.lifecycle
-        started = lc.drain_started_at or time.monotonic()
-        totals = dict(self._loop.totals) if self._loop is not None else {}
-        log_event(
-            _log,
-            "consumer-exit",  # service and node_id are in every line's envelope
-            signal=lc.signal_name,
-            state=lc.state.value,
-            batch_size=report.batch_size,
-            succeeded=report.succeeded + report.duplicate,
-            duplicate=report.duplicate,
-            failed=report.failed,
-            unknown=report.unknown,
-            released=report.released,
-            committed=report.committed,
-            committed_messages=report.committed_messages,
-            totals=totals,
-            duration_ms=round((time.monotonic() - started) * 1000),
-            result=result,
-            exit_code=lc.exit_code(),
-        )
-
-    def _push_metrics(self) -> None:
-        url = self.settings.pushgateway_url
-        if url:
-            # Exit metrics only: a pushed worker_consumer_lag would stay in the
-            # Pushgateway after this process is gone and keep a lag alert firing.
-            m = self.metrics
-            push_exit_metrics(
-                url,
-                component="consumer",
-                node_id=self.settings.node_id,
-                metrics=(
-                    m.shutdown_released,
-                    m.shutdown_committed,
-                    *self.service_metrics.exit_metrics(),
-                ),
-            )
-
-    def _cut(self) -> list[str]:
-        cut = []
-        running = len(self._dispatcher.running())
-        if running:
-            cut.append(f"handlers ({running} running)")
-        if self._kafka is not None and not self._closed:
-            cut.append("kafka consumer (not closed)")
-        return cut
-
-    def _on_forced(self) -> None:
-        report = self.report or DrainReport(unknown=len(self._dispatcher.running()))
-        self.metrics.shutdown_released.set(report.released + report.unknown)
-        self._exit_record(report, result="forced")
-        self._push_metrics()
+    def _mark_closed(self) -> None:
+        self._closed = True
 
     # -- hooks and callbacks --------------------------------------------------------------
 
@@ -621,16 +449,6 @@ class Consumer:
                 error=redact(f"{type(exc).__name__}: {exc}"),
             )
 
-    def _on_hurry(self) -> None:
-        running = len(self._dispatcher.running())
-        log_event(
-            _log,
-            "drain-hurried",
-            level=logging.WARNING,
-            unfinished=running,
-            note="handlers still running are left unknown: not committed, redelivered",
-        )
-
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
         if self._loop is not None:
             self._loop.on_commit(err, partitions)
@@ -642,14 +460,7 @@ class Consumer:
         if not err.fatal() and now - self._error_logged.get(err.code(), -1e9) < 60:
             return
         self._error_logged[err.code()] = now
-        log_event(
-            _log,
-            "kafka-error",
-            level=logging.ERROR if err.fatal() else logging.WARNING,
-            code=err.name(),
-            error=err.str(),
-            fatal=err.fatal(),
-        )
+        log_kafka_error(_log, err)
         if err.fatal():
             self.lifecycle.fatal("kafka", KafkaException(err), exit_code=EXIT_DEPENDENCY)
 

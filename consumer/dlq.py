@@ -57,7 +57,7 @@ from outboxkit.consumer.message import EVENT_ID_HEADER, Message
 from outboxkit.errors import TransientError
 from outboxkit.runtime.logs import log_event, redact
 
-__all__ = ["DeadLetterUnavailable", "DeadLetters", "Failure"]
+__all__ = ["DeadLetterUnavailable", "DeadLetters", "Failure", "producer_config"]
 
 MAX_ERROR_MESSAGE = 1000
 _UNDECODABLE = b"the original headers could not be decoded (a header name is not UTF-8)"
@@ -71,6 +71,36 @@ _REFERENCE_KEY_MAX = 1024
 _EVENT_ID_MAX = 255
 
 Headers = list[tuple[str, str | bytes | None]]
+
+
+# Consumer properties a user may pass in kafka_config; the dead-letter producer
+# shares the rest (bootstrap, security) and would warn about these.
+_CONSUMER_ONLY_PREFIXES = (
+    "group.",
+    "auto.",
+    "enable.auto.",
+    "fetch.",
+    "session.",
+    "heartbeat.",
+    "max.poll.",
+    "partition.assignment.",
+    "queued.",
+    "isolation.",
+    "check.crcs",
+    "enable.partition.eof",
+    "coordinator.",
+    "consume.",
+)
+
+
+def _consumer_only(key: str) -> bool:
+    return key.startswith(_CONSUMER_ONLY_PREFIXES)
+
+
+def producer_config(consumer_config: dict[str, Any]) -> dict[str, Any]:
+    """The dead-letter producer's share of the consumer's Kafka config: bootstrap,
+    security and the like, without the consumer-only properties."""
+    return {k: v for k, v in consumer_config.items() if not _consumer_only(k)}
 
 
 class DeadLetterUnavailable(TransientError):
@@ -203,10 +233,7 @@ class DeadLetters:
                     _log,
                     "dead-letter-rejected",
                     level=logging.ERROR,
-                    topic=message.topic,
-                    partition=message.partition,
-                    offset=message.offset,
-                    dlq_topic=topic,
+                    **_copy_of(message, topic),
                     error=str(error),
                     action=f"raise max.message.bytes of {topic}: it refuses even a "
                     "reference copy without value; the partition stays paused until then",
@@ -218,10 +245,7 @@ class DeadLetters:
                 _log,
                 "dead-letter-trimmed",
                 level=logging.WARNING,
-                topic=message.topic,
-                partition=message.partition,
-                offset=message.offset,
-                dlq_topic=topic,
+                **_copy_of(message, topic),
                 value_bytes=len(message.value or b""),
                 kept_value_bytes=len(copy.value or b""),
                 trimmed=copy.trimmed,
@@ -346,6 +370,16 @@ def fit_copy(message: Message, added: Headers, *, budget: int, reference: bool) 
     if room() < 0:
         headers = []  # even the event_id does not fit
     return copy()
+
+
+def _copy_of(message: Message, dlq_topic: str) -> dict[str, object]:
+    """The log fields naming a message and the dead-letter topic of its copy."""
+    return {
+        "topic": message.topic,
+        "partition": message.partition,
+        "offset": message.offset,
+        "dlq_topic": dlq_topic,
+    }
 
 
 def _too_large(error: object | None) -> bool:

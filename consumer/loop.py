@@ -2,21 +2,14 @@
 
 Workers never touch the Kafka consumer; they report through a queue, and this
 loop turns finished messages into stored offsets (``store_offsets``, one past
-the last contiguous finished message of each partition). librdkafka commits
-stored offsets every ``commit_interval``; revocations and the exit commit
-synchronously. It keeps polling even when every partition is paused (full, or
-its dead-letter topic is down), so a slow handler never exceeds
-``max.poll.interval.ms``.
+the last contiguous finished message of each partition). It keeps polling even
+when every partition is paused (full, or its dead-letter topic is down), so a
+slow handler never exceeds ``max.poll.interval.ms``.
 
-Rebalances (cooperative-sticky) arrive as callbacks inside ``consume()``:
-
-* assigned: the partitions are opened for work;
-* revoked: queued messages of those partitions are released, running ones get
-  up to ``revoke_timeout`` to finish, the finished offsets are committed
-  synchronously, then the partitions are unassigned. A handler still running
-  after that is abandoned: its result is dropped and the new owner gets the
-  message again;
-* lost: nothing is committed (the partitions may already have a new owner).
+Rebalances (cooperative-sticky) arrive as callbacks inside ``consume()``; they,
+the commits on revoke and at exit, and the offset bookkeeping are in
+:mod:`outboxkit.consumer.offsets` (:class:`PollLoop` inherits
+:class:`~outboxkit.consumer.offsets.OffsetCommits`).
 """
 
 from __future__ import annotations
@@ -35,8 +28,9 @@ from confluent_kafka import TopicPartition as KafkaTopicPartition
 from outboxkit.consumer.handling import Outcome
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics
-from outboxkit.consumer.offsets import PartitionOffsets
+from outboxkit.consumer.offsets import OffsetCommits, PartitionOffsets
 from outboxkit.consumer.workers import Dispatcher, TopicPartition, WorkItem
+from outboxkit.runtime.kafkaclient import log_kafka_error
 from outboxkit.runtime.logs import log_event
 
 __all__ = ["Completion", "DrainReport", "PollLoop"]
@@ -65,7 +59,10 @@ class DrainReport:
     commit_error: str | None = None
 
 
-class PollLoop:
+class PollLoop(OffsetCommits):
+    """The poll thread's state: fetch, hand out, collect, pause; the rebalance
+    callbacks and the commits it inherits from :class:`OffsetCommits`."""
+
     def __init__(
         self,
         *,
@@ -194,26 +191,10 @@ class PollLoop:
         if tp in self.paused and tracker.window < max(1, self.max_buffered // 2):
             self._resume(tp, "full")
 
-    def _store(self, offsets: dict[TopicPartition, int]) -> None:
-        try:
-            self.kafka.store_offsets(
-                offsets=[KafkaTopicPartition(t, p, o) for (t, p), o in offsets.items()]
-            )
-        except KafkaException as exc:
-            # Only on a partition just revoked; its offsets are the new owner's business.
-            log_event(_log, "store-offsets-failed", level=logging.WARNING, error=str(exc))
-
     def _kafka_error(self, err: Any) -> None:
         if err.code() == KafkaError._PARTITION_EOF:
             return
-        log_event(
-            _log,
-            "kafka-error",
-            level=logging.ERROR if err.fatal() else logging.WARNING,
-            code=err.name(),
-            error=err.str(),
-            fatal=err.fatal(),
-        )
+        log_kafka_error(_log, err)
         if err.fatal():
             raise KafkaException(err)
 
@@ -264,114 +245,6 @@ class PollLoop:
             self.dlq_blocked.pop(tp, None)
             self.metrics.forget_partition(*tp)
 
-    # -- rebalances (called inside consume(), or close()) -------------------------
-
-    def on_assign(self, kafka: Any, partitions: list[Any]) -> None:
-        kafka.incremental_assign(partitions)
-        tps = [(p.topic, p.partition) for p in partitions]
-        for tp in tps:
-            self.dispatcher.open(tp)
-            self.offsets[tp] = PartitionOffsets()
-            if self.draining:
-                self._pause(tp, "draining")
-        if tps:
-            log_event(_log, "partitions-assigned", partitions=_names(tps))
-
-    def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        released = self.dispatcher.release(tps)
-        self._count_released(released)
-        if not self.closing:
-            deadline = time.monotonic() + self.revoke_timeout
-            while self.dispatcher.running(lambda i: i.tp in tps) and time.monotonic() < deadline:
-                time.sleep(0.02)
-                self.collect()
-        self.collect()
-        abandoned = len(self.dispatcher.running(lambda i: i.tp in tps))
-        committed = self.commit(tps)
-        self.dispatcher.close(tps)
-        self._forget(tps)
-        kafka.incremental_unassign(partitions)
-        log_event(
-            _log,
-            "partitions-revoked",
-            partitions=_names(tps),
-            committed=committed,
-            released=len(released),
-            abandoned=abandoned,
-        )
-
-    def on_lost(self, kafka: Any, partitions: list[Any]) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        released = self.dispatcher.close(tps)
-        self._count_released(released)
-        self._forget(tps)
-        kafka.incremental_unassign(partitions)
-        log_event(
-            _log,
-            "partitions-lost",
-            level=logging.WARNING,
-            partitions=_names(tps),
-            released=len(released),
-            note="nothing committed: the partitions may have a new owner",
-        )
-
-    def on_commit(self, err: Any, partitions: list[Any]) -> None:
-        """Commit callback (periodic commits): count what the broker confirmed."""
-        if err is not None and err.code() != KafkaError._NO_OFFSET:
-            log_event(_log, "commit-failed", level=logging.WARNING, error=str(err))
-            return
-        for p in partitions or ():
-            tracker = self.offsets.get((p.topic, p.partition))
-            if tracker is not None and p.error is None and p.offset >= 0:
-                tracker.confirmed(p.offset)
-
-    # -- commits -----------------------------------------------------------------
-
-    def commit(self, tps: Iterable[TopicPartition] | None = None) -> dict[str, int]:
-        """Synchronously commit the stored offsets of ``tps`` (default: all assigned).
-
-        Returns ``{"topic/partition": offset}`` of what the broker confirmed.
-        Nothing to commit (``_NO_OFFSET``) is not an error.
-        """
-        wanted = []
-        for tp in self.offsets if tps is None else tps:
-            tracker = self.offsets.get(tp)
-            if tracker is None or tracker.stored is None:
-                continue
-            if tracker.committed is not None and tracker.stored <= tracker.committed:
-                continue
-            wanted.append(KafkaTopicPartition(tp[0], tp[1], tracker.stored))
-        if not wanted:
-            return {}
-        try:
-            result = self.kafka.commit(offsets=wanted, asynchronous=False)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
-                return {}
-            log_event(_log, "commit-failed", level=logging.ERROR, error=str(exc))
-            self._report.commit_error = str(exc)
-            return {}
-        confirmed: dict[str, int] = {}
-        for p in result or ():
-            if p.error is not None:
-                log_event(_log, "commit-failed", level=logging.ERROR, error=str(p.error))
-                continue
-            tracker = self.offsets.get((p.topic, p.partition))
-            if tracker is not None:
-                self._report.committed_messages += tracker.confirmed(p.offset)
-            confirmed[f"{p.topic}/{p.partition}"] = p.offset
-        return confirmed
-
-    def committed_offsets(self) -> dict[str, int]:
-        """``{"topic/partition": offset}`` confirmed committed, for assigned partitions."""
-        return {
-            f"{t}/{p}": tracker.committed
-            for (t, p), tracker in sorted(self.offsets.items())
-            if tracker.committed is not None
-        }
-
     # -- drain ---------------------------------------------------------------------
 
     def begin_drain(self) -> None:
@@ -416,7 +289,3 @@ class PollLoop:
             self._report.failed += 1
         else:
             self._report.released += 1
-
-
-def _names(tps: Iterable[TopicPartition]) -> list[str]:
-    return sorted(f"{t}/{p}" for t, p in tps)

@@ -1,4 +1,21 @@
-"""Which offset of a partition may be stored: the at-least-once bookkeeping.
+"""Offset committing: which offset may be stored, and when it is committed.
+
+Everything between "a message finished" and "the group holds its offset" is
+here: :class:`PartitionOffsets` (the bookkeeping below), :class:`OffsetCommits`
+(``store_offsets``, the commit callback, the synchronous commit on revoke, the
+rebalance callbacks) and :func:`commit_and_close` (the final commit at exit).
+librdkafka commits stored offsets every ``commit_interval``; revocations and
+the exit commit synchronously. Rebalances (cooperative-sticky):
+
+* assigned: the partitions are opened for work;
+* revoked: queued messages of those partitions are released, running ones get
+  up to ``revoke_timeout`` to finish, the finished offsets are committed
+  synchronously, then the partitions are unassigned. A handler still running
+  after that is abandoned: its result is dropped and the new owner gets the
+  message again;
+* lost: nothing is committed (the partitions may already have a new owner).
+
+Which offset of a partition may be stored: the at-least-once bookkeeping.
 
 Kafka commits one number per partition: "everything below this was handled".
 With several workers, messages of one partition finish out of order, so the
@@ -28,9 +45,25 @@ partition has seen, or on whether commits are confirmed:
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PartitionOffsets"]
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import TopicPartition as KafkaTopicPartition
+
+from outboxkit.consumer.workers import Dispatcher, TopicPartition, WorkItem
+from outboxkit.runtime.logs import log_event
+
+if TYPE_CHECKING:
+    from outboxkit.consumer.loop import DrainReport
+
+__all__ = ["OffsetCommits", "PartitionOffsets", "commit_and_close"]
+
+_log = logging.getLogger("outboxkit.consumer")
 
 _MAX_MARKS = 64
 
@@ -100,3 +133,172 @@ class PartitionOffsets:
             if offset not in self._finished:
                 return offset
         return None
+
+
+class OffsetCommits:
+    """The committing half of the poll loop (:class:`~outboxkit.consumer.loop.PollLoop`
+    inherits it): runs on the poll thread only, like the rest of the loop."""
+
+    if TYPE_CHECKING:  # provided by PollLoop
+        kafka: Any
+        dispatcher: Dispatcher
+        offsets: dict[TopicPartition, PartitionOffsets]
+        revoke_timeout: float
+        draining: bool
+        closing: bool
+        _report: DrainReport
+
+        def collect(self) -> None: ...
+        def _pause(self, tp: TopicPartition, reason: str, **fields: object) -> None: ...
+        def _forget(self, tps: Iterable[TopicPartition]) -> None: ...
+        def _count_released(self, items: list[WorkItem]) -> None: ...
+
+    # -- rebalances (called inside consume(), or close()) -------------------------
+
+    def on_assign(self, kafka: Any, partitions: list[Any]) -> None:
+        kafka.incremental_assign(partitions)
+        tps = [(p.topic, p.partition) for p in partitions]
+        for tp in tps:
+            self.dispatcher.open(tp)
+            self.offsets[tp] = PartitionOffsets()
+            if self.draining:
+                self._pause(tp, "draining")
+        if tps:
+            log_event(_log, "partitions-assigned", partitions=_names(tps))
+
+    def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        released = self.dispatcher.release(tps)
+        self._count_released(released)
+        if not self.closing:
+            deadline = time.monotonic() + self.revoke_timeout
+            while self.dispatcher.running(lambda i: i.tp in tps) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                self.collect()
+        self.collect()
+        abandoned = len(self.dispatcher.running(lambda i: i.tp in tps))
+        committed = self.commit(tps)
+        self.dispatcher.close(tps)
+        self._forget(tps)
+        kafka.incremental_unassign(partitions)
+        log_event(
+            _log,
+            "partitions-revoked",
+            partitions=_names(tps),
+            committed=committed,
+            released=len(released),
+            abandoned=abandoned,
+        )
+
+    def on_lost(self, kafka: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        released = self.dispatcher.close(tps)
+        self._count_released(released)
+        self._forget(tps)
+        kafka.incremental_unassign(partitions)
+        log_event(
+            _log,
+            "partitions-lost",
+            level=logging.WARNING,
+            partitions=_names(tps),
+            released=len(released),
+            note="nothing committed: the partitions may have a new owner",
+        )
+
+    def on_commit(self, err: Any, partitions: list[Any]) -> None:
+        """Commit callback (periodic commits): count what the broker confirmed."""
+        if err is not None and err.code() != KafkaError._NO_OFFSET:
+            log_event(_log, "commit-failed", level=logging.WARNING, error=str(err))
+            return
+        for p in partitions or ():
+            tracker = self.offsets.get((p.topic, p.partition))
+            if tracker is not None and p.error is None and p.offset >= 0:
+                tracker.confirmed(p.offset)
+
+    def commit(self, tps: Iterable[TopicPartition] | None = None) -> dict[str, int]:
+        """Synchronously commit the stored offsets of ``tps`` (default: all assigned).
+
+        Returns ``{"topic/partition": offset}`` of what the broker confirmed.
+        Nothing to commit (``_NO_OFFSET``) is not an error.
+        """
+        wanted = []
+        for tp in self.offsets if tps is None else tps:
+            tracker = self.offsets.get(tp)
+            if tracker is None or tracker.stored is None:
+                continue
+            if tracker.committed is not None and tracker.stored <= tracker.committed:
+                continue
+            wanted.append(KafkaTopicPartition(tp[0], tp[1], tracker.stored))
+        if not wanted:
+            return {}
+        try:
+            result = self.kafka.commit(offsets=wanted, asynchronous=False)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
+                return {}
+            log_event(_log, "commit-failed", level=logging.ERROR, error=str(exc))
+            self._report.commit_error = str(exc)
+            return {}
+        confirmed: dict[str, int] = {}
+        for p in result or ():
+            if p.error is not None:
+                log_event(_log, "commit-failed", level=logging.ERROR, error=str(p.error))
+                continue
+            tracker = self.offsets.get((p.topic, p.partition))
+            if tracker is not None:
+                self._report.committed_messages += tracker.confirmed(p.offset)
+            confirmed[f"{p.topic}/{p.partition}"] = p.offset
+        return confirmed
+
+    def committed_offsets(self) -> dict[str, int]:
+        """``{"topic/partition": offset}`` confirmed committed, for assigned partitions."""
+        return {
+            f"{t}/{p}": tracker.committed
+            for (t, p), tracker in sorted(self.offsets.items())
+            if tracker.committed is not None
+        }
+
+    def _store(self, offsets: dict[TopicPartition, int]) -> None:
+        try:
+            self.kafka.store_offsets(
+                offsets=[KafkaTopicPartition(t, p, o) for (t, p), o in offsets.items()]
+            )
+        except KafkaException as exc:
+            # Only on a partition just revoked; its offsets are the new owner's business.
+            log_event(_log, "store-offsets-failed", level=logging.WARNING, error=str(exc))
+
+
+def commit_and_close(
+    loop: OffsetCommits, close_timeout: float, on_closed: Callable[[], None]
+) -> dict[str, int]:
+    """The final commit at exit: commit synchronously what is done, then close the
+    consumer (leaving the group), both within ``close_timeout``. Returns what the
+    group holds for this process's partitions; ``on_closed`` runs once closed."""
+    box: dict[str, int] = {}
+
+    def commit_and_close() -> None:
+        loop.commit()
+        # What the group holds now for the partitions this process had, whether
+        # the periodic commit or this one wrote it.
+        box.update(loop.committed_offsets())
+        loop.closing = True
+        loop.kafka.close()
+        on_closed()
+
+    thread = threading.Thread(target=commit_and_close, name="consumer-close", daemon=True)
+    thread.start()
+    thread.join(close_timeout)
+    if thread.is_alive():
+        log_event(
+            _log,
+            "close-timed-out",
+            level=logging.ERROR,
+            close_timeout_s=close_timeout,
+            note="the group notices this member is gone after session.timeout.ms",
+        )
+    return dict(box)
+
+
+def _names(tps: Iterable[TopicPartition]) -> list[str]:
+    return sorted(f"{t}/{p}" for t, p in tps)

@@ -15,6 +15,7 @@ from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
     at_most,
+    invalid,
     non_negative,
     positive,
     setting,
@@ -58,6 +59,11 @@ class ConsumerSettings(RuntimeSettings):
     )
     group_id: str | None = setting(None, help="consumer group (default: the class's group_id)")
     topics: tuple[str, ...] = setting((), help="topics to consume (default: the class's topics)")
+    connect_timeout: float = setting(
+        10.0,
+        help="seconds to reach Kafka at start before exiting with code 3 (as the relay's)",
+        validate=positive,
+    )
     worker_drain_timeout: float = setting(
         30.0,
         help="on drain, how long in-flight handlers may run before they count as unknown",
@@ -138,13 +144,18 @@ class ConsumerSettings(RuntimeSettings):
             problems.append(rejected)
         if self.worker_drain_timeout + self.close_timeout >= self.shutdown_timeout:
             problems.append(
-                "invalid --worker-drain-timeout / OUTBOXKIT_WORKER_DRAIN_TIMEOUT: "
-                f"worker_drain_timeout ({self.worker_drain_timeout:g}) + close_timeout "
-                f"({self.close_timeout:g}) must be < shutdown_timeout ({self.shutdown_timeout:g})"
+                invalid(
+                    "worker_drain_timeout",
+                    f"worker_drain_timeout ({self.worker_drain_timeout:g}) + close_timeout "
+                    f"({self.close_timeout:g}) must be < shutdown_timeout "
+                    f"({self.shutdown_timeout:g})",
+                )
             )
         if self.retry_backoff_base > self.retry_backoff_cap:
             problems.append(
-                "invalid --retry-backoff-base / OUTBOXKIT_RETRY_BACKOFF_BASE: "
-                f"must be <= retry_backoff_cap ({self.retry_backoff_cap:g})"
+                invalid(
+                    "retry_backoff_base",
+                    f"must be <= retry_backoff_cap ({self.retry_backoff_cap:g})",
+                )
             )
         return problems

@@ -192,14 +192,7 @@ class Dispatcher:
                     self._running.add(item)
                     return item
                 if self._ready:
-                    lane = self._ready.popleft()
-                    queue = self._queued[lane]
-                    item = queue.popleft()
-                    if not queue:
-                        del self._queued[lane]
-                    self._busy[lane] = item
-                    self._running.add(item)
-                    return item
+                    return self._start_next(self._ready.popleft())
                 wait = deadline - now
                 if self._delayed:
                     wait = min(wait, self._delayed[0][0] - now)
@@ -226,13 +219,7 @@ class Dispatcher:
                 and not self._stopped
                 and not (self._delayed and self._delayed[0][0] <= time.monotonic())
             ):
-                queue = self._queued[lane]
-                nxt = queue.popleft()
-                if not queue:
-                    del self._queued[lane]
-                self._busy[lane] = nxt
-                self._running.add(nxt)
-                return nxt
+                return self._start_next(lane)
             if self._free_lane(item):
                 # One lane became ready: one worker is enough (often this one).
                 self._cond.notify()
@@ -268,6 +255,16 @@ class Dispatcher:
         with self._cond:
             queued = sum(len(q) for q in self._queued.values())
             return len(self._running), len(self._delayed), queued
+
+    def _start_next(self, lane: Hashable) -> WorkItem:
+        """Hand out ``lane``'s next queued message: the lane is busy with it (lock held)."""
+        queue = self._queued[lane]
+        item = queue.popleft()
+        if not queue:
+            del self._queued[lane]
+        self._busy[lane] = item
+        self._running.add(item)
+        return item
 
     def _free_lane(self, item: WorkItem) -> bool:
         """Free ``item``'s lane; True if the lane has queued work again (it is ready)."""

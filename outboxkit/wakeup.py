@@ -43,6 +43,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
+from outboxkit.runtime import rediskeys
 from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ _HINT = b"1"
 
 def wakeup_channel(table: str = DEFAULT_TABLE, prefix: str = "") -> str:
     """The pub/sub channel relays of ``table`` listen on."""
-    return f"{prefix}outboxkit:{validate_identifier(table)}:wakeup"
+    return rediskeys.wakeup_channel(prefix, validate_identifier(table))
 
 
 def mark_enqueued(target: Connection | Session, conn: Connection, table: str) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import math
 import secrets
 import time
 import zlib
@@ -51,11 +52,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import db_now_plus, micros
+from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.logs import log_event
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table
 
-__all__ = ["Batch", "ClaimedRow", "candidates", "claim_batch"]
+__all__ = ["Batch", "ClaimedRow", "candidates", "claim_batch", "create_engine"]
 
 log = logging.getLogger("outboxkit.relay.claim")
 
@@ -430,3 +432,28 @@ def _record_reclaims(
         }
         record_recovery(conn, kind="lease-reclaimed", node_id=owner, table=table, detail=detail)
     return by_owner
+
+
+def create_engine(settings: RelaySettings) -> Engine:
+    """The relay's engine: READ COMMITTED (no gap locks in the claim), and statement
+    timeouts no longer than a lease."""
+    assert settings.db_url is not None
+    url = sa.make_url(settings.db_url)
+    connect_args: dict[str, object] = {}
+    if url.get_backend_name() in ("mysql", "mariadb"):
+        # A statement that outlives a lease is pointless; a hung server must not
+        # hang the loop forever either.
+        timeout = max(1, math.ceil(settings.lease_ttl))
+        connect_args = {
+            "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
+            "read_timeout": timeout,
+            "write_timeout": timeout,
+        }
+    return sa.create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=2,
+        max_overflow=2,
+        isolation_level="READ COMMITTED",
+        connect_args=connect_args,
+    )

@@ -1,6 +1,12 @@
-"""The way out: give held rows back, and write the exit record.
+"""Draining: the way out of a relay, in order, within its deadlines.
 
-Drain order (see ``Relay._stop``): the loop stops claiming, the batch in flight
+Everything the relay does once the drain begins is here: :func:`on_drain`
+(the first signal or :meth:`Relay.drain`), :func:`batch_deadline` (how long the
+batch in flight may still wait for Kafka), :func:`stop` (the shutdown order),
+:func:`on_hurry`, the watchdog's :func:`cut` and :func:`on_forced`, and the
+exit record.
+
+Drain order (see :func:`stop`): the loop stops claiming, the batch in flight
 gets ``flush_timeout`` for its delivery reports, known outcomes are finalized
 and the rest **released** here; then the producer is closed (copies of
 released rows purged), only then are shard leases released (the next owner
@@ -16,17 +22,47 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, ClassVar
 
+import sqlalchemy as sa
+import tenacity
 from sqlalchemy.engine import Engine
 
 from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, finalize
-from outboxkit.runtime.logs import log_event
+from outboxkit.relay.wakeup import RedisWaker
+from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
+from outboxkit.runtime.exitrecord import ExitRecord as ServiceExitRecord
+from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.metrics import push_exit_metrics
 
-__all__ = ["ExitRecord", "log_exit_record", "release"]
+if TYPE_CHECKING:
+    from outboxkit.relay.relay import Relay
+
+__all__ = [
+    "ExitRecord",
+    "batch_deadline",
+    "close_resources",
+    "cut",
+    "failed_start",
+    "finish_record",
+    "log_exit_record",
+    "on_drain",
+    "on_forced",
+    "on_hurry",
+    "release",
+    "stop",
+]
 
 log = logging.getLogger("outboxkit.relay")
+
+_CLOSE_BUDGET = 5.0
+#: Seconds of the shutdown budget kept for disposing the pool, the exit record and
+#: the metrics push after waiting for workers.
+_RECORD_RESERVE = 0.5
 
 
 def release(
@@ -40,8 +76,8 @@ def release(
 
 
 @dataclasses.dataclass
-class ExitRecord:
-    """The one line an operator reads after a relay stopped.
+class ExitRecord(ServiceExitRecord):
+    """The one line an operator reads after a relay stopped (``relay-exit``).
 
     The row counts describe the batch in flight when the drain began:
     ``batch_size = delivered + failed + retryable + unknown + left_leased + lease_lost``.
@@ -68,6 +104,9 @@ class ExitRecord:
     exit_code: int = 0
     metrics_pushed: bool | None = None
 
+    event: ClassVar[str] = "relay-exit"
+    clean_results: ClassVar[frozenset[str] | None] = frozenset({"clean"})
+
     def add(self, batch_size: int, result: FinalizeResult) -> None:
         self.batch_size += batch_size
         self.delivered += result.counts[Fate.DELIVERED]
@@ -78,6 +117,243 @@ class ExitRecord:
 
 
 def log_exit_record(record: ExitRecord) -> None:
-    """``relay-exit``: service and node_id are in every line's envelope."""
-    level = logging.INFO if record.result == "clean" else logging.ERROR
-    log_event(log, "relay-exit", level=level, **dataclasses.asdict(record))
+    """``relay-exit``: the one place the relay writes its exit record."""
+    record.write(log)
+
+
+# -- the drain, in order --------------------------------------------------------
+
+
+def on_drain(relay: Relay) -> None:
+    """The drain began: note the crash count (crashes after this are the drain's)
+    and end the idle wait at once."""
+    relay._crashes_before_drain = relay.supervisor.crashes
+    wake = getattr(relay._waker, "wake", None)
+    if callable(wake):
+        wake()
+
+
+def batch_deadline(relay: Relay, batch: Batch) -> float:
+    """When to stop waiting for this batch's reports (monotonic); moves on drain/hurry."""
+    if relay.lifecycle.hurry.is_set():
+        return 0.0
+    limit = batch.claimed_mono + relay.settings.effective_batch_deadline()
+    started = relay.lifecycle.drain_started_at
+    if started is not None:
+        limit = min(limit, started + relay.settings.flush_timeout)
+    return limit
+
+
+def stop(relay: Relay) -> int:
+    """The drain, in order. Each step says why it comes where it does."""
+    # 1. Rows first: the loop finalized or released its batch unless it crashed;
+    #    try again while the budget lasts, so nothing waits for lease expiry
+    #    without need.
+    release_leftover(relay)
+    left = len(relay._held.batch) if relay._held is not None else 0
+    # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
+    #    then Redis (shard leases: the next owner must find our rows settled and
+    #    no copy of them left in our producer), then the DB pool.
+    close_resources(relay)
+    relay.lifecycle.set_stopped()
+    record = relay._exit
+    record.left_leased = left
+    record.batch_size += left
+    record.abandoned = list(relay._abandoned)
+    if left:
+        record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
+    elif relay._abandoned:  # the budget ran out for a worker: not a clean exit
+        record.result, record.exit_code = "forced", EXIT_FORCED
+    elif relay.supervisor.crashes > relay._crashes_before_drain:
+        record.result, record.exit_code = "error", EXIT_FAILURE
+    elif relay.lifecycle.exit_code() != EXIT_OK:
+        record.result, record.exit_code = "fatal", relay.lifecycle.exit_code()
+    finish_record(relay, record)
+    relay.health.stop()
+    return record.exit_code
+
+
+def release_leftover(relay: Relay) -> None:
+    """Release a batch the loop could not settle, retrying while the database is
+    unreachable for as long as the shutdown budget leaves time to close the rest
+    (a database blip during a redeploy must not leave rows leased)."""
+    if relay._held is None:
+        return
+    rows = len(relay._held.batch)
+    reserve = _CLOSE_BUDGET + 1.0 + _RECORD_RESERVE
+    tries = 0
+
+    def retry_logged(state: tenacity.RetryCallState) -> None:
+        nonlocal tries
+        tries = state.attempt_number
+        if tries == 1:
+            exc = state.outcome.exception() if state.outcome else None
+            log_event(
+                log,
+                "release-retrying",
+                level=logging.WARNING,
+                rows=rows,
+                error=redact(f"{type(exc).__name__}: {exc}"),
+                budget_s=round(max(0.0, relay.lifecycle.remaining() - reserve), 3),
+            )
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_infrastructure_error),
+        wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+        stop=lambda _state: relay.lifecycle.remaining() <= reserve,
+        before_sleep=retry_logged,
+        reraise=True,
+    )
+    try:
+        retrying(relay._settle_leftover)
+    except Exception as exc:
+        log_event(
+            log,
+            "release-failed",
+            level=logging.ERROR,
+            rows=rows,
+            attempts=tries + 1,
+            error=redact(f"{type(exc).__name__}: {exc}"),
+            effect="rows stay leased until their lease expires",
+        )
+    else:
+        if tries:
+            log_event(log, "release-recovered", rows=rows, attempts=tries + 1)
+
+
+def close_resources(relay: Relay) -> None:
+    # Kafka first: once a shard lease is released, the next owner claims the
+    # rows we released and sends them; a copy still in our producer's queue
+    # could then land after the new owner's later events of the same key.
+    if "kafka-producer" in relay._open and relay._publisher is not None:
+        publisher = relay._publisher
+        budget = min(_CLOSE_BUDGET, max(0.0, relay.lifecycle.remaining() - 1.0))
+        _step("kafka-producer", lambda: _log_unsent(publisher.close(budget)))
+    # Then Redis: the shard leases (the rows are settled, our copies are
+    # flushed or purged), then the wake-up subscription.
+    if "shard-ownership" in relay._open and relay._ownership is not None:
+        _step("shard-ownership", relay._ownership.release_all)
+        _step("shard-ownership", relay._ownership.close)
+    if "redis-wakeups" in relay._open and isinstance(relay._waker, RedisWaker):
+        _step("redis-wakeups", relay._waker.close)
+    # Retention needs only the database: it stops within one batch once
+    # draining; wait for it (within the budget) before the pool goes away.
+    join_retention(relay)
+    if "database" in relay._open and relay._engine is not None and relay._own_engine:
+        _step("database", relay._engine.dispose)
+    relay._open.clear()
+
+
+def join_retention(relay: Relay) -> None:
+    """Wait for retention to stop (it checks the drain between batches) while the
+    shutdown budget lasts; past that it is abandoned, and the exit record says so."""
+    thread = relay._retention
+    if thread is None:
+        return
+    thread.join(timeout=max(0.0, relay.lifecycle.remaining() - _RECORD_RESERVE))
+    if thread.is_alive():
+        what = "retention (a database statement did not return)"
+        relay._abandoned.append(what)
+        log_event(
+            log,
+            "worker-abandoned",
+            level=logging.ERROR,
+            worker="retention",
+            detail=what,
+            effect="the statement's transaction is rolled back by the database when "
+            "the connection drops with the process",
+        )
+
+
+def finish_record(relay: Relay, record: ExitRecord) -> None:
+    lc = relay.lifecycle
+    record.signal = lc.signal_name
+    record.state = lc.state.value
+    record.shutdown_deadline_ms = round(lc.shutdown_timeout * 1000)
+    started = lc.drain_started_at
+    if started is not None:
+        record.duration_ms = round((time.monotonic() - started) * 1000)
+    if relay.settings.pushgateway_url:
+        record.metrics_pushed = push_exit_metrics(
+            relay.settings.pushgateway_url,
+            component="relay",
+            node_id=relay.settings.node_id,
+            metrics=(relay.metrics.shutdown_pending, *relay.service_metrics.exit_metrics()),
+            # Within what is left of the shutdown budget (the watchdog is
+            # already disarmed here), but at least a moment to try.
+            timeout=max(0.5, min(5.0, lc.remaining())),
+        )
+    log_exit_record(record)
+
+
+def failed_start(relay: Relay, kind: str, code: int, exc: BaseException) -> int:
+    error = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
+    log_event(
+        log,
+        "start-failed",
+        level=logging.ERROR,
+        kind=kind,
+        error=redact(f"{type(error).__name__}: {error}"),
+        exit_code=code,
+    )
+    relay.lifecycle.drain("start-failed")
+    close_resources(relay)
+    relay.lifecycle.set_stopped()
+    relay.health.stop()
+    relay._exit.state = "stopped"
+    relay._exit.signal = relay.lifecycle.signal_name
+    relay._exit.result = f"{kind}-error"
+    relay._exit.exit_code = code
+    log_exit_record(relay._exit)
+    return code
+
+
+def on_hurry(relay: Relay) -> None:
+    held = relay._held
+    unfinished = 0
+    if held is not None:
+        unfinished = held.inflight.missing() if held.inflight else len(held.batch)
+    log_event(log, "drain-hurried", level=logging.WARNING, unfinished_rows=unfinished)
+
+
+def cut(relay: Relay) -> list[str]:
+    """Watchdog: the drain overran shutdown_timeout; name what is being abandoned."""
+    cut = list(relay._open)
+    retention = relay._retention
+    if retention is not None and retention.is_alive():
+        cut.append("retention")
+    held = relay._held
+    if held is not None:
+        cut.append(f"{len(held.batch)} leased rows (back after lease expiry)")
+    return cut
+
+
+def on_forced(relay: Relay) -> None:
+    held = relay._held
+    started = relay.lifecycle.drain_started_at
+    if started is not None:  # set_stopped() will not run: record the duration here
+        relay.service_metrics.shutdown_duration.set(time.monotonic() - started)
+    record = relay._exit
+    record.left_leased = len(held.batch) if held is not None else 0
+    record.batch_size += record.left_leased
+    record.abandoned = cut(relay)
+    record.result, record.exit_code = "forced", EXIT_FORCED
+    finish_record(relay, record)
+
+
+def _step(name: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as exc:
+        log_event(
+            log,
+            "close-failed",
+            level=logging.ERROR,
+            resource=name,
+            error=redact(f"{type(exc).__name__}: {exc}"),
+        )
+
+
+def _log_unsent(unsent: int) -> None:
+    if unsent:
+        log_event(log, "kafka-unsent-at-close", level=logging.WARNING, messages=unsent)

@@ -43,28 +43,31 @@ loudly that per-key order is no longer guaranteed.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import hashlib
 import logging
 import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import redis
-import sqlalchemy as sa
 import tenacity
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
-from sqlalchemy.engine import Connection
 
+# The assignment, the no-Redis monitor and the metrics live in modules of their
+# own; they are re-exported here, where callers have always found them.
+from outboxkit.relay.assignment import assign_shards
+from outboxkit.relay.foreign import ForeignRelayMonitor, detect_foreign_relays
+from outboxkit.relay.lease_scripts import ACQUIRE_LUA, HEARTBEAT_LUA, RELEASE_LUA, RENEW_LUA
+from outboxkit.relay.metrics import ShardLeaseMetrics
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+from outboxkit.runtime.rediskeys import lease_key, members_key
+from outboxkit.schema.table import validate_identifier
 
 __all__ = [
     "ForeignRelayMonitor",
@@ -82,114 +85,6 @@ _log = logging.getLogger("outboxkit.relay.leases")
 # Tick faster than the renew period while a handover or an acquisition is
 # pending, so shards change hands in a fraction of a second, not a period.
 _FAST_TICK_S = 0.25
-
-
-def _per_key_script(body: str) -> str:
-    """A Lua script that runs ``body`` for each lease key.
-
-    KEYS: lease keys; ARGV[1]: ttl ms; ARGV[i + 1]: the value for KEYS[i]. ``body``
-    sees ``key`` and ``value`` and sets ``out[i]``: 1 = done, 0 = key missing,
-    -1 = held by someone else. One more element follows the results: Redis's
-    clock in ms. Scripts run one at a time, so these clocks order every acquire
-    and release of a shard across relays (logged as ``redis_ms``).
-    """
-    return f"""
-local out = {{}}
-for i, key in ipairs(KEYS) do
-  local value = ARGV[i + 1]
-{body}end
-local t = redis.call('TIME')
-out[#KEYS + 1] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return out
-"""
-
-
-def _compare_and(action: str) -> str:
-    """``action`` only where the key holds exactly ``value``."""
-    return f"""  local v = redis.call('GET', key)
-  if v == value then
-    {action}
-    out[i] = 1
-  elseif v then
-    out[i] = -1
-  else
-    out[i] = 0
-  end
-"""
-
-
-_RENEW_LUA = _per_key_script(_compare_and("redis.call('PEXPIRE', key, ARGV[1])"))
-_RELEASE_LUA = _per_key_script(_compare_and("redis.call('DEL', key)"))
-_ACQUIRE_LUA = _per_key_script(
-    """  if redis.call('SET', key, value, 'NX', 'PX', ARGV[1]) then
-    out[i] = 1
-  else
-    out[i] = 0
-  end
-"""
-)
-
-# KEYS[1]: members zset; ARGV[1]: node id; ARGV[2]: ttl ms; ARGV[3]: '1' join, '0' leave.
-# Scores are expiry times in Redis server milliseconds, so pod clocks never matter.
-_HEARTBEAT_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if ARGV[3] == '1' then
-  redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-else
-  redis.call('ZREM', KEYS[1], ARGV[1])
-end
-redis.call('PEXPIRE', KEYS[1], ttl * 2)
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-
-
-def lease_key(prefix: str, table: str, shard: int) -> str:
-    return f"{prefix}outboxkit:{table}:shard:{shard}"
-
-
-def members_key(prefix: str, table: str) -> str:
-    return f"{prefix}outboxkit:{table}:members"
-
-
-def _weight(member: str, shard: int) -> int:
-    digest = hashlib.blake2b(f"{member}\x00{shard}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def assign_shards(shard_count: int, members: Iterable[str]) -> dict[str, frozenset[int]]:
-    """The split of shards over ``members`` that every relay computes identically.
-
-    Rendezvous hashing with quotas: (shard, member) pairs are taken in order of a
-    stable hash weight, and a member takes a shard while it has fewer than
-    ``floor(shards / members)``, or one more while fewer than ``shards % members``
-    members have reached that. Every member ends with ``floor`` or ``ceil`` shards
-    (a split within +-1 of fair), and a join or a leave moves few shards.
-    """
-    names = sorted(set(members))
-    if not names:
-        return {}
-    base, extra = divmod(shard_count, len(names))
-    counts = dict.fromkeys(names, 0)
-    owned: dict[str, set[int]] = {m: set() for m in names}
-    at_ceiling = 0
-    taken: set[int] = set()
-    pairs = sorted(((_weight(m, s), m, s) for s in range(shard_count) for m in names), reverse=True)
-    for _, member, shard in pairs:
-        if shard in taken:
-            continue
-        n = counts[member]
-        if n < base or (n == base and at_ceiling < extra):
-            if n == base:
-                at_ceiling += 1
-            counts[member] = n + 1
-            owned[member].add(shard)
-            taken.add(shard)
-            if len(taken) == shard_count:
-                break
-    return {m: frozenset(s) for m, s in owned.items()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,47 +127,6 @@ class LeaseSettings:
             )
         if errors:
             raise ConfigError("; ".join(errors), errors=errors)
-
-
-class ShardLeaseMetrics:
-    """The shard-lease metrics, registered on the relay's registry."""
-
-    def __init__(self, registry: CollectorRegistry, *, owned_gauge: bool = True) -> None:
-        # The relay keeps its own ``outbox_shards_owned`` (shards it may claim from);
-        # standalone, the leases keep it: leases held and proven.
-        self.owned: Gauge | None = None
-        if owned_gauge:
-            self.owned = Gauge(
-                "outbox_shards_owned",
-                "Shards whose lease this relay holds and can prove (renewed in time)",
-                registry=registry,
-            )
-        self.acquired = Counter(
-            "outbox_shard_lease_acquired",
-            "Shard leases acquired (SET NX succeeded)",
-            registry=registry,
-        )
-        self.lost = Counter(
-            "outbox_shard_lease_lost",
-            "Shard leases lost: taken or expired in Redis, or unproven past the safety deadline",
-            registry=registry,
-        )
-        self.handovers = Counter(
-            "outbox_shard_handovers",
-            "Shards released to another relay after their in-flight rows were finished",
-            registry=registry,
-        )
-        self.fenced: Gauge | None = Gauge(
-            "outbox_shard_grants_fenced",
-            "1 while no shard lease is taken because Redis has been up for less than "
-            "the lease TTL (a restart may have forgotten leases others still believe in)",
-            registry=registry,
-        )
-        self.rebalances = Counter(
-            "outbox_rebalances",
-            "Changes of the live relay set that changed this relay's target shards",
-            registry=registry,
-        )
 
 
 @dataclass(slots=True)
@@ -332,10 +186,10 @@ class RedisShardLeases:
         else:
             self._redis = redis_client
             self._own_client = False
-        self._renew = self._redis.register_script(_RENEW_LUA)
-        self._release = self._redis.register_script(_RELEASE_LUA)
-        self._acquire = self._redis.register_script(_ACQUIRE_LUA)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
+        self._renew = self._redis.register_script(RENEW_LUA)
+        self._release = self._redis.register_script(RELEASE_LUA)
+        self._acquire = self._redis.register_script(ACQUIRE_LUA)
+        self._heartbeat = self._redis.register_script(HEARTBEAT_LUA)
         self._members_key = members_key(self.settings.prefix, self.table)
         self._ttl_ms = max(1, round(self.settings.ttl * 1000))
 
@@ -763,66 +617,3 @@ class RedisShardLeases:
                 error=f"{type(exc).__name__}: {exc}",
                 note="claiming stops for each shard once its lease can no longer be proven",
             )
-
-
-# -- two relays without Redis ---------------------------------------------------
-
-
-def detect_foreign_relays(conn: Connection, table: str, node_id: str) -> dict[str, dt.datetime]:
-    """Other relays holding live row leases on ``table``: owner -> latest lease expiry.
-
-    Cheap: it reads only ``delivering`` rows (the claim index starts with
-    ``status``), which are a batch or two per relay.
-    """
-    t = outbox_table(validate_identifier(table))
-    latest = sa.func.max(t.c.lease_expires_at)
-    rows = conn.execute(
-        sa.select(t.c.lease_owner, latest)
-        .where(
-            t.c.status == Status.DELIVERING.value,
-            t.c.lease_owner.is_not(None),
-            t.c.lease_owner != node_id,
-            t.c.lease_expires_at > db_now(),
-        )
-        .group_by(t.c.lease_owner)
-        .limit(50)
-    ).all()
-    return {str(owner): expires for owner, expires in rows if expires is not None}
-
-
-class ForeignRelayMonitor:
-    """Warns once, loudly, when another relay works the same table without Redis.
-
-    Call :meth:`check` at start and with each backlog sample. A relay counts as
-    live when its latest row lease moved forward between two checks, i.e. it
-    claimed since; a crashed predecessor's leftover leases (which never move)
-    do not trigger the warning.
-    """
-
-    def __init__(self, table: str, node_id: str, logger: logging.Logger | None = None) -> None:
-        self.table = table
-        self.node_id = node_id
-        self.log = logger or _log
-        self._seen: dict[str, dt.datetime] = {}
-        self._warned = False
-
-    def check(self, conn: Connection) -> set[str]:
-        """Return the relays seen claiming since the previous check."""
-        current = detect_foreign_relays(conn, self.table, self.node_id)
-        active = {o for o, exp in current.items() if o in self._seen and exp > self._seen[o]}
-        self._seen = current
-        if active and not self._warned:
-            self._warned = True
-            log_event(
-                self.log,
-                "multiple-relays-without-redis",
-                level=logging.WARNING,
-                table=self.table,
-                others=sorted(active),
-                detail=(
-                    "another relay is claiming rows of this table and no Redis is configured: "
-                    "rows are never claimed twice, but per-key order across the relays is no "
-                    "longer guaranteed; set OUTBOXKIT_REDIS_URL on every relay"
-                ),
-            )
-        return active

@@ -206,3 +206,44 @@ def topics_with_rows(conn: Connection, table: str, topics: Collection[str]) -> f
         .distinct()
     )
     return frozenset(str(topic) for topic in conn.execute(query).scalars())
+
+
+class ShardLeaseMetrics:
+    """The shard-lease metrics, registered on the relay's registry."""
+
+    def __init__(self, registry: CollectorRegistry, *, owned_gauge: bool = True) -> None:
+        # The relay keeps its own ``outbox_shards_owned`` (shards it may claim from);
+        # standalone, the leases keep it: leases held and proven.
+        self.owned: Gauge | None = None
+        if owned_gauge:
+            self.owned = Gauge(
+                "outbox_shards_owned",
+                "Shards whose lease this relay holds and can prove (renewed in time)",
+                registry=registry,
+            )
+        self.acquired = Counter(
+            "outbox_shard_lease_acquired",
+            "Shard leases acquired (SET NX succeeded)",
+            registry=registry,
+        )
+        self.lost = Counter(
+            "outbox_shard_lease_lost",
+            "Shard leases lost: taken or expired in Redis, or unproven past the safety deadline",
+            registry=registry,
+        )
+        self.handovers = Counter(
+            "outbox_shard_handovers",
+            "Shards released to another relay after their in-flight rows were finished",
+            registry=registry,
+        )
+        self.fenced: Gauge | None = Gauge(
+            "outbox_shard_grants_fenced",
+            "1 while no shard lease is taken because Redis has been up for less than "
+            "the lease TTL (a restart may have forgotten leases others still believe in)",
+            registry=registry,
+        )
+        self.rebalances = Counter(
+            "outbox_rebalances",
+            "Changes of the live relay set that changed this relay's target shards",
+            registry=registry,
+        )

@@ -43,6 +43,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
+from outboxkit.runtime.kafkaclient import check_forced, client_config, log_kafka_error
+from outboxkit.runtime.kafkaconf import RELAY_GUARDED
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.tracing import producer_tracing
 from outboxkit.schema.codec import StoredRowError, kafka_headers, shown, topic_problem
@@ -230,25 +232,11 @@ def producer_config(
         # delays the first request (the rest queue up behind it anyway).
         "linger.ms": 1,
     }
-    if settings.kafka_bootstrap:
-        config["bootstrap.servers"] = settings.kafka_bootstrap
-    for key, value in settings.kafka_config.items():
-        config[key] = value
-    idempotence = str(config.get("enable.idempotence", "true")).lower()
-    acks = str(config.get("acks", "all")).lower()
-    if idempotence not in ("true", "1") or acks not in ("all", "-1"):
-        raise ConfigError(
-            "invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: the relay needs "
-            "enable.idempotence=true and acks=all (per-key order and no loss depend on them)"
-        )
-    config.update(
-        {
-            "enable.idempotence": True,
-            "acks": "all",
-            "error_cb": error_cb,
-            "logger": logging.getLogger("outboxkit.relay.kafka"),
-        }
-    )
+    # The properties below are the relay's own: refused from --kafka-config by the
+    # same check that validated the settings (settings built without load() too).
+    check_forced(settings.kafka_config, RELAY_GUARDED)
+    config.update(client_config(settings, logger=logging.getLogger("outboxkit.relay.kafka")))
+    config.update({"enable.idempotence": True, "acks": "all", "error_cb": error_cb})
     return config
 
 
@@ -497,14 +485,7 @@ class Publisher:
         if last is not None and last[0] == code and now - last[1] < 30:
             return  # librdkafka repeats broker-down errors; one line per code per 30 s
         self._last_error_logged = (code, now)
-        log_event(
-            log,
-            "kafka-error",
-            level=logging.ERROR if err.fatal() else logging.WARNING,
-            code=err.name(),
-            error=err.str(),
-            fatal=err.fatal(),
-        )
+        log_kafka_error(log, err)
 
 
 def _callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError | None, Any], None]:

@@ -1,9 +1,10 @@
 """The relay: claim a batch -> publish it -> finalize it, until drained.
 
 ``Relay(settings).run()`` blocks until the relay has drained and returns an
-exit code. It installs no signal handlers: the CLI calls
-:meth:`Relay.install_process_handlers` (signals and the forced-exit watchdog);
-an application embedding the relay calls :meth:`Relay.drain` instead.
+exit code. It installs no signal handlers unless asked: the CLI calls
+:meth:`Relay.install_process_handlers` (signals and the forced-exit watchdog;
+``run(handle_signals=True)`` does the same), and ``run`` removes the handlers
+when it returns; an application embedding the relay calls :meth:`Relay.drain`.
 
 Guarantees: a row is marked ``delivered`` only after Kafka acknowledged it;
 every row change after the claim is checked against the lease token; no row is
@@ -15,7 +16,6 @@ exit record and ``outbox_shutdown_pending`` and comes back after its lease expir
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
@@ -26,13 +26,13 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Engine
 
-from outboxkit.admin.purge import run_retention
 from outboxkit.errors import SchemaNotAppliedError
+from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import Batch, claim_batch
-from outboxkit.relay.drain import ExitRecord, log_exit_record, release
+from outboxkit.relay.claim import Batch, claim_batch, create_engine
+from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
-from outboxkit.relay.leases import ForeignRelayMonitor, LeaseSettings, RedisShardLeases
+from outboxkit.relay.leases import ForeignRelayMonitor
 from outboxkit.relay.metrics import (
     RelayMetrics,
     sample_backlog,
@@ -41,25 +41,23 @@ from outboxkit.relay.metrics import (
 )
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
+from outboxkit.relay.retention import start_retention
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.relay.shards import AllShards, PollWaker, ShardOwnership, Waker, claiming
-from outboxkit.relay.wakeup import RedisWaker
+from outboxkit.relay.shards import ShardOwnership, claiming, default_ownership
+from outboxkit.relay.wakeup import PollWaker, RedisWaker, Waker
 from outboxkit.runtime import (
     EXIT_CONFIG,
     EXIT_DEPENDENCY,
-    EXIT_FAILURE,
-    EXIT_FORCED,
-    EXIT_OK,
     ConfigError,
     DependencyError,
     ServiceRuntime,
-    Supervisor,
     describe,
     log_event,
     redact,
 )
 from outboxkit.runtime.errors import is_infrastructure_error
-from outboxkit.runtime.metrics import push_exit_metrics, push_job
+from outboxkit.runtime.metrics import push_job
+from outboxkit.runtime.settings import invalid
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -70,10 +68,6 @@ log = logging.getLogger("outboxkit.relay")
 #: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
 #: (the convention of every process: outboxkit/runtime/metrics.py).
 PUSH_JOB = push_job("relay")
-_CLOSE_BUDGET = 5.0
-#: Seconds of the shutdown budget kept for disposing the pool, the exit record and
-#: the metrics push after waiting for workers.
-_RECORD_RESERVE = 0.5
 _FATAL_ADVICE = {
     "authorization": "grant the relay's principal WRITE on the topics it serves "
     "(or IDEMPOTENT_WRITE on the cluster for brokers before 2.8)",
@@ -141,25 +135,35 @@ class Relay:
         self._open: list[str] = []
         self._exit = ExitRecord(signal=None, state="starting")
         self.metrics.track_shutdown_pending(self._shutdown_pending)
-        self.lifecycle.on_drain(self._on_drain)
-        self.lifecycle.on_hurry(self._on_hurry)
+        self.lifecycle.on_drain(lambda: drain.on_drain(self))
+        self.lifecycle.on_hurry(lambda: drain.on_hurry(self))
 
     # -- public API -----------------------------------------------------------
 
-    def run(self) -> int:
-        """Start, relay until drained, shut down in order; return the exit code."""
+    def run(self, *, handle_signals: bool = False) -> int:
+        """Start, relay until drained, shut down in order; return the exit code.
+
+        ``handle_signals=True`` does for this run what :meth:`install_process_handlers`
+        does; either way signal handlers are removed again when ``run`` returns.
+        """
+        with self.lifecycle.process_signals(
+            handle_signals, cut=lambda: drain.cut(self), on_forced=lambda: drain.on_forced(self)
+        ):
+            return self._run()
+
+    def _run(self) -> int:
         code = self._start()
         if code is not None:
             return code
         self.lifecycle.set_running()
-        self._start_retention()
+        start_retention(self)
         try:
             self.supervisor.run("relay", self._loop)
         except BaseException:  # KeyboardInterrupt when embedded without handlers
             self.lifecycle.drain("interrupted")
-            self._stop()
+            drain.stop(self)
             raise
-        return self._stop()
+        return drain.stop(self)
 
     def drain(self) -> None:
         """Start the drain (what the first SIGTERM does); :meth:`run` then returns."""
@@ -170,7 +174,9 @@ class Relay:
         and a watchdog forces the exit (code 4) once ``shutdown_timeout`` has passed.
         """
         self.lifecycle.install_signal_handlers()
-        self.lifecycle.start_watchdog(self._cut, on_forced=self._on_forced)
+        self.lifecycle.start_watchdog(
+            lambda: drain.cut(self), on_forced=lambda: drain.on_forced(self)
+        )
 
     @property
     def engine(self) -> Engine:
@@ -208,7 +214,7 @@ class Relay:
                 self._deliver(batch)
             except Exception as exc:
                 # Same for the batch's finalize: the drain retries the release of
-                # what is still held while its budget lasts (_release_leftover).
+                # what is still held while its budget lasts (drain.release_leftover).
                 self._end_if_interrupted(
                     exc, "batch-interrupted", "the drain releases what is still held"
                 )
@@ -272,7 +278,7 @@ class Relay:
             to_send = [r for r in batch.rows if r.id not in spent_ids]
             if self.lifecycle.draining.is_set():  # the drain began during the claim
                 decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
-            elif to_send and time.monotonic() >= self._deadline(batch):
+            elif to_send and time.monotonic() >= drain.batch_deadline(self, batch):
                 # Stalled since the claim (a stopped process, a long pause): the
                 # batch's budget is spent and its lease may have run out, so another
                 # relay may hold these rows by now. Sending them would only make
@@ -289,7 +295,7 @@ class Relay:
                 decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
             else:
                 held.inflight = self._publisher.publish(to_send)
-                self._publisher.wait(held.inflight, lambda: self._deadline(batch))
+                self._publisher.wait(held.inflight, lambda: drain.batch_deadline(self, batch))
                 decisions = decide(
                     to_send,
                     self._reports(held.inflight),
@@ -300,16 +306,6 @@ class Relay:
         except Exception as exc:
             self._salvage(held, refund=is_infrastructure_error(exc))
             raise
-
-    def _deadline(self, batch: Batch) -> float:
-        """When to stop waiting for this batch's reports (monotonic); moves on drain/hurry."""
-        if self.lifecycle.hurry.is_set():
-            return 0.0
-        limit = batch.claimed_mono + self.settings.effective_batch_deadline()
-        started = self.lifecycle.drain_started_at
-        if started is not None:
-            limit = min(limit, started + self.settings.flush_timeout)
-        return limit
 
     def _reports(self, inflight: InFlight) -> dict[int, Report]:
         assert self._publisher is not None
@@ -379,12 +375,12 @@ class Relay:
         release the rest **without** refund (a row that always crashes the relay
         must still reach ``failed``), unless a dependency failed (the database or
         Kafka went away: not the rows' fault). Failures here leave the rows
-        leased; the drain tries again (:meth:`_release_leftover`)."""
+        leased; the drain tries again (``drain.release_leftover``)."""
         held.refund = refund
         try:
             reports: dict[int, Report] = {}
             if held.inflight is not None and self._publisher is not None:
-                self._publisher.wait(held.inflight, lambda: self._deadline(held.batch))
+                self._publisher.wait(held.inflight, lambda: drain.batch_deadline(self, held.batch))
                 reports = self._reports(held.inflight)
             decisions = decide(
                 held.batch.rows,
@@ -404,53 +400,6 @@ class Relay:
                 effect="rows stay leased until their lease expires",
             )
 
-    def _release_leftover(self) -> None:
-        """Release a batch the loop could not settle, retrying while the database is
-        unreachable for as long as the shutdown budget leaves time to close the rest
-        (a database blip during a redeploy must not leave rows leased)."""
-        if self._held is None:
-            return
-        rows = len(self._held.batch)
-        reserve = _CLOSE_BUDGET + 1.0 + _RECORD_RESERVE
-        tries = 0
-
-        def retry_logged(state: tenacity.RetryCallState) -> None:
-            nonlocal tries
-            tries = state.attempt_number
-            if tries == 1:
-                exc = state.outcome.exception() if state.outcome else None
-                log_event(
-                    log,
-                    "release-retrying",
-                    level=logging.WARNING,
-                    rows=rows,
-                    error=redact(f"{type(exc).__name__}: {exc}"),
-                    budget_s=round(max(0.0, self.lifecycle.remaining() - reserve), 3),
-                )
-
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_infrastructure_error),
-            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
-            stop=lambda _state: self.lifecycle.remaining() <= reserve,
-            before_sleep=retry_logged,
-            reraise=True,
-        )
-        try:
-            retrying(self._settle_leftover)
-        except Exception as exc:
-            log_event(
-                log,
-                "release-failed",
-                level=logging.ERROR,
-                rows=rows,
-                attempts=tries + 1,
-                error=redact(f"{type(exc).__name__}: {exc}"),
-                effect="rows stay leased until their lease expires",
-            )
-        else:
-            if tries:
-                log_event(log, "release-recovered", rows=rows, attempts=tries + 1)
-
     def _settle_leftover(self) -> None:
         """Settle a batch a crashed run could not settle (raises if the DB is still
         gone): the salvage's decisions when it got that far (acknowledged rows stay
@@ -468,50 +417,15 @@ class Relay:
         self._account(held.batch, [], result)
 
     def _account(self, batch: Batch, decisions: list[Decision], result: FinalizeResult) -> None:
-        m = self.metrics
-        m.delivered.inc(result.counts[Fate.DELIVERED])
-        m.failed.inc(result.counts[Fate.FAILED])
-        m.retryable.inc(result.counts[Fate.RETRYABLE] + result.counts[Fate.PAUSED])
-        m.released.inc(result.counts[Fate.RELEASED])
-        m.lease_lost.inc(len(result.lease_lost))
+        """Count a finalized batch and act on its outcomes (see relay/accounting.py)."""
+        accounting.count_outcomes(self.metrics, result)
         lost = set(result.lease_lost)
         for d in decisions:
             # Reported even when the lease was lost: the copy is in the partition.
-            if d.acked_ahead_of is not None:
-                earlier, error = d.acked_ahead_of
-                m.acked_out_of_order.inc()
-                log_event(
-                    log,
-                    "acked-out-of-order",
-                    level=logging.WARNING,
-                    row_id=d.row.id,
-                    event_id=d.row.event_id,
-                    topic=d.row.topic,
-                    partition=d.partition,
-                    offset=d.offset,
-                    earlier_row_id=earlier,
-                    earlier_error=error,
-                    note=(
-                        "this event is in the partition ahead of the earlier event of its "
-                        "key; it is sent again after it, so the last copies are in order"
-                    ),
-                )
-            if d.row.id in lost:
-                continue
-            if d.fate is Fate.DELIVERED:
-                if d.acked_mono is not None:
-                    age = batch.db_time(d.acked_mono) - d.row.created_at
-                    m.publish_latency.observe(max(0.0, age.total_seconds()))
-                if d.row.topic in self.paused:
-                    self.paused.resume(d.row.topic)
-        paused: dict[str, list[Decision]] = {}
-        for d in decisions:
-            if d.fate is Fate.PAUSED and d.row.id not in lost:
-                paused.setdefault(d.row.topic, []).append(d)
-        for topic, rows in paused.items():
-            self.paused.pause(
-                topic, rows[0].pause_reason or "config", rows[0].error or "", len(rows)
-            )
+            accounting.warn_acked_out_of_order(self.metrics, d)
+            if d.row.id not in lost and d.fate is Fate.DELIVERED:
+                accounting.delivered(self.metrics, self.paused, batch, d)
+        accounting.pause_topics(self.paused, decisions, lost)
         if self.lifecycle.draining.is_set():
             self._exit.add(len(batch), result)
 
@@ -574,14 +488,16 @@ class Relay:
             # give up must not look like a dead process.
             self.health.start()
             if self._engine is None:
-                self._engine = _create_engine(s)
+                self._engine = create_engine(s)
             else:  # no gap locks in the claim; see claim.py
                 self._engine = self._engine.execution_options(isolation_level="READ COMMITTED")
             self._open.append("database")
             if self.engine.dialect.name not in ("mysql", "mariadb"):
                 raise ConfigError(
-                    "invalid --db-url / OUTBOXKIT_DB_URL: the relay supports MySQL and "
-                    f"MariaDB (got {self.engine.dialect.name})"
+                    invalid(
+                        "db_url",
+                        f"the relay supports MySQL and MariaDB (got {self.engine.dialect.name})",
+                    )
                 )
             shard_count = self._read_shard_count()
             self._shard_count = shard_count
@@ -589,7 +505,9 @@ class Relay:
             self._open.append("kafka-producer")
             self._publisher.check_reachable(s.connect_timeout)
             if self._ownership is None:
-                self._ownership = self._default_ownership(shard_count)
+                self._ownership, self._foreign = default_ownership(
+                    s, shard_count, registry=self.registry, logger=log
+                )
             self._ownership.start(self._inflight_shards)
             self._open.append("shard-ownership")
             if self._own_waker and s.redis_url and s.wakeups:
@@ -597,13 +515,13 @@ class Relay:
                 self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
                 self._open.append("redis-wakeups")
         except ConfigError as exc:
-            return self._failed_start("config", EXIT_CONFIG, exc)
+            return drain.failed_start(self, "config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
-            return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
+            return drain.failed_start(self, "dependency", EXIT_DEPENDENCY, exc)
         except Exception as exc:
             if not is_infrastructure_error(exc):  # e.g. a driver's unwrapped login failure
                 raise
-            return self._failed_start("dependency", EXIT_DEPENDENCY, exc)
+            return drain.failed_start(self, "dependency", EXIT_DEPENDENCY, exc)
         log_event(
             log,
             "relay-started",
@@ -650,244 +568,3 @@ class Relay:
             reraise=True,
         )
         return retrying(read)
-
-    def _default_ownership(self, shard_count: int) -> ShardOwnership:
-        """Redis shard leases when ``redis_url`` is set; else every shard, and a watch
-        for a second relay on the table (which would give up per-key order)."""
-        s = self.settings
-        if not s.redis_url:
-            self._foreign = ForeignRelayMonitor(s.table, s.node_id, log)
-            return AllShards(shard_count)
-        leases = RedisShardLeases(
-            s.redis_url,
-            table=s.table,
-            node_id=s.node_id,
-            shard_count=shard_count,
-            settings=LeaseSettings(
-                ttl=s.shard_lease_ttl,
-                renew_interval=s.shard_renew_interval,
-                batch_budget=s.shard_batch_budget(),
-                prefix=s.redis_prefix,
-            ),
-            registry=self.registry,
-            owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
-            logger=log,
-        )
-        leases.check_reachable(s.connect_timeout)
-        return leases
-
-    def _failed_start(self, kind: str, code: int, exc: BaseException) -> int:
-        error = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
-        log_event(
-            log,
-            "start-failed",
-            level=logging.ERROR,
-            kind=kind,
-            error=redact(f"{type(error).__name__}: {error}"),
-            exit_code=code,
-        )
-        self.lifecycle.drain("start-failed")
-        self._close_resources()
-        self.lifecycle.set_stopped()
-        self.health.stop()
-        self._exit.state = "stopped"
-        self._exit.signal = self.lifecycle.signal_name
-        self._exit.result = f"{kind}-error"
-        self._exit.exit_code = code
-        log_exit_record(self._exit)
-        return code
-
-    def _stop(self) -> int:
-        """The drain, in order. Each step says why it comes where it does."""
-        # 1. Rows first: the loop finalized or released its batch unless it crashed;
-        #    try again while the budget lasts, so nothing waits for lease expiry
-        #    without need.
-        self._release_leftover()
-        left = len(self._held.batch) if self._held is not None else 0
-        # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
-        #    then Redis (shard leases: the next owner must find our rows settled and
-        #    no copy of them left in our producer), then the DB pool.
-        self._close_resources()
-        self.lifecycle.set_stopped()
-        record = self._exit
-        record.left_leased = left
-        record.batch_size += left
-        record.abandoned = list(self._abandoned)
-        if left:
-            record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
-        elif self._abandoned:  # the budget ran out for a worker: not a clean exit
-            record.result, record.exit_code = "forced", EXIT_FORCED
-        elif self.supervisor.crashes > self._crashes_before_drain:
-            record.result, record.exit_code = "error", EXIT_FAILURE
-        elif self.lifecycle.exit_code() != EXIT_OK:
-            record.result, record.exit_code = "fatal", self.lifecycle.exit_code()
-        self._finish_record(record)
-        self.health.stop()
-        return record.exit_code
-
-    def _start_retention(self) -> None:
-        """Purge old delivered rows in a worker of its own (its own supervisor, so its
-        crashes never count as the relay loop's), stopping at once when draining."""
-        s = self.settings
-        if s.retention is None:
-            return
-        retention_s = s.retention
-        supervisor = Supervisor(self.lifecycle, logger=log, metrics=self.service_metrics)
-
-        def loop() -> None:
-            run_retention(
-                self.engine,
-                table=s.table,
-                retention_s=retention_s,
-                interval_s=s.retention_interval,
-                stop=self.lifecycle.draining.is_set,
-                batch_size=s.retention_batch_size,
-                pause_s=s.retention_pause,
-                node_id=s.node_id,
-            )
-
-        # A daemon thread: a statement stalled on a frozen database must not keep
-        # the process alive after the drain gave up on it (see _join_retention).
-        self._retention = threading.Thread(
-            target=supervisor.run, args=("retention", loop), name="retention", daemon=True
-        )
-        self._retention.start()
-
-    def _join_retention(self) -> None:
-        """Wait for retention to stop (it checks the drain between batches) while the
-        shutdown budget lasts; past that it is abandoned, and the exit record says so."""
-        thread = self._retention
-        if thread is None:
-            return
-        thread.join(timeout=max(0.0, self.lifecycle.remaining() - _RECORD_RESERVE))
-        if thread.is_alive():
-            what = "retention (a database statement did not return)"
-            self._abandoned.append(what)
-            log_event(
-                log,
-                "worker-abandoned",
-                level=logging.ERROR,
-                worker="retention",
-                detail=what,
-                effect="the statement's transaction is rolled back by the database when "
-                "the connection drops with the process",
-            )
-
-    def _close_resources(self) -> None:
-        # Kafka first: once a shard lease is released, the next owner claims the
-        # rows we released and sends them; a copy still in our producer's queue
-        # could then land after the new owner's later events of the same key.
-        if "kafka-producer" in self._open and self._publisher is not None:
-            publisher = self._publisher
-            budget = min(_CLOSE_BUDGET, max(0.0, self.lifecycle.remaining() - 1.0))
-            self._step("kafka-producer", lambda: self._log_unsent(publisher.close(budget)))
-        # Then Redis: the shard leases (the rows are settled, our copies are
-        # flushed or purged), then the wake-up subscription.
-        if "shard-ownership" in self._open and self._ownership is not None:
-            self._step("shard-ownership", self._ownership.release_all)
-            self._step("shard-ownership", self._ownership.close)
-        if "redis-wakeups" in self._open and isinstance(self._waker, RedisWaker):
-            self._step("redis-wakeups", self._waker.close)
-        # Retention needs only the database: it stops within one batch once
-        # draining; wait for it (within the budget) before the pool goes away.
-        self._join_retention()
-        if "database" in self._open and self._engine is not None and self._own_engine:
-            self._step("database", self._engine.dispose)
-        self._open.clear()
-
-    def _step(self, name: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as exc:
-            log_event(
-                log,
-                "close-failed",
-                level=logging.ERROR,
-                resource=name,
-                error=redact(f"{type(exc).__name__}: {exc}"),
-            )
-
-    def _log_unsent(self, unsent: int) -> None:
-        if unsent:
-            log_event(log, "kafka-unsent-at-close", level=logging.WARNING, messages=unsent)
-
-    def _finish_record(self, record: ExitRecord) -> None:
-        lc = self.lifecycle
-        record.signal = lc.signal_name
-        record.state = lc.state.value
-        record.shutdown_deadline_ms = round(lc.shutdown_timeout * 1000)
-        started = lc.drain_started_at
-        if started is not None:
-            record.duration_ms = round((time.monotonic() - started) * 1000)
-        if self.settings.pushgateway_url:
-            record.metrics_pushed = push_exit_metrics(
-                self.settings.pushgateway_url,
-                component="relay",
-                node_id=self.settings.node_id,
-                metrics=(self.metrics.shutdown_pending, *self.service_metrics.exit_metrics()),
-                # Within what is left of the shutdown budget (the watchdog is
-                # already disarmed here), but at least a moment to try.
-                timeout=max(0.5, min(5.0, lc.remaining())),
-            )
-        log_exit_record(record)
-
-    # -- lifecycle callbacks ------------------------------------------------------
-
-    def _on_drain(self) -> None:
-        self._crashes_before_drain = self.supervisor.crashes
-        wake = getattr(self._waker, "wake", None)
-        if callable(wake):
-            wake()
-
-    def _on_hurry(self) -> None:
-        held = self._held
-        unfinished = 0
-        if held is not None:
-            unfinished = held.inflight.missing() if held.inflight else len(held.batch)
-        log_event(log, "drain-hurried", level=logging.WARNING, unfinished_rows=unfinished)
-
-    def _cut(self) -> list[str]:
-        """Watchdog: the drain overran shutdown_timeout; name what is being abandoned."""
-        cut = list(self._open)
-        retention = self._retention
-        if retention is not None and retention.is_alive():
-            cut.append("retention")
-        held = self._held
-        if held is not None:
-            cut.append(f"{len(held.batch)} leased rows (back after lease expiry)")
-        return cut
-
-    def _on_forced(self) -> None:
-        held = self._held
-        started = self.lifecycle.drain_started_at
-        if started is not None:  # set_stopped() will not run: record the duration here
-            self.service_metrics.shutdown_duration.set(time.monotonic() - started)
-        record = self._exit
-        record.left_leased = len(held.batch) if held is not None else 0
-        record.batch_size += record.left_leased
-        record.abandoned = self._cut()
-        record.result, record.exit_code = "forced", EXIT_FORCED
-        self._finish_record(record)
-
-
-def _create_engine(settings: RelaySettings) -> Engine:
-    assert settings.db_url is not None
-    url = sa.make_url(settings.db_url)
-    connect_args: dict[str, object] = {}
-    if url.get_backend_name() in ("mysql", "mariadb"):
-        # A statement that outlives a lease is pointless; a hung server must not
-        # hang the loop forever either.
-        timeout = max(1, math.ceil(settings.lease_ttl))
-        connect_args = {
-            "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
-            "read_timeout": timeout,
-            "write_timeout": timeout,
-        }
-    return sa.create_engine(
-        url,
-        pool_pre_ping=True,
-        pool_size=2,
-        max_overflow=2,
-        isolation_level="READ COMMITTED",
-        connect_args=connect_args,
-    )

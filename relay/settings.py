@@ -12,12 +12,14 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from outboxkit.admin._parse import parse_retention
 from outboxkit.runtime.kafkaconf import RELAY_GUARDED, guarded_problems, librdkafka_problem
+from outboxkit.runtime.parse import parse_retention
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
     at_most,
+    invalid,
+    missing,
     non_negative,
     positive,
     setting,
@@ -203,11 +205,9 @@ class RelaySettings(RuntimeSettings):
     def validate(self) -> list[str]:
         problems = list(super().validate())
         if not self.db_url:
-            problems.append("missing --db-url / OUTBOXKIT_DB_URL: required by the relay")
+            problems.append(missing("db_url", ": required by the relay"))
         if not self.kafka_bootstrap and "bootstrap.servers" not in self.kafka_config:
-            problems.append(
-                "missing --kafka-bootstrap / OUTBOXKIT_KAFKA_BOOTSTRAP: required by the relay"
-            )
+            problems.append(missing("kafka_bootstrap", ": required by the relay"))
         problems.extend(guarded_problems(self.kafka_config, RELAY_GUARDED))
         rejected = librdkafka_problem(self.kafka_config, "producer")
         if rejected:
@@ -219,37 +219,49 @@ class RelaySettings(RuntimeSettings):
             return problems
         if self.backoff_cap < self.backoff_base:
             problems.append(
-                "invalid --backoff-cap / OUTBOXKIT_BACKOFF_CAP: must be >= --backoff-base "
-                f"({self.backoff_cap} < {self.backoff_base})"
+                invalid(
+                    "backoff_cap",
+                    f"must be >= --backoff-base ({self.backoff_cap} < {self.backoff_base})",
+                )
             )
         deadline = self.effective_batch_deadline()
         if deadline * 1000 < timeout_ms:
             problems.append(
-                "invalid --batch-deadline / OUTBOXKIT_BATCH_DEADLINE: must be >= "
-                f"message.timeout.ms ({deadline} s < {timeout_ms} ms), or rows "
-                "still queued in the producer would be released and sent twice"
+                invalid(
+                    "batch_deadline",
+                    f"must be >= message.timeout.ms ({deadline} s < {timeout_ms} ms), or rows "
+                    "still queued in the producer would be released and sent twice",
+                )
             )
         # A batch must always be finalized or released while its lease still holds,
         # or another relay could reclaim rows whose outcome this one still awaits.
         if self.lease_ttl <= deadline + self.flush_timeout:
             problems.append(
-                "invalid --lease-ttl / OUTBOXKIT_LEASE_TTL: must exceed the batch deadline "
-                "(--batch-deadline, default message.timeout.ms + 2 s) plus --flush-timeout "
-                f"({self.lease_ttl} <= {deadline} + {self.flush_timeout})"
+                invalid(
+                    "lease_ttl",
+                    "must exceed the batch deadline "
+                    "(--batch-deadline, default message.timeout.ms + 2 s) plus --flush-timeout "
+                    f"({self.lease_ttl} <= {deadline} + {self.flush_timeout})",
+                )
             )
         # A relay that cannot renew must stop claiming a batch's budget before its shard
         # lease can expire, and still have a renewal in between (docs/scaling.md).
         budget = self.shard_batch_budget()
         if self.redis_url and self.shard_lease_ttl <= 2 * self.shard_renew_interval + budget:
             problems.append(
-                "invalid --shard-lease-ttl / OUTBOXKIT_SHARD_LEASE_TTL: must exceed 2 x "
-                "--shard-renew-interval plus the batch deadline + 1 s "
-                f"({self.shard_lease_ttl} <= 2 x {self.shard_renew_interval} + {budget})"
+                invalid(
+                    "shard_lease_ttl",
+                    "must exceed 2 x --shard-renew-interval plus the batch deadline + 1 s "
+                    f"({self.shard_lease_ttl} <= 2 x {self.shard_renew_interval} + {budget})",
+                )
             )
         if self.flush_timeout >= self.shutdown_timeout:
             problems.append(
-                "invalid --flush-timeout / OUTBOXKIT_FLUSH_TIMEOUT: must be below "
-                f"--shutdown-timeout ({self.flush_timeout} >= {self.shutdown_timeout}), "
-                "or every drain with a batch in flight would end in a forced exit"
+                invalid(
+                    "flush_timeout",
+                    f"must be below --shutdown-timeout ({self.flush_timeout} >= "
+                    f"{self.shutdown_timeout}), "
+                    "or every drain with a batch in flight would end in a forced exit",
+                )
             )
         return problems

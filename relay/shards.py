@@ -7,19 +7,35 @@ without Redis, :class:`AllShards` owns every shard (one relay per table; two
 such relays never double-claim a row, but give up per-key order). A Redis-lease
 implementation plugs in through the same protocol.
 
-:class:`Waker` is the seam for wake-up hints: the relay waits on it between
-empty claims. :class:`PollWaker` just sleeps ``poll_interval``.
+The wakers (:class:`Waker`, :class:`PollWaker`) live in
+:mod:`outboxkit.relay.wakeup`; they are re-exported here for older imports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-__all__ = ["AllShards", "PollWaker", "ShardOwnership", "Waker", "claiming"]
+from outboxkit.relay.foreign import ForeignRelayMonitor
+from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
+from outboxkit.relay.wakeup import PollWaker, Waker
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from outboxkit.relay.settings import RelaySettings
+
+__all__ = [
+    "AllShards",
+    "PollWaker",
+    "ShardOwnership",
+    "Waker",
+    "claiming",
+    "default_ownership",
+]
 
 
 @runtime_checkable
@@ -91,27 +107,32 @@ def claiming(ownership: ShardOwnership) -> AbstractContextManager[frozenset[int]
     return contextlib.nullcontext(ownership.claimable())
 
 
-@runtime_checkable
-class Waker(Protocol):
-    """Where the relay waits when there was nothing to claim.
-
-    ``wait`` returns after ``timeout`` seconds, or earlier on a wake-up hint
-    (new rows were committed) or when the relay drains. A waker that also has a
-    ``wake()`` method gets it called by the relay when the drain begins.
-    """
-
-    def wait(self, timeout: float) -> None: ...
-
-
-class PollWaker:
-    """The default waker: sleep the poll interval; :meth:`wake` ends the sleep for good."""
-
-    def __init__(self) -> None:
-        self._woken = threading.Event()
-
-    def wait(self, timeout: float) -> None:
-        self._woken.wait(timeout)
-
-    def wake(self) -> None:
-        """Called when the drain begins: current and later waits return at once."""
-        self._woken.set()
+def default_ownership(
+    s: RelaySettings,
+    shard_count: int,
+    *,
+    registry: CollectorRegistry,
+    logger: logging.Logger,
+) -> tuple[ShardOwnership, ForeignRelayMonitor | None]:
+    """Redis shard leases when ``redis_url`` is set; else every shard, and a watch
+    for a second relay on the table (which would give up per-key order): the
+    ownership, and the monitor to check with each backlog sample."""
+    if not s.redis_url:
+        return AllShards(shard_count), ForeignRelayMonitor(s.table, s.node_id, logger)
+    leases = RedisShardLeases(
+        s.redis_url,
+        table=s.table,
+        node_id=s.node_id,
+        shard_count=shard_count,
+        settings=LeaseSettings(
+            ttl=s.shard_lease_ttl,
+            renew_interval=s.shard_renew_interval,
+            batch_budget=s.shard_batch_budget(),
+            prefix=s.redis_prefix,
+        ),
+        registry=registry,
+        owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
+        logger=logger,
+    )
+    leases.check_reachable(s.connect_timeout)
+    return leases, None

@@ -1,12 +1,15 @@
 """How the relay waits between claims: the poll interval, cut short by wake-up hints.
 
+:class:`Waker` is the seam: the relay waits on it between empty claims.
+:class:`PollWaker`, the default, just sleeps ``poll_interval``.
+
 :class:`RedisWaker` subscribes to the table's wake-up channel (see
 :mod:`outboxkit.wakeup`) in a background thread; a hint sets an event, and
 :meth:`RedisWaker.wait` returns as soon as it is set. A burst of hints
 coalesces into one early return. When Redis drops, the thread reconnects on
 its own (with backoff) and wakes the loop once after reconnecting, since hints
 sent meanwhile were lost; until then the relay simply polls. Without Redis the
-relay uses :class:`~outboxkit.relay.shards.PollWaker`.
+relay uses :class:`PollWaker`.
 
 It returns at once when the process starts draining: the relay calls
 :meth:`RedisWaker.wake` when the drain begins, and a ``Lifecycle`` or
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import redis
 from redis.backoff import NoBackoff
@@ -27,7 +30,7 @@ from redis.retry import Retry
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event, redact_url
 
-__all__ = ["RedisWaker"]
+__all__ = ["PollWaker", "RedisWaker", "Waker"]
 
 _log = logging.getLogger("outboxkit.relay.wakeup")
 
@@ -38,6 +41,32 @@ _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
 # A plain Event cannot call us back when it is set: poll it at this pace.
 _EVENT_SLICE_S = 0.05
+
+
+@runtime_checkable
+class Waker(Protocol):
+    """Where the relay waits when there was nothing to claim.
+
+    ``wait`` returns after ``timeout`` seconds, or earlier on a wake-up hint
+    (new rows were committed) or when the relay drains. A waker that also has a
+    ``wake()`` method gets it called by the relay when the drain begins.
+    """
+
+    def wait(self, timeout: float) -> None: ...
+
+
+class PollWaker:
+    """The default waker: sleep the poll interval; :meth:`wake` ends the sleep for good."""
+
+    def __init__(self) -> None:
+        self._woken = threading.Event()
+
+    def wait(self, timeout: float) -> None:
+        self._woken.wait(timeout)
+
+    def wake(self) -> None:
+        """Called when the drain begins: current and later waits return at once."""
+        self._woken.set()
 
 
 class _DrainAware:

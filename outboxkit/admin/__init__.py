@@ -5,15 +5,7 @@
 See ``docs/admin.md``.
 """
 
-from outboxkit.admin._parse import parse_retention, parse_time
 from outboxkit.admin.discard import DiscardResult, discard
-from outboxkit.admin.purge import (
-    PurgeResult,
-    count_purgeable,
-    purge,
-    purge_delivered,
-    run_retention,
-)
 from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, UnknownRowError, requeue
 from outboxkit.admin.rows import (
     FailedRow,
@@ -32,6 +24,14 @@ from outboxkit.admin.status import (
     read_table_status,
     shard_key,
 )
+from outboxkit.relay.retention import (
+    PurgeResult,
+    count_purgeable,
+    purge,
+    purge_delivered,
+    run_retention,
+)
+from outboxkit.runtime.parse import parse_retention, parse_time
 
 __all__ = [
     "DiscardResult",

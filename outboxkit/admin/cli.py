@@ -26,9 +26,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outboxkit.admin._parse import format_ts, parse_retention, parse_time
 from outboxkit.admin.discard import discard
-from outboxkit.admin.purge import count_purgeable, purge
 from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, requeue
 from outboxkit.admin.rows import list_failed, read_recovery, show_row
 from outboxkit.admin.settings import AdminSettings
@@ -41,9 +39,11 @@ from outboxkit.admin.status import (
     read_table_status,
 )
 from outboxkit.errors import SchemaNotAppliedError
+from outboxkit.relay.retention import count_purgeable, purge
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_OK
 from outboxkit.runtime.logs import logging_configured, redact, redact_url
+from outboxkit.runtime.parse import format_ts, parse_retention, parse_time
 from outboxkit.runtime.settings import add_arguments, default_node_id, load, parse_duration
 from outboxkit.schema.table import STATUSES
 

@@ -27,7 +27,6 @@ import socket
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from outboxkit.admin._parse import format_ts
 from outboxkit.admin.requeue import (
     RequeueResult,
     Selection,
@@ -38,6 +37,7 @@ from outboxkit.admin.requeue import (
 )
 from outboxkit.admin.rows import printable_bytes
 from outboxkit.runtime.errors import ConfigError
+from outboxkit.runtime.parse import format_ts
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, outbox_table, validate_identifier
 

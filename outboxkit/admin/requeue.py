@@ -33,7 +33,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.admin._db import gentle_connection
+from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier

@@ -15,8 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from outboxkit.admin._parse import format_ts
 from outboxkit.runtime.errors import ConfigError
+from outboxkit.runtime.parse import format_ts
 from outboxkit.schema.codec import decode_headers
 from outboxkit.schema.table import Status, outbox_table, recovery_table, validate_identifier
 

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from outboxkit.runtime.logs import redact, redact_url
+from outboxkit.runtime.rediskeys import lease_key, lease_owner
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.schema.table import STATUSES, Status, db_now, outbox_table, validate_identifier
 
@@ -205,7 +206,7 @@ def _reason(value: object) -> str:
 
 def shard_key(prefix: str, table: str, shard: int) -> str:
     """The Redis key of one shard lease (value ``node_id:token``)."""
-    return f"{prefix}outboxkit:{table}:shard:{shard}"
+    return lease_key(prefix, table, shard)
 
 
 def read_shards(
@@ -232,6 +233,6 @@ def read_shards(
             unowned.append(shard)
             continue
         text = value.decode("utf-8", "replace")
-        node = text.rsplit(":", 1)[0] if ":" in text else text
+        node = lease_owner(text)
         owners.setdefault(node, []).append(shard)
     return ShardView(shard_count=count, owners=dict(sorted(owners.items())), unowned=unowned)

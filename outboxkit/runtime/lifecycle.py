@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -311,6 +311,34 @@ class Lifecycle:
             self._old_wakeup_fd = old_fd
         for sig in _HANDLED_SIGNALS:
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    @contextlib.contextmanager
+    def process_signals(
+        self,
+        install: bool,
+        *,
+        cut: Callable[[], list[str]],
+        on_forced: Callable[[], None] | None = None,
+    ) -> Iterator[None]:
+        """The one lifecycle surface of a service's ``run(handle_signals=...)``.
+
+        With ``install`` (entry points that own the process): SIGTERM/SIGINT drain,
+        a second one hurries, and a watchdog forces the exit past
+        ``shutdown_timeout`` (see :meth:`start_watchdog`). When the block ends the
+        signal handlers are removed again, whether installed here or before it
+        (an entry point's :meth:`install_signal_handlers`), so a stopped service
+        leaves the process's signal handling as it found it. Embedded services
+        pass ``install=False`` and drain through the API.
+        """
+        if install:
+            self.install_signal_handlers()
+            if self._watchdog is None:
+                self.start_watchdog(cut, on_forced=on_forced)
+        try:
+            yield
+        finally:
+            if self._old_handlers and threading.current_thread() is threading.main_thread():
+                self.uninstall_signal_handlers()
 
     def uninstall_signal_handlers(self) -> None:
         """Restore the handlers (and wakeup fd) that were in place before install."""

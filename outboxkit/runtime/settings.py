@@ -188,6 +188,23 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+def where(field_name: str) -> str:
+    """How an operator sets a setting: ``--lease-ttl / OUTBOXKIT_LEASE_TTL``."""
+    return f"{flag_name(field_name)} / {env_name(field_name)}"
+
+
+def invalid(field_name: str, reason: str) -> str:
+    """A problem with a setting's value, naming its flag and its variable:
+    ``invalid --lease-ttl / OUTBOXKIT_LEASE_TTL: <reason>``. For the checks a
+    ``validate()`` makes across settings (one setting's ``validate=`` cannot)."""
+    return f"invalid {where(field_name)}: {reason}"
+
+
+def missing(field_name: str, detail: str = "") -> str:
+    """A required setting left unset: ``missing --db-url / OUTBOXKIT_DB_URL<detail>``."""
+    return f"missing {where(field_name)}{detail}"
+
+
 # -- parsers ---------------------------------------------------------------
 
 _DURATION_RE = re.compile(

@@ -1,4 +1,5 @@
-"""Connection habits shared by the commands that change rows."""
+"""Connection habits shared by the code that changes rows outside the relay loop
+(admin commands and retention)."""
 
 from __future__ import annotations
 

@@ -26,19 +26,25 @@ import datetime as dt
 import logging
 import random
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.admin._db import gentle_connection
+from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.supervisor import Supervisor
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+
+if TYPE_CHECKING:
+    from outboxkit.relay.relay import Relay
 
 __all__ = [
     "PurgeResult",
@@ -46,9 +52,10 @@ __all__ = [
     "purge",
     "purge_delivered",
     "run_retention",
+    "start_retention",
 ]
 
-_log = logging.getLogger("outboxkit.admin.purge")
+_log = logging.getLogger("outboxkit.relay.retention")
 
 #: MySQL/MariaDB errors after which the same batch may simply be tried again.
 _LOCK_WAIT_TIMEOUT, _DEADLOCK = 1205, 1213
@@ -325,3 +332,38 @@ def _retention_lock(engine: Engine, table: str) -> Iterator[bool]:
             if got == 1:
                 conn.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": name})
                 conn.commit()
+
+
+# -- the relay's retention worker ---------------------------------------------------
+
+# The relay's own logger: the worker's crashes and restarts are the relay's lines.
+_relay_log = logging.getLogger("outboxkit.relay")
+
+
+def start_retention(relay: Relay) -> None:
+    """Purge old delivered rows in a worker of its own (its own supervisor, so its
+    crashes never count as the relay loop's), stopping at once when draining."""
+    s = relay.settings
+    if s.retention is None:
+        return
+    retention_s = s.retention
+    supervisor = Supervisor(relay.lifecycle, logger=_relay_log, metrics=relay.service_metrics)
+
+    def loop() -> None:
+        run_retention(
+            relay.engine,
+            table=s.table,
+            retention_s=retention_s,
+            interval_s=s.retention_interval,
+            stop=relay.lifecycle.draining.is_set,
+            batch_size=s.retention_batch_size,
+            pause_s=s.retention_pause,
+            node_id=s.node_id,
+        )
+
+    # A daemon thread: a statement stalled on a frozen database must not keep
+    # the process alive after the drain gave up on it (see drain.join_retention).
+    relay._retention = threading.Thread(
+        target=supervisor.run, args=("retention", loop), name="retention", daemon=True
+    )
+    relay._retention.start()

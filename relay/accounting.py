@@ -1,0 +1,76 @@
+"""What a finalized batch changes besides its rows: counters, warnings, pauses.
+
+The relay calls these after every finalize (``Relay._account``), in this
+order for each decision: the out-of-order warning, then, for a delivered row
+still ours, its latency and the end of its topic's pause; then the pauses the
+batch asks for. The exit record's counts are added by the relay itself, and
+only once the drain began (see :mod:`outboxkit.relay.drain`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from outboxkit.relay.claim import Batch
+from outboxkit.relay.finalize import Decision, Fate, FinalizeResult
+from outboxkit.relay.metrics import RelayMetrics
+from outboxkit.relay.pauses import PausedTopics
+from outboxkit.runtime.logs import log_event
+
+__all__ = ["count_outcomes", "delivered", "pause_topics", "warn_acked_out_of_order"]
+
+log = logging.getLogger("outboxkit.relay")
+
+
+def count_outcomes(m: RelayMetrics, result: FinalizeResult) -> None:
+    """The outcome counters: what the finalize wrote, and the rows whose lease was lost."""
+    m.delivered.inc(result.counts[Fate.DELIVERED])
+    m.failed.inc(result.counts[Fate.FAILED])
+    m.retryable.inc(result.counts[Fate.RETRYABLE] + result.counts[Fate.PAUSED])
+    m.released.inc(result.counts[Fate.RELEASED])
+    m.lease_lost.inc(len(result.lease_lost))
+
+
+def warn_acked_out_of_order(m: RelayMetrics, d: Decision) -> None:
+    """``acked-out-of-order``: Kafka acknowledged ``d`` although an earlier event of
+    its key was not; the relay sends it again after that one."""
+    if d.acked_ahead_of is None:
+        return
+    earlier, error = d.acked_ahead_of
+    m.acked_out_of_order.inc()
+    log_event(
+        log,
+        "acked-out-of-order",
+        level=logging.WARNING,
+        row_id=d.row.id,
+        event_id=d.row.event_id,
+        topic=d.row.topic,
+        partition=d.partition,
+        offset=d.offset,
+        earlier_row_id=earlier,
+        earlier_error=error,
+        note=(
+            "this event is in the partition ahead of the earlier event of its "
+            "key; it is sent again after it, so the last copies are in order"
+        ),
+    )
+
+
+def delivered(m: RelayMetrics, paused: PausedTopics, batch: Batch, d: Decision) -> None:
+    """A row delivered (and still ours): its enqueue-to-ack latency (database clock),
+    and a paused topic that delivers again is resumed."""
+    if d.acked_mono is not None:
+        age = batch.db_time(d.acked_mono) - d.row.created_at
+        m.publish_latency.observe(max(0.0, age.total_seconds()))
+    if d.row.topic in paused:
+        paused.resume(d.row.topic)
+
+
+def pause_topics(paused: PausedTopics, decisions: list[Decision], lost: set[int]) -> None:
+    """Pause each topic the batch found misconfigured (its first row gives the reason)."""
+    by_topic: dict[str, list[Decision]] = {}
+    for d in decisions:
+        if d.fate is Fate.PAUSED and d.row.id not in lost:
+            by_topic.setdefault(d.row.topic, []).append(d)
+    for topic, rows in by_topic.items():
+        paused.pause(topic, rows[0].pause_reason or "config", rows[0].error or "", len(rows))
