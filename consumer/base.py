@@ -270,6 +270,7 @@ class Consumer:
             "enable.auto.commit": True,
             "auto.commit.interval.ms": int(s.commit_interval * 1000),
             "statistics.interval.ms": int(s.stats_interval * 1000),
+            "max.poll.interval.ms": s.max_poll_interval_ms(),
             "error_cb": self._on_kafka_error,
             "stats_cb": self.metrics.on_stats,
             "on_commit": self._on_commit,

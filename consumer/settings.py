@@ -136,6 +136,22 @@ class ConsumerSettings(RuntimeSettings):
         validate=identifier_problem,
     )
 
+    def max_poll_interval_ms(self) -> int:
+        """``max.poll.interval.ms`` unless ``kafka_config`` sets it: the session
+        timeout (librdkafka's floor for it), and at least ``revoke_timeout`` + 20 s.
+
+        librdkafka's default is 300 s. The poll loop never waits on a handler (they
+        run on workers; a revocation waits ``revoke_timeout`` at most), so the
+        application's own poll interval is short. But the broker also uses this
+        value as the group's **rebalance timeout**: after a broker restart, the
+        group waits that long for members that will never rejoin (the ones of
+        before the restart, which the consumers replaced), and no partition is
+        consumed meanwhile. The chaos suite saw five-minute stalls."""
+        if "max.poll.interval.ms" in self.kafka_config:
+            return int(self.kafka_config["max.poll.interval.ms"])
+        session = int(self.kafka_config.get("session.timeout.ms", 45_000))
+        return min(86_400_000, max(session, int((self.revoke_timeout + 20) * 1000)))
+
     def validate(self) -> list[str]:
         problems = [*super().validate()]
         problems.extend(guarded_problems(self.kafka_config, CONSUMER_GUARDED))

@@ -121,6 +121,46 @@ def test_accepted_intervals_are_values_librdkafka_takes(
     assert librdkafka_problem(dlq_timeout, "producer") is None, dlq_timeout
 
 
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    session_ms=st.one_of(st.none(), st.integers(1, 3_600_000)),
+    revoke=st.floats(min_value=0, max_value=10**6),
+    explicit_ms=st.one_of(st.none(), st.integers(1, 86_400_000)),
+)
+def test_the_poll_interval_is_short_valid_and_the_users_when_set(
+    session_ms: int | None, revoke: float, explicit_ms: int | None
+) -> None:
+    """The broker waits max.poll.interval.ms for members to rejoin a rebalance;
+    librdkafka's 300 s left the chaos suite's group idle for five minutes after a
+    broker restart. The default follows the session timeout (and the revoke
+    budget); what the user sets wins; librdkafka must accept the result."""
+    props = {}
+    if session_ms is not None:
+        props["session.timeout.ms"] = str(session_ms)
+    if explicit_ms is not None:
+        props["max.poll.interval.ms"] = str(explicit_ms)
+    try:
+        s = load(
+            ConsumerSettings,
+            environ={
+                "OUTBOXKIT_REVOKE_TIMEOUT": f"{revoke:.3f}",
+                "OUTBOXKIT_KAFKA_CONFIG": ",".join(f"{k}={v}" for k, v in props.items()),
+            },
+        )
+    except ConfigError:
+        return  # e.g. a session timeout above the explicit poll interval
+    interval = s.max_poll_interval_ms()
+    if explicit_ms is not None:
+        assert interval == explicit_ms
+        return
+    assert interval >= (session_ms or 45_000)
+    assert interval >= min(86_400_000, int((s.revoke_timeout + 20) * 1000))
+    if session_ms is None and s.revoke_timeout <= 25:
+        assert interval == 45_000, "not librdkafka's 300 s"
+    derived = {**props, "max.poll.interval.ms": str(interval)}
+    assert librdkafka_problem(derived, "consumer") is None, derived
+
+
 _PEM_KEY = (
     "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcw\nKeyBodyLine2xyz\n"
     "-----END PRIVATE KEY-----"
