@@ -48,7 +48,12 @@ from outboxkit.consumer.metrics import ConsumerMetrics
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, WorkItem
-from outboxkit.runtime.errors import ConfigError, DependencyError, is_infrastructure_error
+from outboxkit.runtime.errors import (
+    ConfigError,
+    DependencyError,
+    database_unreachable,
+    is_infrastructure_error,
+)
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
 from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
@@ -355,10 +360,7 @@ class Consumer:
         except Exception as exc:
             if not is_infrastructure_error(exc):
                 raise
-            cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
-            raise DependencyError(
-                f"database unreachable: {redact(f'{type(cause).__name__}: {cause}')}"
-            ) from None
+            raise database_unreachable(exc) from None
         if not present:
             raise ConfigError(
                 f"inbox table {s.inbox_table} does not exist: run outboxkit schema apply"

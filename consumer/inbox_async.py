@@ -37,7 +37,11 @@ from sqlalchemy.engine import Engine
 
 from outboxkit.consumer.inbox import _IDLE_RECHECK, Inbox
 from outboxkit.consumer.message import Message
-from outboxkit.runtime.errors import ConfigError, DependencyError, is_infrastructure_error
+from outboxkit.runtime.errors import (
+    ConfigError,
+    database_unreachable,
+    is_infrastructure_error,
+)
 from outboxkit.runtime.logs import redact
 
 if TYPE_CHECKING:
@@ -131,10 +135,7 @@ class AsyncInbox:
             loop_thread.run(engine.dispose)
             if not is_infrastructure_error(exc):
                 raise
-            cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
-            raise DependencyError(
-                f"database unreachable: {redact(f'{type(cause).__name__}: {cause}')}"
-            ) from None
+            raise database_unreachable(exc) from None
         if not present:
             loop_thread.run(engine.dispose)
             raise ConfigError(f"inbox table {table} does not exist: run outboxkit schema apply")

@@ -16,6 +16,7 @@ __all__ = [
     "OutboxError",
     "PermanentError",
     "TransientError",
+    "database_unreachable",
     "is_infrastructure_error",
 ]
 
@@ -103,3 +104,12 @@ def _raised_while_connecting(tb: TracebackType | None) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def database_unreachable(exc: BaseException) -> DependencyError:
+    """The :class:`DependencyError` for a database that failed a start-up check:
+    the driver's own error (unwrapped from SQLAlchemy's), secrets masked."""
+    from outboxkit.runtime.logs import redact
+
+    cause = getattr(exc, "orig", None) or exc
+    return DependencyError(f"database unreachable: {redact(f'{type(cause).__name__}: {cause}')}")
