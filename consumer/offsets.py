@@ -157,6 +157,14 @@ class OffsetCommits:
 
     def on_assign(self, kafka: Any, partitions: list[Any]) -> None:
         kafka.incremental_assign(partitions)
+        if partitions and not self.draining:
+            # librdkafka keeps a partition's pause across assignments, while this
+            # consumer forgot it had paused it when it was revoked or lost: a
+            # partition paused then would never be fetched again once assigned back.
+            try:
+                kafka.resume(partitions)
+            except KafkaException as exc:
+                log_event(_log, "resume-failed", level=logging.WARNING, error=str(exc))
         tps = [(p.topic, p.partition) for p in partitions]
         for tp in tps:
             self.dispatcher.open(tp)

@@ -132,3 +132,46 @@ def test_join_then_leave_loses_nothing_and_commits_consistently(
         seen.setdefault((p, o), []).append(name)
     twice = {k: v for k, v in seen.items() if len(v) > 1}
     assert len(ledger.runs) == 1500, twice
+
+
+class SlowMember(Member):
+    """Slow enough that its partitions sit paused (window full) most of the time."""
+
+    def handle(self, message: Message) -> None:
+        time.sleep(0.01)
+        super().handle(message)
+
+
+def test_a_partition_paused_when_revoked_is_consumed_when_assigned_back(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    run_consumer: Any,
+) -> None:
+    """Found by the chaos suite's full run: a partition paused (window full) when it
+    was revoked or lost stayed paused in librdkafka, which keeps a partition's pause
+    across assignments, while the consumer forgot it had paused it; assigned back
+    to the same consumer, it was never fetched again (31,000 messages behind, lag
+    flat, every worker idle). ``a`` pauses all the time (window of 2, slow
+    handler); ``b`` joins, takes some of ``a``'s partitions while they are paused,
+    and leaves again: ``a`` must consume everything."""
+    topic = kafka_topics(PARTITIONS)
+    group = f"g-{topic}"
+    ledger = Ledger()
+    produce(kafka_bootstrap, topic, make_events(800, keys=24))
+    a = SlowMember(settings(group_id=group, topics=(topic,), max_buffered=2), "a", ledger)
+    b = Member(settings(group_id=group, topics=(topic,)), "b", ledger)
+    with run_consumer(a) as run_a:
+        wait_for(lambda: ledger.count() >= 40, 30, what="a under way")
+        with run_consumer(b) as run_b:
+            wait_for(lambda: any(n == "b" for n, _, _ in ledger.runs), 30, what="b's share")
+            assert run_b.stop() == 0  # a gets b's partitions back
+        produce(kafka_bootstrap, topic, make_events(200, keys=24))
+        wait_for(
+            lambda: sum(len(o) for o in ledger.processed().values()) >= 1000,
+            90,
+            what="every message, including those of the partitions a got back",
+        )
+        assert run_a.stop() == 0
+    ends = end_offsets(kafka_bootstrap, topic, PARTITIONS)
+    assert {p: set(range(n)) for p, n in ends.items()} == ledger.processed()
