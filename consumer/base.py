@@ -138,6 +138,7 @@ class Consumer:
         self._loop: PollLoop | None = None
         self._dead_letters: DeadLetters | None = None
         self._closed = False
+        self._commit_finished = False
         self._error_logged: dict[int, float] = {}
 
     # -- what subclasses implement ------------------------------------------------
@@ -434,6 +435,9 @@ class Consumer:
 
     def _mark_closed(self) -> None:
         self._closed = True
+
+    def _mark_committed(self) -> None:
+        self._commit_finished = True
 
     # -- hooks and callbacks --------------------------------------------------------------
 

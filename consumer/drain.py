@@ -88,7 +88,9 @@ def shutdown(consumer: Consumer) -> None:
         report = loop.end_drain()
         if consumer._async is not None:
             consumer._async.cancel_running()  # after end_drain counted them unknown
-        committed = commit_and_close(loop, s.close_timeout, consumer._mark_closed)
+        committed = commit_and_close(
+            loop, s.close_timeout, consumer._mark_closed, consumer._mark_committed
+        )
         report.committed = committed
     consumer.report = report
     if consumer._dead_letters is not None:
@@ -111,7 +113,9 @@ def result_of(consumer: Consumer, report: DrainReport) -> str:
         return "failed"
     if report.unknown:
         return "unknown-left"
-    if not consumer._closed or report.commit_error:
+    # Only the commit decides: a close that timed out after it (leaving the group
+    # while the broker is away; close-timed-out, ERROR) puts no offset at risk.
+    if not consumer._commit_finished or report.commit_error:
         return "commit-incomplete"
     return "ok"
 

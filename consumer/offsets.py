@@ -278,11 +278,15 @@ class OffsetCommits:
 
 
 def commit_and_close(
-    loop: OffsetCommits, close_timeout: float, on_closed: Callable[[], None]
+    loop: OffsetCommits,
+    close_timeout: float,
+    on_closed: Callable[[], None],
+    on_committed: Callable[[], None] = lambda: None,
 ) -> dict[str, int]:
     """The final commit at exit: commit synchronously what is done, then close the
     consumer (leaving the group), both within ``close_timeout``. Returns what the
-    group holds for this process's partitions; ``on_closed`` runs once closed."""
+    group holds for this process's partitions; ``on_committed`` runs once the
+    commit returned, ``on_closed`` once closed."""
     box: dict[str, int] = {}
 
     def commit_and_close() -> None:
@@ -290,6 +294,7 @@ def commit_and_close(
         # What the group holds now for the partitions this process had, whether
         # the periodic commit or this one wrote it.
         box.update(loop.committed_offsets())
+        on_committed()
         loop.closing = True
         loop.kafka.close()
         on_closed()
