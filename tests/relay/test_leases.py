@@ -588,8 +588,10 @@ def test_a_restarted_redis_lends_no_shard_that_an_old_owner_may_still_hold(
         relays = [a, b]
         wait_until(lambda: settled(relays, 8), timeout=15, tick=lambda: claimable_of(relays))
         own_redis.kill()
-        own_redis.start()
+        # The fence counts Redis's uptime from its process start, which comes after
+        # this and may be well before start() returns on a busy machine.
         restarted = time.monotonic()
+        own_redis.start()
         # Both come back to a fair split; meanwhile no shard is claimable twice.
         wait_until(
             lambda: time.monotonic() - restarted > 1.0 and settled(relays, 8),
