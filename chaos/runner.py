@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+import tenacity
 
 from chaos.checks import Check, KafkaCopy, Observed, Row, faults_before, run_checks
 from chaos.cluster import Cluster
@@ -57,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.duration_s:.0f} s, {cfg.total_faults} faults; logs in {logs}"
     )
     print("fault schedule:\n" + "\n".join(f"  {f}" for f in schedule), flush=True)
-    cluster = Cluster.plan(f"chaos{os.getpid()}", logs)
+    cluster: Cluster | None = None
     fleet: Fleet | None = None
     try:
         say("starting MariaDB, Kafka, Redis and Toxiproxy (named instances)")
-        cluster.start()
+        cluster = start_cluster(f"chaos{os.getpid()}", logs)
         cluster.prepare(TOPIC, cfg.partitions, cfg.shards)
         fleet = Fleet(cfg, cluster, TOPIC, logs)
         return Run(cfg, schedule, cluster, fleet, logs, run_id).go()
@@ -70,8 +71,33 @@ def main(argv: list[str] | None = None) -> int:
             for p in fleet.history:
                 if p.alive():
                     p.kill()
-        say("stopping the named instances")
-        cluster.stop(cfg.keep)
+        if cluster is not None:
+            say("stopping the named instances")
+            cluster.stop(cfg.keep)
+
+
+def start_cluster(name: str, logs: Path) -> Cluster:
+    """Plan free ports and start the instances. A free port is only free until a
+    service binds it: another process (another chaos run, a test) may take it
+    meanwhile ("Address already in use"). Then the instances are stopped and
+    started again on newly chosen ports, three times at most."""
+
+    def attempt() -> Cluster:
+        cluster = Cluster.plan(name, logs)
+        try:
+            cluster.start()
+        except BaseException as exc:
+            say(f"the instances did not start ({type(exc).__name__}); new ports")
+            cluster.stop(keep=False)
+            raise
+        return cluster
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(Exception),
+        stop=tenacity.stop_after_attempt(3),
+        reraise=True,
+    )
+    return retrying(attempt)
 
 
 class Run:
