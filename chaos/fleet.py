@@ -116,9 +116,21 @@ class Fleet:
             retry=tenacity.retry_if_result(lambda proc: proc.fate == "start-failed"),
             wait=tenacity.wait_exponential(multiplier=0.5, max=5.0),
             stop=tenacity.stop_after_attempt(START_ATTEMPTS),
-            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+            retry_error_callback=self._gave_up,
         )
         proc: Proc = retrying(self._spawn_and_wait, slot)
+        return proc
+
+    def _gave_up(self, state: tenacity.RetryCallState) -> Proc:
+        """Every start failed: that is no longer an outage, it is reported."""
+        assert state.outcome is not None
+        proc: Proc = state.outcome.result()
+        with self.lock:
+            proc.fate = "exited"
+            self.unexpected_exits.append(
+                {"node_id": proc.node_id, "exit_code": proc.exit_code, "at": time.time(),
+                 "tail": proc.tail(8)}
+            )  # fmt: skip
         return proc
 
     def _spawn_and_wait(self, slot: str) -> Proc:
