@@ -116,7 +116,7 @@ read_pid() {
     local pid cmdline
     pid="$(tr -dc '0-9' <"$PID_FILE")"
     [[ -n "$pid" ]] || return 1
-    cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+    cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline")" || return 1
     [[ "$cmdline" == *"${PROC_MATCH:?}"* ]] || return 1
     echo "$pid"
 }
