@@ -59,7 +59,7 @@ from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import ServiceRuntime
-from outboxkit.runtime.settings import describe, invalid, missing, where
+from outboxkit.runtime.settings import describe, invalid, missing, warn_renamed, where
 from outboxkit.runtime.tracing import consumer_tracing
 
 if TYPE_CHECKING:
@@ -233,6 +233,7 @@ class Consumer:
             topics=list(self.subscribed),
             settings=describe(self.settings),
         )
+        warn_renamed(_log, self.settings)
         try:
             self.health.start()
             if self._async is not None:

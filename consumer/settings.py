@@ -18,6 +18,7 @@ from outboxkit.runtime.settings import (
     invalid,
     non_negative,
     positive,
+    retry_backoff_problem,
     setting,
 )
 from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
@@ -75,7 +76,10 @@ class ConsumerSettings(RuntimeSettings):
         validate=at_least_one,
     )
     retry_backoff_base: float = setting(
-        0.5, help="first retry delay in seconds (exponential, full jitter)", validate=positive
+        0.5,
+        help="first retry delay of a handler in seconds (exponential, full jitter); "
+        "the relay's setting of this name spaces a row's sends",
+        validate=positive,
     )
     retry_backoff_cap: float = setting(
         30.0, help="longest retry delay in seconds", validate=positive
@@ -167,11 +171,7 @@ class ConsumerSettings(RuntimeSettings):
                     f"({self.shutdown_timeout:g})",
                 )
             )
-        if self.retry_backoff_base > self.retry_backoff_cap:
-            problems.append(
-                invalid(
-                    "retry_backoff_base",
-                    f"must be <= retry_backoff_cap ({self.retry_backoff_cap:g})",
-                )
-            )
+        backoff = retry_backoff_problem(self.retry_backoff_base, self.retry_backoff_cap)
+        if backoff:
+            problems.append(backoff)
         return problems

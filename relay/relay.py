@@ -57,7 +57,7 @@ from outboxkit.runtime import (
 )
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.settings import invalid
+from outboxkit.runtime.settings import invalid, warn_renamed
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.wakeup import wakeup_channel
 
@@ -115,7 +115,7 @@ class Relay:
         self.paused = PausedTopics(
             retry_interval=settings.paused_topic_retry, gauge=self.metrics.topic_paused
         )
-        self.backoff = Backoff(base=settings.backoff_base, cap=settings.backoff_cap)
+        self.backoff = Backoff(base=settings.retry_backoff_base, cap=settings.retry_backoff_cap)
         self._engine = engine
         self._own_engine = engine is None
         self._ownership = ownership
@@ -522,6 +522,7 @@ class Relay:
             if not is_infrastructure_error(exc):  # e.g. a driver's unwrapped login failure
                 raise
             return drain.failed_start(self, "dependency", EXIT_DEPENDENCY, exc)
+        warn_renamed(log, s)
         log_event(
             log,
             "relay-started",

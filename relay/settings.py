@@ -22,6 +22,7 @@ from outboxkit.runtime.settings import (
     missing,
     non_negative,
     positive,
+    retry_backoff_problem,
     setting,
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
@@ -117,10 +118,19 @@ class RelaySettings(RuntimeSettings):
     max_attempts: int = setting(
         10, help="claims of a row before a retriable error marks it failed", validate=at_least_one
     )
-    backoff_base: float = setting(
-        0.5, help="retry backoff: window of the first retry (full jitter)", validate=positive
+    retry_backoff_base: float = setting(
+        0.5,
+        help="window of a retryable row's first retry in seconds (full jitter); the "
+        "consumer's setting of this name spaces a handler's retries",
+        validate=positive,
+        aliases=("backoff_base",),
     )
-    backoff_cap: float = setting(300.0, help="retry backoff: largest window", validate=positive)
+    retry_backoff_cap: float = setting(
+        300.0,
+        help="largest window of a retryable row's retry in seconds",
+        validate=positive,
+        aliases=("backoff_cap",),
+    )
     paused_topic_retry: float = setting(
         30.0,
         help="seconds between probes of a topic paused for a relay configuration fault "
@@ -187,6 +197,18 @@ class RelaySettings(RuntimeSettings):
         help="with --redis-url: claim as soon as a writer's wake-up hint arrives instead of "
         "waiting for --poll-interval",
     )
+    #: Former keyword names of ``retry_backoff_base``/``retry_backoff_cap``, still
+    #: taken by the constructor (not readable as attributes: read the new names).
+    backoff_base: dataclasses.InitVar[float | None] = None
+    backoff_cap: dataclasses.InitVar[float | None] = None
+
+    def __post_init__(self, backoff_base: float | None, backoff_cap: float | None) -> None:
+        for new, value in (
+            ("retry_backoff_base", backoff_base),
+            ("retry_backoff_cap", backoff_cap),
+        ):
+            if value is not None:
+                object.__setattr__(self, new, value)
 
     def message_timeout_ms(self) -> int:
         """The producer's message timeout (``message.timeout.ms`` or its alias
@@ -217,13 +239,9 @@ class RelaySettings(RuntimeSettings):
         except ValueError as exc:
             problems.append(f"invalid {_KAFKA_CONFIG}: {exc}")
             return problems
-        if self.backoff_cap < self.backoff_base:
-            problems.append(
-                invalid(
-                    "backoff_cap",
-                    f"must be >= --backoff-base ({self.backoff_cap} < {self.backoff_base})",
-                )
-            )
+        backoff = retry_backoff_problem(self.retry_backoff_base, self.retry_backoff_cap)
+        if backoff:
+            problems.append(backoff)
         deadline = self.effective_batch_deadline()
         if deadline * 1000 < timeout_ms:
             problems.append(

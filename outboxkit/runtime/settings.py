@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -45,6 +46,7 @@ from outboxkit.runtime.logs import (
     LOG_FORMATS,
     MASK,
     is_secret_key,
+    log_event,
     redact,
     redact_url,
     register_secret,
@@ -73,10 +75,13 @@ __all__ = [
     "parse_duration",
     "port_number",
     "positive",
+    "renamed_in_use",
+    "retry_backoff_problem",
     "setting",
     "valid_database_url",
     "valid_http_url",
     "valid_redis_url",
+    "warn_renamed",
 ]
 
 T = TypeVar("T")
@@ -98,6 +103,8 @@ class SettingSpec:
     validate: Callable[[Any], str | None] | None = None
     choices: tuple[str, ...] | None = None
     default_help: str | None = None
+    #: Former field names whose flag and variable are still read (see :func:`load`).
+    aliases: tuple[str, ...] = ()
 
 
 @overload
@@ -111,6 +118,7 @@ def setting(
     validate: Callable[[T], str | None] | None = ...,
     choices: Sequence[str] | None = ...,
     default_help: str | None = ...,
+    aliases: Sequence[str] = ...,
 ) -> T: ...
 @overload
 def setting(
@@ -123,6 +131,7 @@ def setting(
     validate: Callable[[T], str | None] | None = ...,
     choices: Sequence[str] | None = ...,
     default_help: str | None = ...,
+    aliases: Sequence[str] = ...,
 ) -> T: ...
 @overload
 def setting(
@@ -134,6 +143,7 @@ def setting(
     validate: Callable[[Any], str | None] | None = ...,
     choices: Sequence[str] | None = ...,
     default_help: str | None = ...,
+    aliases: Sequence[str] = ...,
 ) -> Any: ...
 def setting(
     default: Any = MISSING,
@@ -146,6 +156,7 @@ def setting(
     choices: Sequence[str] | None = None,
     default_factory: Any = MISSING,
     default_help: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> Any:
     """A dataclass field that is also a CLI flag and an environment variable.
 
@@ -153,6 +164,9 @@ def setting(
     ``env`` overrides the derived variable name. ``validate`` returns an error
     message (e.g. ``"must be > 0"``) or None. ``choices`` are checked after
     ``parse``. ``default_help`` is what ``--help`` shows for a computed default.
+    ``aliases`` are former names of the setting: their flags and variables are
+    still read (:func:`load` says how they rank) and reported by
+    :func:`renamed_in_use`.
     """
     spec = SettingSpec(
         help=help,
@@ -162,6 +176,7 @@ def setting(
         validate=validate,
         choices=tuple(choices) if choices is not None else None,
         default_help=default_help,
+        aliases=tuple(aliases),
     )
     metadata = {_META: spec}
     if default is not MISSING and default_factory is not MISSING:
@@ -309,6 +324,14 @@ def port_number(value: int) -> str | None:
 
 def at_least_one(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
+
+
+def retry_backoff_problem(base: float, cap: float) -> str | None:
+    """The one check of ``--retry-backoff-base`` against ``--retry-backoff-cap``,
+    for every service that backs off (the relay's rows, the consumer's handlers)."""
+    if cap >= base:
+        return None
+    return invalid("retry_backoff_cap", f"must be >= --retry-backoff-base ({cap:g} < {base:g})")
 
 
 def at_most(limit: float) -> Callable[[float], str | None]:
@@ -460,11 +483,14 @@ def _fields(cls: type[Any]) -> list[_Field]:
         raise TypeError(f"{cls!r} is not a dataclass")
     hints = get_type_hints(cls)
     out: list[_Field] = []
+    names = {f.name for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         spec = f.metadata.get(_META) or SettingSpec(help="")
         kind, parse, optional = _analyse(f.name, hints[f.name], spec)
+        if names.intersection(spec.aliases):
+            raise TypeError(f"setting {f.name}: an alias names another setting")
         out.append(
             _Field(
                 name=f.name,
@@ -512,27 +538,36 @@ def _help_text(f: _Field) -> str:
     return text.replace("%", "%%")
 
 
+def _alias_dest(alias: str) -> str:
+    return f"_alias_{alias}"
+
+
 def add_arguments(parser: argparse.ArgumentParser | Any, cls: type[Any]) -> None:
-    """Add one option per settings field to ``parser`` (or an argument group).
+    """Add one option per settings field to ``parser`` (or an argument group),
+    and one per former name of a field (``aliases``).
 
     Options default to "absent" (``argparse.SUPPRESS``) so that :func:`load`
     can tell a given flag from a default and apply flag > env > default.
     """
     for f in _fields(cls):
-        common: dict[str, Any] = {
-            "dest": f.name,
-            "default": argparse.SUPPRESS,
-            "help": _help_text(f),
-        }
-        if f.kind == "bool":
-            parser.add_argument(f.flag, action=argparse.BooleanOptionalAction, **common)
-        elif f.kind == "dict":
-            parser.add_argument(f.flag, action="append", metavar="KEY=VALUE", **common)
-        elif f.kind == "tuple":
-            parser.add_argument(f.flag, metavar="A,B,...", **common)
-        else:
-            metavar = "{" + ",".join(f.spec.choices) + "}" if f.spec.choices else f.name.upper()
-            parser.add_argument(f.flag, metavar=metavar, **common)
+        _add_option(parser, f, f.flag, f.name, _help_text(f))
+        for alias in f.spec.aliases:
+            _add_option(parser, f, flag_name(alias), _alias_dest(alias), f"old name of {f.flag}")
+
+
+def _add_option(
+    parser: argparse.ArgumentParser | Any, f: _Field, flag: str, dest: str, help_: str
+) -> None:
+    common: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_}
+    if f.kind == "bool":
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+    elif f.kind == "dict":
+        parser.add_argument(flag, action="append", metavar="KEY=VALUE", **common)
+    elif f.kind == "tuple":
+        parser.add_argument(flag, metavar="A,B,...", **common)
+    else:
+        metavar = "{" + ",".join(f.spec.choices) + "}" if f.spec.choices else f.name.upper()
+        parser.add_argument(flag, metavar=metavar, **common)
 
 
 # -- load --------------------------------------------------------------------
@@ -612,9 +647,14 @@ def _check(f: _Field, value: Any) -> None:
 
 
 def _load_field(
-    f: _Field, flag_raw: object, env_raw: str | None, values: dict[str, Any], errors: list[str]
+    f: _Field,
+    flag_raw: object,
+    env_raw: str | None,
+    values: dict[str, Any],
+    errors: list[str],
+    where: str | None = None,
 ) -> None:
-    where = f"{f.flag} / {f.env}"
+    where = where or f"{f.flag} / {f.env}"
     if f.kind == "dict":
         if flag_raw is None and env_raw is None:
             return
@@ -678,18 +718,42 @@ def load(
     """Build ``cls`` from flags (``args``), then ``environ`` (default: ``os.environ``),
     then defaults.
 
+    A setting's former name (``aliases``) still works: its flag ranks with the
+    flag (giving both is an error), and its variable wins over the new variable,
+    so a deployment that set the old one keeps its value even where a shared
+    ConfigMap sets the new name for another service. What was read under an old
+    name is listed by :func:`renamed_in_use`.
+
     Raises :class:`ConfigError` listing every bad or missing setting, and then
     every message returned by ``instance.validate()`` (cross-field checks).
     """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     errors: list[str] = []
+    renamed: list[tuple[str, str]] = []
     for f in _fields(cls):
         flag_raw = getattr(args, f.name, None) if args is not None else None
-        env_raw = env.get(f.env)
-        if env_raw is not None and env_raw.strip() == "":
-            env_raw = None
-        _load_field(f, flag_raw, env_raw, values, errors)
+        env_raw = _env_value(env, f.env)
+        where: str | None = None
+        for alias in f.spec.aliases:
+            old_flag, old_env = flag_name(alias), env_name(alias)
+            alias_flag = getattr(args, _alias_dest(alias), None) if args is not None else None
+            alias_env = _env_value(env, old_env)
+            if alias_flag is not None:
+                if flag_raw is not None:
+                    errors.append(
+                        f"{f.flag} and its old name {old_flag} are both given: keep {f.flag}"
+                    )
+                    continue
+                flag_raw, where = alias_flag, f"{old_flag} (old name of {f.flag})"
+                renamed.append((old_flag, f.flag))
+            elif alias_env is not None and flag_raw is None:
+                # The old variable wins over the new one: a deployment that set it
+                # keeps its value although a shared ConfigMap may set the new name
+                # for another service.
+                env_raw, where = alias_env, f"{old_env} (old name of {f.env})"
+                renamed.append((old_env, f.env))
+        _load_field(f, flag_raw, env_raw, values, errors, where)
     if errors:
         raise ConfigError(errors=errors)
     try:
@@ -700,12 +764,40 @@ def load(
         raise ConfigError(redact(str(exc))) from exc
     for f in _fields(cls):
         _register_secrets(f, getattr(instance, f.name))
+    object.__setattr__(instance, _RENAMED_ATTR, tuple(renamed))
     check = getattr(instance, "validate", None)
     if callable(check):
         problems = check()
         if problems:
             raise ConfigError(errors=[redact(str(p)) for p in problems])
     return instance
+
+
+_RENAMED_ATTR = "_outboxkit_renamed"
+
+
+def _env_value(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    return None if raw is None or raw.strip() == "" else raw
+
+
+def renamed_in_use(settings: object) -> tuple[tuple[str, str], ...]:
+    """``(old, new)`` for each former flag or variable name :func:`load` read a
+    value from, for the service's ``setting-renamed`` warning at start."""
+    return tuple(getattr(settings, _RENAMED_ATTR, ()))
+
+
+def warn_renamed(logger: logging.Logger, settings: object) -> None:
+    """One ``setting-renamed`` WARNING per former name a value was read from."""
+    for old, new in renamed_in_use(settings):
+        log_event(
+            logger,
+            "setting-renamed",
+            level=logging.WARNING,
+            old=old,
+            new=new,
+            message=f"{old} is the old name of {new}; it still works, rename it when you can",
+        )
 
 
 def describe(settings: object) -> dict[str, object]:

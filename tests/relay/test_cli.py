@@ -68,6 +68,21 @@ def test_help_documents_every_setting_and_its_environment_variable() -> None:
         (["--flush-timeout", "40"], {}, "--flush-timeout / OUTBOXKIT_FLUSH_TIMEOUT"),
         (["--compression", "brotli"], {}, "--compression / OUTBOXKIT_COMPRESSION"),
         (["--table", "drop table;"], {}, "--table / OUTBOXKIT_TABLE"),
+        (
+            ["--retry-backoff-base", "5", "--retry-backoff-cap", "1"],
+            {},
+            "--retry-backoff-cap / OUTBOXKIT_RETRY_BACKOFF_CAP: must be >= --retry-backoff-base",
+        ),
+        (
+            ["--backoff-base", "1", "--retry-backoff-base", "2"],
+            {},
+            "--retry-backoff-base and its old name --backoff-base are both given",
+        ),
+        (
+            [],
+            {"OUTBOXKIT_BACKOFF_CAP": "0"},
+            "OUTBOXKIT_BACKOFF_CAP (old name of OUTBOXKIT_RETRY_BACKOFF_CAP): must be > 0",
+        ),
     ],
 )
 def test_bad_settings_exit_2_naming_the_setting(
@@ -217,6 +232,33 @@ _PEM_KEY = (
 
 
 @pytest.mark.integration
+def test_a_relay_started_with_the_old_backoff_variable_keeps_its_value_and_says_so(
+    db_url: str, outbox: str, kafka_bootstrap: str, relay_process: Callable[..., RelayProcess]
+) -> None:
+    """A ConfigMap shared with consumers sets OUTBOXKIT_RETRY_BACKOFF_BASE for them;
+    the relay's own OUTBOXKIT_BACKOFF_BASE (the old name) still decides its value."""
+    relay = relay_process(
+        ["--kafka-bootstrap", kafka_bootstrap, "--health-port", "0", "--start-jitter", "0",
+         "--lease-ttl", "6", "--flush-timeout", "1", "--kafka-config", "message.timeout.ms=2000",
+         "--backoff-cap", "45"],
+        env={
+            "OUTBOXKIT_DB_URL": db_url,
+            "OUTBOXKIT_BACKOFF_BASE": "2",
+            "OUTBOXKIT_RETRY_BACKOFF_BASE": "0.7",
+        },
+    )  # fmt: skip
+    started = relay.wait_event("relay-started")
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(timeout=15) == 0
+    assert started["settings"]["retry_backoff_base"] == 2.0
+    assert started["settings"]["retry_backoff_cap"] == 45.0
+    renamed = sorted((r["old"], r["new"], r["level"]) for r in relay.events("setting-renamed"))
+    assert renamed == [
+        ("--backoff-cap", "--retry-backoff-cap", "WARNING"),
+        ("OUTBOXKIT_BACKOFF_BASE", "OUTBOXKIT_RETRY_BACKOFF_BASE", "WARNING"),
+    ]
+
+
 def test_key_material_is_masked_and_short_passwords_do_not_garble_the_log(
     db_url: str, outbox: str, kafka_bootstrap: str, relay_process: Callable[..., RelayProcess]
 ) -> None:

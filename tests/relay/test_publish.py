@@ -32,8 +32,8 @@ BROKER_DOWN = {
     "batch_size": 50,
     "lease_ttl": 4.0,
     "flush_timeout": 0.5,
-    "backoff_base": 0.3,
-    "backoff_cap": 3.0,
+    "retry_backoff_base": 0.3,
+    "retry_backoff_cap": 3.0,
     "kafka_config": {"message.timeout.ms": "1000", "reconnect.backoff.max.ms": "500"},
 }
 

@@ -7,7 +7,13 @@ import logging
 import pytest
 
 from outboxkit.runtime import ConfigError, RuntimeSettings, add_arguments, describe, load, setting
-from outboxkit.runtime.settings import parse_bool, parse_duration, positive
+from outboxkit.runtime.settings import (
+    parse_bool,
+    parse_duration,
+    positive,
+    renamed_in_use,
+    warn_renamed,
+)
 from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = pytest.mark.unit
@@ -281,3 +287,81 @@ def test_node_id_must_fit_the_lease_owner_column() -> None:
     assert len(ok.node_id) == MAX_OWNER_LENGTH
     with pytest.raises(ConfigError, match="--node-id / OUTBOXKIT_NODE_ID"):
         load(RuntimeSettings, environ={"OUTBOXKIT_NODE_ID": "n" * (MAX_OWNER_LENGTH + 1)})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Renamed(RuntimeSettings):
+    retry_backoff_base: float = setting(
+        0.5, help="first window", validate=positive, aliases=("backoff_base",)
+    )
+
+
+@pytest.mark.parametrize("new_flag", [None, "1"])
+@pytest.mark.parametrize("old_flag", [None, "2"])
+@pytest.mark.parametrize("new_env", [None, "3"])
+@pytest.mark.parametrize("old_env", [None, "4"])
+def test_a_former_name_still_works_and_how_it_ranks(
+    new_flag: str | None, old_flag: str | None, new_env: str | None, old_env: str | None
+) -> None:
+    """Every mix of the new and the old flag and variable: flags rank over variables,
+    both flags are an error, and the old variable wins over the new one (a shared
+    ConfigMap may set the new name for another service)."""
+    argv = [*(["--retry-backoff-base", new_flag] if new_flag else [])]
+    argv += ["--backoff-base", old_flag] if old_flag else []
+    env = {"OUTBOXKIT_RETRY_BACKOFF_BASE": new_env, "OUTBOXKIT_BACKOFF_BASE": old_env}
+    environ = {k: v for k, v in env.items() if v is not None}
+    if new_flag and old_flag:
+        with pytest.raises(ConfigError) as info:
+            load(Renamed, args=parse(Renamed, argv), environ=environ)
+        assert "--retry-backoff-base and its old name --backoff-base are both given" in str(
+            info.value
+        )
+        return
+    s = load(Renamed, args=parse(Renamed, argv), environ=environ)
+    expected, renamed = next(
+        (value, pair)
+        for value, pair in [
+            (new_flag, ()),
+            (old_flag, (("--backoff-base", "--retry-backoff-base"),)),
+            (old_env, (("OUTBOXKIT_BACKOFF_BASE", "OUTBOXKIT_RETRY_BACKOFF_BASE"),)),
+            (new_env, ()),
+            ("0.5", ()),
+        ]
+        if value is not None
+    )
+    assert s.retry_backoff_base == float(expected)
+    assert renamed_in_use(s) == renamed
+
+
+def test_a_bad_value_under_a_former_name_names_the_old_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(Renamed, environ={"OUTBOXKIT_BACKOFF_BASE": "-1"})
+    assert (
+        "invalid OUTBOXKIT_BACKOFF_BASE (old name of OUTBOXKIT_RETRY_BACKOFF_BASE): must be > 0"
+        in str(info.value)
+    )
+
+
+def test_the_old_flag_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(Renamed, ["--help"])
+    assert "--backoff-base" in capsys.readouterr().out
+
+
+def test_renamed_settings_are_logged_once_each_at_warning() -> None:
+    s = load(Renamed, environ={"OUTBOXKIT_BACKOFF_BASE": "2"})
+    with capture_json_logs() as cap:
+        warn_renamed(logging.getLogger("outboxkit.test"), s)
+    records = cap.events("setting-renamed")
+    assert [(r["event"], r["level"], r["old"], r["new"]) for r in records] == [
+        ("setting-renamed", "WARNING", "OUTBOXKIT_BACKOFF_BASE", "OUTBOXKIT_RETRY_BACKOFF_BASE")
+    ]
+
+
+def test_relay_settings_take_the_former_keywords() -> None:
+    from outboxkit.relay import RelaySettings
+
+    s = RelaySettings(backoff_base=0.25, backoff_cap=9.0)
+    assert (s.retry_backoff_base, s.retry_backoff_cap) == (0.25, 9.0)
+    assert dataclasses.replace(s, batch_size=7).retry_backoff_cap == 9.0
+    assert RelaySettings().retry_backoff_cap == 300.0
