@@ -38,7 +38,18 @@ import secrets
 import socket
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
+from typing import (
+    Any,
+    Generic,
+    TypedDict,
+    TypeVar,
+    Union,
+    Unpack,
+    get_args,
+    get_origin,
+    get_type_hints,
+    overload,
+)
 from urllib.parse import unquote, urlsplit
 
 from outboxkit.runtime.errors import ConfigError
@@ -107,44 +118,26 @@ class SettingSpec:
     aliases: tuple[str, ...] = ()
 
 
+class _Options(TypedDict, Generic[T], total=False):
+    """The keyword options every form of :func:`setting` takes."""
+
+    env: str | None
+    secret: bool
+    parse: Callable[[str], T] | None
+    validate: Callable[[T], str | None] | None
+    choices: Sequence[str] | None
+    default_help: str | None
+    aliases: Sequence[str]
+
+
+@overload
+def setting(default: T, *, help: str, **options: Unpack[_Options[T]]) -> T: ...
 @overload
 def setting(
-    default: T,
-    *,
-    help: str,
-    env: str | None = ...,
-    secret: bool = ...,
-    parse: Callable[[str], T] | None = ...,
-    validate: Callable[[T], str | None] | None = ...,
-    choices: Sequence[str] | None = ...,
-    default_help: str | None = ...,
-    aliases: Sequence[str] = ...,
+    *, default_factory: Callable[[], T], help: str, **options: Unpack[_Options[T]]
 ) -> T: ...
 @overload
-def setting(
-    *,
-    default_factory: Callable[[], T],
-    help: str,
-    env: str | None = ...,
-    secret: bool = ...,
-    parse: Callable[[str], T] | None = ...,
-    validate: Callable[[T], str | None] | None = ...,
-    choices: Sequence[str] | None = ...,
-    default_help: str | None = ...,
-    aliases: Sequence[str] = ...,
-) -> T: ...
-@overload
-def setting(
-    *,
-    help: str,
-    env: str | None = ...,
-    secret: bool = ...,
-    parse: Callable[[str], Any] | None = ...,
-    validate: Callable[[Any], str | None] | None = ...,
-    choices: Sequence[str] | None = ...,
-    default_help: str | None = ...,
-    aliases: Sequence[str] = ...,
-) -> Any: ...
+def setting(*, help: str, **options: Unpack[_Options[Any]]) -> Any: ...
 def setting(
     default: Any = MISSING,
     *,

@@ -73,31 +73,30 @@ class Supervisor:
                 error = redact(f"{type(exc).__name__}: {exc}")
                 with self._lock:
                     self.crashes += 1
-                if self.lifecycle.draining.is_set():
-                    log_event(
-                        self.log,
-                        "worker-crashed-during-drain",
-                        level=logging.ERROR,
-                        worker=name,
-                        error=error,
-                        exc_info=exc,
-                    )
-                    return
-                if ran_for >= self.reset_after:
-                    consecutive = 0
-                delay = self.backoff[min(consecutive, len(self.backoff) - 1)]
-                consecutive += 1
+                # A crash while draining is logged and ends the worker: no restart.
+                draining = self.lifecycle.draining.is_set()
+                restart: dict[str, object] = {}
+                if not draining:
+                    if ran_for >= self.reset_after:
+                        consecutive = 0
+                    delay = self.backoff[min(consecutive, len(self.backoff) - 1)]
+                    consecutive += 1
+                    restart = {
+                        "restart_in_s": delay,
+                        "restarts": consecutive,
+                        "ran_for_s": round(ran_for, 3),
+                    }
                 log_event(
                     self.log,
-                    "worker-crashed",
+                    "worker-crashed-during-drain" if draining else "worker-crashed",
                     level=logging.ERROR,
                     worker=name,
                     error=error,
-                    restart_in_s=delay,
-                    restarts=consecutive,
-                    ran_for_s=round(ran_for, 3),
                     exc_info=exc,
+                    **restart,
                 )
+                if draining:
+                    return
             # Outside the except block so the traceback of the crash is not
             # chained to anything that happens while waiting.
             if self._sleep(delay) or self.lifecycle.draining.is_set():

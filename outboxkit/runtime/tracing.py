@@ -181,27 +181,38 @@ class ProducerTracing:
         """The headers and callback to produce with; unchanged for an untraced row
         (or when tracing fails: the row is sent as stored)."""
         try:
-            return self._send(topic, event_id, headers, callback, spans, row_id)
+            started = self._start_span(topic, event_id, headers)
         except Exception as exc:
             _hook_failed("producer-span", exc)
             return headers, callback
+        if started is None:
+            return headers, callback
+        span, sent = started
+        spans[row_id] = span
 
-    def _send(
-        self,
-        topic: str,
-        event_id: str,
-        headers: list[tuple[str, str | bytes | None]],
-        callback: DeliveryCallback,
-        spans: dict[int, Any],
-        row_id: int,
-    ) -> tuple[list[tuple[str, str | bytes | None]], DeliveryCallback]:
+        def on_delivery(err: Any, msg: Any) -> None:
+            ended = spans.pop(row_id, None)
+            if ended is not None:
+                try:
+                    _end_delivered(ended, err, msg)
+                except Exception as exc:  # the report itself must still land
+                    _hook_failed("producer-span-end", exc)
+            callback(err, msg)
+
+        return sent, on_delivery
+
+    def _start_span(
+        self, topic: str, event_id: str, headers: list[tuple[str, str | bytes | None]]
+    ) -> tuple[Span, list[tuple[str, str | bytes | None]]] | None:
+        """The producer span of a traced row and the headers that continue it;
+        None for a row without a traceparent we can continue."""
         carrier = _carrier(headers)
         if TRACEPARENT not in carrier:
-            return headers, callback
+            return None
         assert _PROPAGATOR is not None and _trace is not None
         parent = _PROPAGATOR.extract(carrier)
         if not _trace.get_current_span(parent).get_span_context().is_valid:
-            return headers, callback  # not a traceparent we can continue: send as stored
+            return None  # not a traceparent we can continue: send as stored
         span = self._tracer.start_span(
             f"send {topic}",
             context=parent,
@@ -221,18 +232,7 @@ class ProducerTracing:
         sent: list[tuple[str, str | bytes | None]] = [
             (n, traceparent if n == TRACEPARENT else v) for n, v in headers
         ]
-        spans[row_id] = span
-
-        def on_delivery(err: Any, msg: Any) -> None:
-            ended = spans.pop(row_id, None)
-            if ended is not None:
-                try:
-                    _end_delivered(ended, err, msg)
-                except Exception as exc:  # the report itself must still land
-                    _hook_failed("producer-span-end", exc)
-            callback(err, msg)
-
-        return sent, on_delivery
+        return span, sent
 
     @staticmethod
     def abandon(spans: dict[int, Any]) -> None:
