@@ -31,7 +31,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec
 
 import sqlalchemy as sa
 import tenacity
@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("outboxkit.relay.retention")
+P = ParamSpec("P")
 
 #: MySQL/MariaDB errors after which the same batch may simply be tried again.
 _LOCK_WAIT_TIMEOUT, _DEADLOCK = 1205, 1213
@@ -78,42 +79,14 @@ class PurgeResult:
     stopped: bool
 
 
-def purge_delivered(
-    engine: Engine,
-    table: str,
-    older_than_s: float,
-    batch_size: int = 1000,
-    pause_s: float = 0.2,
-    stop: Callable[[], bool] = lambda: False,
-    *,
-    node_id: str | None = None,
-    on_batch: Callable[[int], None] | None = None,
-) -> int:
-    """Delete ``delivered`` rows whose ``delivered_at`` is older than ``older_than_s``.
-
-    Returns the number of rows deleted. See the module docstring for guarantees;
-    :func:`purge` returns the full :class:`PurgeResult`.
-    """
-    return purge(
-        engine,
-        table=table,
-        older_than_s=older_than_s,
-        batch_size=batch_size,
-        pause_s=pause_s,
-        stop=stop,
-        node_id=node_id,
-        on_batch=on_batch,
-    ).deleted
-
-
 def purge(
     engine: Engine,
-    *,
     table: str,
     older_than_s: float,
     batch_size: int = 1000,
     pause_s: float = 0.2,
     stop: Callable[[], bool] = lambda: False,
+    *,
     node_id: str | None = None,
     on_batch: Callable[[int], None] | None = None,
     record_empty: bool = False,
@@ -197,6 +170,21 @@ def purge(
         duration_ms=round((time.monotonic() - started) * 1000),
     )
     return result
+
+
+def _rows_deleted(run: Callable[P, PurgeResult]) -> Callable[P, int]:
+    def purge_delivered(*args: P.args, **kwargs: P.kwargs) -> int:
+        """Delete ``delivered`` rows whose ``delivered_at`` is older than ``older_than_s``.
+
+        Takes what :func:`purge` takes and returns the number of rows deleted;
+        :func:`purge` returns the full :class:`PurgeResult`.
+        """
+        return run(*args, **kwargs).deleted
+
+    return purge_delivered
+
+
+purge_delivered = _rows_deleted(purge)
 
 
 def count_purgeable(engine: Engine, *, table: str, older_than_s: float) -> tuple[int, dt.datetime]:
