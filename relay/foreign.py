@@ -13,7 +13,7 @@ import logging
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.logs import Episode
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
 
 __all__ = ["ForeignRelayMonitor", "detect_foreign_relays"]
@@ -58,19 +58,15 @@ class ForeignRelayMonitor:
         self.node_id = node_id
         self.log = logger or _log
         self._seen: dict[str, dt.datetime] = {}
-        self._warned = False
+        self._others = Episode(self.log, "multiple-relays-without-redis")  # never ends
 
     def check(self, conn: Connection) -> set[str]:
         """Return the relays seen claiming since the previous check."""
         current = detect_foreign_relays(conn, self.table, self.node_id)
         active = {o for o, exp in current.items() if o in self._seen and exp > self._seen[o]}
         self._seen = current
-        if active and not self._warned:
-            self._warned = True
-            log_event(
-                self.log,
-                "multiple-relays-without-redis",
-                level=logging.WARNING,
+        if active:
+            self._others.begin(
                 table=self.table,
                 others=sorted(active),
                 detail=(

@@ -65,7 +65,7 @@ from outboxkit.relay.foreign import ForeignRelayMonitor, detect_foreign_relays
 from outboxkit.relay.lease_scripts import ACQUIRE_LUA, HEARTBEAT_LUA, RELEASE_LUA, RENEW_LUA
 from outboxkit.relay.metrics import ShardLeaseMetrics
 from outboxkit.runtime.errors import ConfigError, DependencyError
-from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.logs import Episode, log_event, redact
 from outboxkit.runtime.rediskeys import lease_key, members_key
 from outboxkit.schema.table import validate_identifier
 
@@ -203,8 +203,7 @@ class RedisShardLeases:
         self._assignment_cache: tuple[tuple[str, ...], dict[str, frozenset[int]]] | None = None
         self._redis_ok: bool | None = None
         self._run_id: str | None = None
-        self._fence_logged: str | None = None
-        self._fence_lifted: str | None = None
+        self._fence = Episode(self.log, "shard-grants-fenced", "shard-grants-unfenced")
         self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
         self._stop = threading.Event()
         self._kick = threading.Event()
@@ -556,12 +555,9 @@ class RedisShardLeases:
         run_id = str(info.get("run_id", ""))
         uptime = float(info.get("uptime_in_seconds", 0))
         fenced = uptime < math.ceil(self.settings.ttl)
-        if fenced and self._fence_logged != run_id:
-            self._fence_logged = run_id
-            log_event(
-                self.log,
-                "shard-grants-fenced",
-                level=logging.WARNING,
+        if fenced:
+            self._fence.begin(  # once per Redis run
+                run_id,
                 table=self.table,
                 redis_run_id=run_id,
                 previous_run_id=self._run_id,
@@ -570,9 +566,8 @@ class RedisShardLeases:
                 reason="Redis has been up for less than the shard lease TTL: leases it "
                 "forgot in a restart may still be believed in by their previous owners",
             )
-        elif not fenced and self._fence_logged == run_id and self._fence_lifted != run_id:
-            self._fence_lifted = run_id
-            log_event(self.log, "shard-grants-unfenced", table=self.table, redis_run_id=run_id)
+        else:
+            self._fence.end(table=self.table, redis_run_id=run_id)
         if self.metrics.fenced is not None:
             self.metrics.fenced.set(1 if fenced else 0)
         self._run_id = run_id

@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from outboxkit.runtime.lifecycle import Lifecycle
-from outboxkit.runtime.logs import log_event, redact_url
+from outboxkit.runtime.logs import Episode, redact_url
 
 __all__ = ["PollWaker", "RedisWaker", "Waker"]
 
@@ -118,7 +118,7 @@ class RedisWaker(_DrainAware):
         self.hints = 0
         self._subscribed = threading.Event()
         self._stop = threading.Event()
-        self._down = False
+        self._down = Episode(self.log, "wakeup-unsubscribed", "wakeup-subscribed")
         self._backoff = _RECONNECT_MIN_S
         self._thread = threading.Thread(
             target=self._run, name="outboxkit-wakeup-subscriber", daemon=True
@@ -155,17 +155,12 @@ class RedisWaker(_DrainAware):
                 self._listen()
             except Exception as exc:  # Redis gone or unhealthy: reconnect
                 self._subscribed.clear()
-                if not self._down:
-                    self._down = True
-                    log_event(
-                        self.log,
-                        "wakeup-unsubscribed",
-                        level=logging.WARNING,
-                        channel=self.channel,
-                        redis=redact_url(self.redis_url),
-                        error=f"{type(exc).__name__}: {exc}",
-                        note="the relay polls until the subscription is back",
-                    )
+                self._down.begin(
+                    channel=self.channel,
+                    redis=redact_url(self.redis_url),
+                    error=f"{type(exc).__name__}: {exc}",
+                    note="the relay polls until the subscription is back",
+                )
                 if self._stop.wait(self._backoff):
                     return
                 self._backoff = min(self._backoff * 2, _RECONNECT_MAX_S)
@@ -200,10 +195,9 @@ class RedisWaker(_DrainAware):
                 self.log.debug("closing the wake-up subscription failed: %s", exc)
 
     def _on_subscribed(self) -> None:
+        # Hints sent while we were away are lost: look once, then wait for more.
+        # Set before `subscribed`, so whoever sees the subscription sees this wake-up.
+        self._wake.set()
         self._subscribed.set()
         self._backoff = _RECONNECT_MIN_S
-        if self._down:
-            self._down = False
-            log_event(self.log, "wakeup-subscribed", channel=self.channel)
-        # Hints sent while we were away are lost: look once, then wait for more.
-        self._wake.set()
+        self._down.end(channel=self.channel)

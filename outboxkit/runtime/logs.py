@@ -58,6 +58,7 @@ __all__ = [
     "LOG_FORMATS",
     "MIN_SECRET_LENGTH",
     "ConsoleFormatter",
+    "Episode",
     "JsonFormatter",
     "configure_logging",
     "flush_logging",
@@ -268,6 +269,47 @@ def log_event(
         extra={_EVENT_ATTR: event, _FIELDS_ATTR: clean},
         stacklevel=2,
     )
+
+
+class Episode:
+    """A condition worth a line when it starts and one when it ends, not one per check.
+
+    :meth:`begin` logs ``started`` at ``level`` unless an episode with the same
+    key is already open (a new key, e.g. another Redis run id, opens a new one);
+    :meth:`end` logs ``ended`` (INFO) if an episode is open. One thread drives
+    an episode.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        started: str,
+        ended: str | None = None,
+        *,
+        level: int = logging.WARNING,
+    ) -> None:
+        self.logger = logger
+        self.started = started
+        self.ended = ended
+        self.level = level
+        self.key: object = None
+
+    @property
+    def open(self) -> bool:
+        return self.key is not None
+
+    def begin(self, key: object = True, /, **fields: object) -> None:
+        if key is None or key == self.key:
+            return
+        self.key = key
+        log_event(self.logger, self.started, level=self.level, **fields)
+
+    def end(self, **fields: object) -> None:
+        if self.key is None:
+            return
+        self.key = None
+        if self.ended is not None:
+            log_event(self.logger, self.ended, level=logging.INFO, **fields)
 
 
 def _utc_ts(created: float) -> str:

@@ -332,3 +332,30 @@ def test_a_dsn_password_never_reaches_console_output(password: str) -> None:
     text = out.getvalue()
     assert password not in text
     assert "mysql+pymysql://outboxkit:***@db.internal:3306/orders" in text
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(["a", "b"]), st.none()), max_size=30))
+def test_an_episode_logs_once_when_it_starts_and_once_when_it_ends(
+    steps: list[str | None],
+) -> None:
+    """A key begins an episode (None ends it): a line only when the state changes."""
+    from outboxkit.runtime.logs import Episode
+
+    with capture_json_logs() as cap:
+        episode = Episode(logging.getLogger("outboxkit.test"), "thing-down", "thing-up")
+        for step in steps:
+            if step is None:
+                episode.end(n=1)
+            else:
+                episode.begin(step, key=step)
+    lines = [(r["event"], r.get("key"), r["level"]) for r in cap.records]
+    expected: list[tuple[str, str | None, str]] = []
+    state: str | None = None
+    for step in steps:
+        if step is None and state is not None:
+            expected.append(("thing-up", None, "INFO"))
+        elif step is not None and step != state:
+            expected.append(("thing-down", step, "WARNING"))
+        state = step
+    assert lines == expected
