@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import signal
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
+from confluent_kafka import Consumer as KafkaConsumer
+from confluent_kafka import TopicPartition
 from relay_support import (
     Message,
     Pushgateway,
@@ -45,6 +48,17 @@ def _slow_relay_args(db_url: str, bootstrap: str, **overrides: object) -> list[s
     }
     values.update(overrides)
     return cli_args(fast_settings(db_url, bootstrap, **values))  # type: ignore[arg-type]
+
+
+def _messages_in(bootstrap: str, topic: str, partitions: int) -> int:
+    probe = KafkaConsumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4()}"})
+    try:
+        return sum(
+            probe.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1]
+            for p in range(partitions)
+        )
+    finally:
+        probe.close()
 
 
 def _delivering(engine: sa.Engine, table: str) -> int:
@@ -83,7 +97,13 @@ def test_sigterm_drains_releases_with_refund_and_restart_finishes(
     relay = relay_process(_slow_relay_args(db_url, kafka_bootstrap))
     url = relay.health_url()
     wait_for(lambda: _delivering(engine, outbox) > 0, timeout=20, what="a batch in flight")
-    time.sleep(0.3)  # full producer batches are acknowledged by now; the rest lingers
+    # Full producer batches of 10 go out at once (acknowledged during the drain's
+    # flush at the latest); the rest lingers 8 s and is released unknown.
+    wait_for(
+        lambda: _messages_in(kafka_bootstrap, topic, 3) > 0,
+        timeout=6,
+        what="part of the batch sent",
+    )
     assert http_get(f"{url}/healthz/ready")[0] == 200
 
     sent = time.monotonic()
@@ -173,7 +193,13 @@ def test_sigkill_mid_batch_rows_reclaimed_after_lease_expiry_attempts_kept(
     )
     first = relay_process(_slow_relay_args(db_url, kafka_bootstrap, lease_ttl=14.0))
     wait_for(lambda: _delivering(engine, outbox) > 0, timeout=20, what="a batch in flight")
-    time.sleep(0.5)  # some of the batch reached Kafka: those will be duplicates
+    # Full producer batches of 10 go out at once; the rest lingers 8 s. Kill once some
+    # of the batch is in Kafka (those become the duplicates), before the linger ends.
+    wait_for(
+        lambda: _messages_in(kafka_bootstrap, topic, 3) > 0,
+        timeout=6,
+        what="part of the batch sent",
+    )
     first.signal(signal.SIGKILL)
     first.wait(timeout=10)
     in_flight = {r.event_id: r for r in rows(engine, outbox) if r.status == "delivering"}
