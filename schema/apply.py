@@ -83,11 +83,37 @@ def apply_schema(
     if inbox is not None:
         tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
     report = ApplyReport(table=table, shard_count=shards)
+    with engine.connect() as conn:
+        for t in tables:
+            _check_name_lengths(conn.dialect, t)
     with engine.connect() as conn, _schema_lock(conn):
         for t in tables:
             _create_or_upgrade(conn, t, report)
         report.shard_count = _ensure_meta_row(conn, table, shards, report)
     return report
+
+
+def _check_name_lengths(dialect: sa.engine.Dialect, table: sa.Table) -> None:
+    """Refuse a table whose own or derived names (``ix_<table>_key_status``, ...) the
+    database cannot hold, before anything is created.
+
+    MySQL/MariaDB allow 64 characters per name, PostgreSQL 63 (it would otherwise
+    cut them short, and two index names could end up the same).
+    """
+    index_limit = dialect.max_index_name_length or dialect.max_identifier_length
+    constraint_limit = dialect.max_constraint_name_length or dialect.max_identifier_length
+    names = [(str(i.name), index_limit) for i in table.indexes]
+    names += [(str(c.name), constraint_limit) for c in table.constraints if c.name]
+    names.append((table.name, min(dialect.max_identifier_length, 64)))
+    # The name with the least room decides the longest table name possible.
+    name, limit = min(names, key=lambda n: n[1] - len(n[0]))
+    if len(name) > limit:
+        longest = len(table.name) - (len(name) - limit)
+        what = "it is" if name == table.name else f"its index or constraint {name} would be"
+        raise SchemaError(
+            f"table name {table.name!r} is too long for {dialect.name}: {what} "
+            f"{len(name)} characters, over the limit of {limit}; use at most {longest} characters"
+        )
 
 
 def _enum_types(table: sa.Table) -> list[sa.Enum]:

@@ -366,3 +366,23 @@ def test_printed_postgresql_ddl_runs_twice(pg_url: str) -> None:
         }
     finally:
         engine.dispose()
+
+
+@on_both_databases
+def test_a_table_name_too_long_for_its_index_names_is_refused_before_anything(
+    engine: sa.Engine, db_url: str, request: pytest.FixtureRequest
+) -> None:
+    """Index names are ``ix_<table>_key_status``: they, not the table, hit the limit first.
+
+    MySQL/MariaDB allow 64 characters per identifier, PostgreSQL 63, so the
+    longest table name is 50 there and 49 here; one more is refused with the
+    limit named (exit 2), before any table is created.
+    """
+    longest = {"mariadb": 50, "postgresql": 49}[request.node.callspec.params["db_url"]]
+    too_long = cli("apply", "--db-url", db_url, "--table", "t" * (longest + 1), "--shards", "2")
+    assert too_long.returncode == 2, too_long.stderr
+    assert f"at most {longest} characters" in too_long.stderr, too_long.stderr
+    assert "Traceback" not in too_long.stderr
+    assert sa.inspect(engine).get_table_names() == []
+    report = apply_schema(engine, table="t" * longest, shards=2, inbox=None)
+    assert report.shard_count == 2 and sa.inspect(engine).has_table("t" * longest)
