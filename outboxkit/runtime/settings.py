@@ -365,6 +365,14 @@ def optional_url(value: str | None) -> str | None:
     return _url_parts_problem(value, None)
 
 
+#: The extra that brings a URL scheme's driver.
+_DRIVER_EXTRAS = {
+    "postgresql+psycopg": "postgres",
+    "mysql+asyncmy": "async",
+    "mariadb+asyncmy": "async",
+}
+
+
 def valid_database_url(value: str | None) -> str | None:
     """A SQLAlchemy URL whose dialect and driver are installed, with a plain host.
 
@@ -397,7 +405,9 @@ def valid_database_url(value: str | None) -> str | None:
     try:
         dialect.import_dbapi()
     except ImportError as exc:
-        return f"the driver of {url.drivername!r} is not installed ({exc.name or exc})"
+        extra = _DRIVER_EXTRAS.get(url.drivername)
+        hint = f"; pip install 'outboxkit[{extra}]'" if extra else ""
+        return f"the driver of {url.drivername!r} is not installed ({exc.name or exc}){hint}"
     return None
 
 

@@ -99,3 +99,27 @@ def test_schema_apply_still_takes_a_postgresql_url(tmp_path: Path) -> None:
     out = _cli(["schema", "apply", "--db-url", PG_URL], tmp_path)
     assert out.returncode == 3, out.stderr
     assert "cannot reach" in out.stderr and SECRET not in out.stderr
+
+
+def test_schema_apply_without_the_extra_says_which_extra(tmp_path: Path) -> None:
+    """No psycopg: exit 2 naming the setting and the extra to install."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    probe = (
+        "import sys\n"
+        "sys.modules['psycopg'] = None  # as if outboxkit[postgres] were not installed\n"
+        "from outboxkit.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "schema", "apply", "--db-url", PG_URL],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--db-url / OUTBOXKIT_DB_URL" in out.stderr
+    assert "pip install 'outboxkit[postgres]'" in out.stderr, out.stderr
+    assert SECRET not in out.stderr
