@@ -496,8 +496,7 @@ class Relay:
                 raise ConfigError(
                     invalid(
                         "db_url",
-                        f"the relay runs on MySQL/MariaDB only (got {self.engine.dialect.name}; "
-                        "see docs/postgresql.md)",
+                        f"the relay runs on MySQL/MariaDB only (got {self.engine.dialect.name})",
                     )
                 )
             shard_count = self._read_shard_count()
