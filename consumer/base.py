@@ -59,7 +59,14 @@ from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import ServiceRuntime
-from outboxkit.runtime.settings import describe, invalid, missing, warn_renamed, where
+from outboxkit.runtime.settings import (
+    POSTGRESQL_NOT_YET,
+    describe,
+    invalid,
+    missing,
+    warn_renamed,
+    where,
+)
 from outboxkit.runtime.tracing import consumer_tracing
 
 if TYPE_CHECKING:
@@ -211,6 +218,8 @@ class Consumer:
             problems.append(missing("kafka_bootstrap"))
         if s.inbox and engine is None and not s.db_url:
             problems.append(invalid("inbox", f"needs {where('db_url')}"))
+        if s.inbox and engine is not None and engine.dialect.name == "postgresql":
+            problems.append(f"invalid engine=: {POSTGRESQL_NOT_YET}")
         if engine is not None and (self._async is None) != isinstance(engine, Engine):
             problems.append(
                 "invalid engine=: an async def handle needs an AsyncEngine, a sync one an Engine"

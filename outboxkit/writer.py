@@ -16,6 +16,10 @@ forgotten ``await`` cannot pass for a write: ``enqueue`` always returns the id,
 ``enqueue_async`` always returns a coroutine, and strict mypy checks both
 without overload tricks. Each refuses the other kind of target with a
 ``TypeError`` naming the right function.
+
+On PostgreSQL the INSERT is followed by ``pg_notify`` in the same transaction
+(``outboxkit.notify``): listeners hear about the rows when, and only if, the
+caller commits.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from outboxkit.errors import (
     PayloadTooLargeError,
     UnserializablePayloadError,
 )
+from outboxkit.notify import notify_at_commit
 from outboxkit.runtime.tracing import trace_headers, with_trace_headers
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
@@ -265,7 +270,9 @@ def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
     )
     for chunk in _chunks(rows):
         conn.execute(stmt, chunk)
-    mark_enqueued(target, conn, table)  # for wake-up hints after commit, when enabled
+    # PostgreSQL: NOTIFY in the caller's transaction, so sent exactly at its commit.
+    notify_at_commit(conn, table, (row["shard"] for row in rows))
+    mark_enqueued(target, conn, table)  # for Redis wake-up hints after commit, when enabled
 
 
 def _refuse_repeated_ids(rows: list[dict[str, Any]]) -> None:

@@ -496,7 +496,7 @@ class Relay:
                 raise ConfigError(
                     invalid(
                         "db_url",
-                        f"the relay supports MySQL and MariaDB (got {self.engine.dialect.name})",
+                        f"the relay runs on MySQL/MariaDB only (got {self.engine.dialect.name})",
                     )
                 )
             shard_count = self._read_shard_count()

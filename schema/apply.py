@@ -1,8 +1,11 @@
 """Create or upgrade the outbox schema, idempotently and safely from many pods.
 
 ``apply_schema`` takes a database-wide named lock (MySQL/MariaDB ``GET_LOCK``,
-PostgreSQL advisory lock) so that several pods running ``outboxkit schema apply``
-at once serialise: the first creates, the others find everything in place.  An
+PostgreSQL session advisory lock), waiting at most 60 s for it, so that several
+pods running ``outboxkit schema apply`` at once serialise: the first creates,
+the others find everything in place. On PostgreSQL the status ENUM is a type of
+its own (``outbox_status``, shared by every outbox table of the database),
+created before the first table that uses it.  An
 upgrade adds what is missing (columns, indexes) and, on MySQL/MariaDB, moves
 identifier columns to their byte-exact collation (``ALTER TABLE ... MODIFY``, one
 statement per table, reported one line per column). It never drops a column, an
@@ -42,6 +45,8 @@ log = logging.getLogger("outboxkit.schema")
 
 _LOCK_NAME = "outboxkit_schema_apply"
 _LOCK_TIMEOUT_S = 60
+#: PostgreSQL's SQLSTATE for "canceling statement due to lock timeout".
+_PG_LOCK_NOT_AVAILABLE = "55P03"
 
 
 @dataclass
@@ -78,6 +83,9 @@ def apply_schema(
     if inbox is not None:
         tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
     report = ApplyReport(table=table, shard_count=shards)
+    with engine.connect() as conn:
+        for t in tables:
+            _check_name_lengths(conn.dialect, t)
     with engine.connect() as conn, _schema_lock(conn):
         for t in tables:
             _create_or_upgrade(conn, t, report)
@@ -85,7 +93,54 @@ def apply_schema(
     return report
 
 
+def _check_name_lengths(dialect: sa.engine.Dialect, table: sa.Table) -> None:
+    """Refuse a table whose own or derived names (``ix_<table>_key_status``, ...) the
+    database cannot hold, before anything is created.
+
+    MySQL/MariaDB allow 64 characters per name, PostgreSQL 63 (it would otherwise
+    cut them short, and two index names could end up the same).
+    """
+    index_limit = dialect.max_index_name_length or dialect.max_identifier_length
+    constraint_limit = dialect.max_constraint_name_length or dialect.max_identifier_length
+    names = [(str(i.name), index_limit) for i in table.indexes]
+    names += [(str(c.name), constraint_limit) for c in table.constraints if c.name]
+    names.append((table.name, min(dialect.max_identifier_length, 64)))
+    # The name with the least room decides the longest table name possible.
+    name, limit = min(names, key=lambda n: n[1] - len(n[0]))
+    if len(name) > limit:
+        longest = len(table.name) - (len(name) - limit)
+        what = "it is" if name == table.name else f"its index or constraint {name} would be"
+        raise SchemaError(
+            f"table name {table.name!r} is too long for {dialect.name}: {what} "
+            f"{len(name)} characters, over the limit of {limit}; use at most {longest} characters"
+        )
+
+
+def _enum_types(table: sa.Table) -> list[sa.Enum]:
+    """The table's named ENUM types (the status), once each."""
+    found: dict[str, sa.Enum] = {}
+    for column in table.columns:
+        if isinstance(column.type, sa.Enum) and column.type.name:
+            found.setdefault(column.type.name, column.type)
+    return list(found.values())
+
+
+def _create_types(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
+    """PostgreSQL: the table's ENUM types are their own objects, created first.
+
+    (MySQL/MariaDB declare an ENUM inline in the column.) One type serves every
+    outbox table of the database; the schema lock makes the check-then-create safe.
+    """
+    if conn.dialect.name != "postgresql":
+        return
+    for enum_type in _enum_types(table):
+        if not conn.dialect.has_type(conn, str(enum_type.name)):  # type: ignore[attr-defined]
+            enum_type.create(conn)
+            report.actions.append(f"created type {enum_type.name}")
+
+
 def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
+    _create_types(conn, table, report)
     inspector = sa.inspect(conn)
     created = not inspector.has_table(table.name)
     if created:
@@ -199,7 +254,20 @@ def _schema_lock(conn: Connection) -> Iterator[None]:
             conn.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": _LOCK_NAME})
             conn.commit()
     elif dialect == "postgresql":
-        conn.execute(sa.text("SELECT pg_advisory_lock(hashtext(:n))"), {"n": _LOCK_NAME})
+        # A session-level advisory lock: held across the commits below, released
+        # at the end (or by the server if this session dies). lock_timeout bounds
+        # the wait like GET_LOCK's timeout; SET LOCAL ends with this transaction.
+        conn.execute(sa.text(f"SET LOCAL lock_timeout = '{int(_LOCK_TIMEOUT_S)}s'"))
+        try:
+            conn.execute(sa.text("SELECT pg_advisory_lock(hashtext(:n))"), {"n": _LOCK_NAME})
+        except sa.exc.OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _PG_LOCK_NOT_AVAILABLE:
+                raise
+            conn.rollback()
+            raise SchemaError(
+                f"could not take the schema lock within {_LOCK_TIMEOUT_S} s"
+            ) from None
+        conn.commit()
         try:
             yield
         finally:
@@ -222,6 +290,13 @@ def schema_sql(
     if inbox is not None:
         tables.append(inbox_table(validate_identifier(inbox, what="inbox table name")))
     parts: list[str] = []
+    if dialect_name == "postgresql":
+        from sqlalchemy.dialects.postgresql import CreateEnumType
+
+        # No CREATE TYPE IF NOT EXISTS in PostgreSQL: ignore the duplicate instead.
+        for enum_type in _enum_types(outbox_table(table)):
+            create = str(CreateEnumType(enum_type).compile(dialect=dialect)).strip()
+            parts.append(f"DO $$ BEGIN {create}; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
     for t in tables:
         parts.append(str(CreateTable(t, if_not_exists=True).compile(dialect=dialect)).strip())
         # MySQL 8 has no CREATE INDEX IF NOT EXISTS; MariaDB, PostgreSQL and SQLite do.

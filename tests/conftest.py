@@ -1,13 +1,19 @@
 """Fixtures for real services.
 
-Service addresses come from ``OUTBOXKIT_TEST_DB_URL``, ``OUTBOXKIT_TEST_KAFKA_BOOTSTRAP``
-and ``OUTBOXKIT_TEST_REDIS_URL`` (``eval "$(deploy/local/up.sh)"`` prints them).
+Service addresses come from ``OUTBOXKIT_TEST_DB_URL`` (MariaDB/MySQL),
+``OUTBOXKIT_TEST_PG_URL`` (PostgreSQL), ``OUTBOXKIT_TEST_KAFKA_BOOTSTRAP`` and
+``OUTBOXKIT_TEST_REDIS_URL`` (``eval "$(deploy/local/up.sh)"`` prints them).
 Without them, a Docker engine is tried through testcontainers.  When neither
 answers, the test is skipped locally with the reason, and **fails** under CI
 (``CI=true``): a missing service must never look like a pass.
 
 Every test gets its own database, its own Kafka topics and its own Redis key
 prefix, so tests cannot see each other's data.
+
+``db_url`` (and so ``engine`` and ``outbox``) is a MariaDB database unless the
+test is marked ``support.databases.on_both_databases``, which runs it once on
+MariaDB and once on PostgreSQL (ids ``[mariadb]`` and ``[postgresql]``).
+``pg_url`` is a PostgreSQL database for PostgreSQL-only tests.
 """
 
 from __future__ import annotations
@@ -19,17 +25,18 @@ import socket
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import sqlalchemy as sa
+from support.databases import MARIADB, POSTGRESQL
 
 from outboxkit.schema import apply_schema
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def missing_service(reason: str) -> None:
+def missing_service(reason: str) -> NoReturn:
     """Fail under CI, skip elsewhere."""
     if IN_CI:
         pytest.fail(f"service unavailable under CI: {reason}", pytrace=False)
@@ -80,6 +87,17 @@ def _service_url(env: str, kind: str, containers: dict[str, Any]) -> str:
                 "mysql:8.4", username="outboxkit", password="outboxkit", dbname="outboxkit_test"
             )
             containers[kind] = c.start()
+        elif kind == "pg":
+            from testcontainers.postgres import PostgresContainer
+
+            c = PostgresContainer(
+                "postgres:15",
+                username="outboxkit",
+                password="outboxkit",
+                dbname="outboxkit_test",
+                driver="psycopg",
+            )
+            containers[kind] = c.start()
         elif kind == "kafka":
             from testcontainers.kafka import KafkaContainer
 
@@ -91,6 +109,8 @@ def _service_url(env: str, kind: str, containers: dict[str, Any]) -> str:
     c = containers[kind]
     if kind == "db":
         return str(c.get_connection_url()).replace("mysql://", "mysql+pymysql://", 1)
+    if kind == "pg":
+        return str(c.get_connection_url())
     if kind == "kafka":
         return str(c.get_bootstrap_server())
     return f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"
@@ -99,6 +119,11 @@ def _service_url(env: str, kind: str, containers: dict[str, Any]) -> str:
 @pytest.fixture(scope="session")
 def db_server_url(_containers: dict[str, Any]) -> str:
     return _service_url("OUTBOXKIT_TEST_DB_URL", "db", _containers)
+
+
+@pytest.fixture(scope="session")
+def pg_server_url(_containers: dict[str, Any]) -> str:
+    return _service_url("OUTBOXKIT_TEST_PG_URL", "pg", _containers)
 
 
 @pytest.fixture(scope="session")
@@ -115,12 +140,17 @@ def unique_name(prefix: str = "t") -> str:
     return f"{prefix}_{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture
-def db_url(db_server_url: str) -> Iterator[str]:
-    """A fresh, empty database for this test (dropped afterwards)."""
-    server = sa.make_url(db_server_url)
+@contextlib.contextmanager
+def _fresh_database(server_url: str) -> Iterator[str]:
+    """A new, empty database on the server of ``server_url``, dropped afterwards."""
+    server = sa.make_url(server_url)
     name = unique_name("okt")
-    admin = sa.create_engine(server)
+    postgres = server.get_backend_name() == "postgresql"
+    try:
+        # PostgreSQL runs CREATE/DROP DATABASE only outside a transaction block.
+        admin = sa.create_engine(server, isolation_level="AUTOCOMMIT" if postgres else None)
+    except ImportError as exc:  # the driver extra is not installed
+        missing_service(f"no driver for {server.drivername}: {exc}")
     try:
         with admin.connect() as conn:
             conn.execute(sa.text(f"CREATE DATABASE {name}"))
@@ -131,9 +161,34 @@ def db_url(db_server_url: str) -> Iterator[str]:
     try:
         yield url
     finally:
+        # FORCE: a test's own connections (a LISTEN, a leaked pool) must not keep it.
+        force = " WITH (FORCE)" if postgres else ""
         with admin.connect() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}{force}"))
         admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_server_url: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test (dropped afterwards)."""
+    with _fresh_database(pg_server_url) as url:
+        yield url
+
+
+@pytest.fixture
+def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, empty database for this test (dropped afterwards).
+
+    MariaDB/MySQL, or PostgreSQL for the ``[postgresql]`` run of a test marked
+    ``on_both_databases``.
+    """
+    kind = getattr(request, "param", MARIADB)
+    if kind == POSTGRESQL:
+        yield request.getfixturevalue("pg_url")
+        return
+    assert kind == MARIADB, kind
+    with _fresh_database(request.getfixturevalue("db_server_url")) as url:
+        yield url
 
 
 @pytest.fixture

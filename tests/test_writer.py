@@ -1,4 +1,9 @@
-"""The writer API against a real database: what a service sees in its table."""
+"""The writer API against a real database: what a service sees in its table.
+
+Tests marked ``on_both_databases`` run on MariaDB and on PostgreSQL. The table of
+bad inputs and the producer-size check stay on MariaDB: they are refused (or
+sized) before any database is touched, by code that does not know the dialect.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session
+from support.databases import on_both_databases
 
 import outboxkit
 from outboxkit import Event, enqueue, enqueue_many
@@ -28,6 +34,7 @@ def rows(engine: sa.Engine, table: str = "outbox_events") -> list[sa.Row[Any]]:
         return list(conn.execute(sa.select(t).order_by(t.c.id)))
 
 
+@on_both_databases
 def test_committed_enqueue_writes_a_pending_row(engine: sa.Engine, outbox: str) -> None:
     with engine.begin() as conn:
         event_id = enqueue(
@@ -47,6 +54,7 @@ def test_committed_enqueue_writes_a_pending_row(engine: sa.Engine, outbox: str) 
     assert row.lease_owner is None and row.delivered_at is None
 
 
+@on_both_databases
 def test_keyless_event_shards_by_event_id(engine: sa.Engine, outbox: str) -> None:
     with engine.begin() as conn:
         event_id = enqueue(conn, topic="orders", payload=b"raw")
@@ -55,6 +63,7 @@ def test_keyless_event_shards_by_event_id(engine: sa.Engine, outbox: str) -> Non
     assert row.shard == zlib.crc32(event_id.encode()) % 8
 
 
+@on_both_databases
 def test_rollback_leaves_no_row(engine: sa.Engine, outbox: str) -> None:
     with engine.connect() as conn:
         trans = conn.begin()
@@ -63,6 +72,7 @@ def test_rollback_leaves_no_row(engine: sa.Engine, outbox: str) -> None:
     assert rows(engine) == []
 
 
+@on_both_databases
 def test_session_joins_the_business_transaction(engine: sa.Engine, outbox: str) -> None:
     with engine.begin() as conn:
         conn.execute(sa.text("CREATE TABLE orders (id INT PRIMARY KEY, total INT)"))
@@ -77,6 +87,7 @@ def test_session_joins_the_business_transaction(engine: sa.Engine, outbox: str) 
     assert [r.payload for r in rows(engine)] == [b'{"id":2}']
 
 
+@on_both_databases
 def test_enqueue_does_not_commit_on_its_own(engine: sa.Engine, outbox: str) -> None:
     with engine.connect() as conn:
         enqueue(conn, topic="orders", payload="x")
@@ -86,6 +97,7 @@ def test_enqueue_does_not_commit_on_its_own(engine: sa.Engine, outbox: str) -> N
     assert len(rows(engine)) == 1
 
 
+@on_both_databases
 def test_enqueue_many_ten_thousand_in_one_transaction(engine: sa.Engine, outbox: str) -> None:
     events = [
         Event(topic="orders", payload={"n": i}, key=f"k{i % 97}", headers={"seq": str(i)})
@@ -102,6 +114,7 @@ def test_enqueue_many_ten_thousand_in_one_transaction(engine: sa.Engine, outbox:
     assert all(r.status == "pending" for r in got)
 
 
+@on_both_databases
 def test_caller_supplied_event_id_is_kept(engine: sa.Engine, outbox: str) -> None:
     u = uuid.uuid4()
     with engine.begin() as conn:
@@ -111,6 +124,7 @@ def test_caller_supplied_event_id_is_kept(engine: sa.Engine, outbox: str) -> Non
     assert [r.event_id for r in rows(engine)] == [a, b]
 
 
+@on_both_databases
 def test_duplicate_event_id_is_refused_by_the_database(engine: sa.Engine, outbox: str) -> None:
     with engine.begin() as conn:
         enqueue(conn, topic="t", payload="1", event_id="same")
@@ -119,6 +133,7 @@ def test_duplicate_event_id_is_refused_by_the_database(engine: sa.Engine, outbox
     assert len(rows(engine)) == 1
 
 
+@on_both_databases
 def test_duplicate_event_ids_in_one_batch_write_nothing(engine: sa.Engine, outbox: str) -> None:
     # 1,001 events, the last repeating the first id: the statements would be split
     # in two chunks, so a database-level refusal of the second could leave the
@@ -137,6 +152,7 @@ def test_duplicate_event_ids_in_one_batch_write_nothing(engine: sa.Engine, outbo
     assert "ev-0" in str(caught) and "0 and 1000" in str(caught)
 
 
+@on_both_databases
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -162,6 +178,7 @@ def test_batches_with_repeated_ids_raise_before_writing(
     assert rows(engine) == []
 
 
+@on_both_databases
 def test_missing_schema_is_a_clear_error(engine: sa.Engine) -> None:
     with (
         pytest.raises(outboxkit.SchemaNotAppliedError, match="schema apply"),
@@ -214,6 +231,7 @@ def test_bad_input_raises_before_anything_is_written(
     assert rows(engine) == []
 
 
+@on_both_databases
 def test_one_bad_event_in_a_batch_writes_none(engine: sa.Engine, outbox: str) -> None:
     events = [Event(topic="ok", payload=i) for i in range(5)] + [
         Event(topic="bad topic", payload=1)
@@ -225,6 +243,7 @@ def test_one_bad_event_in_a_batch_writes_none(engine: sa.Engine, outbox: str) ->
     assert rows(engine) == []
 
 
+@on_both_databases
 def test_payload_limit_is_configurable(engine: sa.Engine, outbox: str) -> None:
     with engine.begin() as conn:
         with pytest.raises(outboxkit.PayloadTooLargeError):
@@ -359,6 +378,7 @@ payloads = st.one_of(
 )
 
 
+@on_both_databases
 @settings(
     max_examples=150,
     deadline=None,

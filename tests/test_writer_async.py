@@ -1,4 +1,7 @@
-"""The async writer against a real database through asyncmy: what an asyncio service sees.
+"""The async writer against a real database: what an asyncio service sees.
+
+MariaDB through asyncmy and, for tests marked ``on_both_databases``, PostgreSQL
+through psycopg's own asyncio connection (the same ``postgresql+psycopg`` URL).
 
 pytest has no asyncio plugin here: each test drives its coroutines on one
 ``asyncio.Runner`` (the ``run`` fixture), which also disposes of the engine on
@@ -22,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from support.databases import on_both_databases
 from test_writer import BAD_INPUTS, headers, payloads, rows, topics
 
 import outboxkit
@@ -35,11 +39,15 @@ T = TypeVar("T")
 Run = Callable[[Coroutine[Any, Any, T]], T]
 
 
+#: Sync driver -> asyncio driver: asyncmy (``outboxkit[async]``) for MySQL/MariaDB;
+#: psycopg 3 (``outboxkit[postgres]``) is both, under one name.
+ASYNC_DRIVERS = {"mysql+pymysql": "mysql+asyncmy", "postgresql+psycopg": "postgresql+psycopg"}
+
+
 def async_url(db_url: str) -> str:
-    """The test database's URL with the async driver of ``outboxkit[async]``."""
+    """The test database's URL with its asyncio driver."""
     url = sa.make_url(db_url)
-    assert url.drivername == "mysql+pymysql", url.drivername
-    return url.set(drivername="mysql+asyncmy").render_as_string(hide_password=False)
+    return url.set(drivername=ASYNC_DRIVERS[url.drivername]).render_as_string(hide_password=False)
 
 
 @pytest.fixture
@@ -55,6 +63,7 @@ def aengine(db_url: str, outbox: str, run: Run[Any]) -> Iterator[AsyncEngine]:
     run(eng.dispose())
 
 
+@on_both_databases
 def test_async_connection_commit_keeps_the_row(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -79,6 +88,7 @@ def test_async_connection_commit_keeps_the_row(
     assert row.next_attempt_at is not None and row.created_at is not None
 
 
+@on_both_databases
 def test_async_connection_rollback_leaves_no_row(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -105,6 +115,7 @@ class Order(Base):
     total: Mapped[int]
 
 
+@on_both_databases
 def test_async_session_joins_the_business_transaction(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -133,6 +144,7 @@ def test_async_session_joins_the_business_transaction(
         assert conn.execute(sa.text("SELECT id FROM orders")).scalars().all() == [2]
 
 
+@on_both_databases
 def test_bad_input_raises_the_sync_error_before_anything_is_written(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -161,6 +173,7 @@ def test_bad_input_raises_the_sync_error_before_anything_is_written(
     assert rows(engine) == []
 
 
+@on_both_databases
 def test_duplicate_ids_in_one_batch_raise_before_writing(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -182,6 +195,7 @@ def test_duplicate_ids_in_one_batch_raise_before_writing(
     assert "ev-0" in str(caught) and "0 and 1000" in str(caught)
 
 
+@on_both_databases
 def test_wrong_kind_of_target_names_the_right_function(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -201,6 +215,7 @@ def test_wrong_kind_of_target_names_the_right_function(
     assert rows(engine) == []
 
 
+@on_both_databases
 def test_concurrent_writers_all_land_with_distinct_ids_and_sync_shards(
     engine: sa.Engine, aengine: AsyncEngine, run: Run[Any]
 ) -> None:
@@ -235,6 +250,7 @@ def test_concurrent_writers_all_land_with_distinct_ids_and_sync_shards(
     assert all(v == list(range(per_task)) for v in per_writer.values())
 
 
+@on_both_databases
 @settings(
     max_examples=60,
     deadline=None,

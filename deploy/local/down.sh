@@ -23,7 +23,7 @@ for dir in "$STATE_DIR"/*-*/; do
     svc="${base%%-*}"
     name="${base#*-}"
     case "$svc" in
-        mariadb | redis | kafka | pushgateway) ;;
+        mariadb | postgres | redis | kafka | pushgateway) ;;
         *) continue ;;
     esac
     # stop in parallel: Kafka and MariaDB each take a few seconds

@@ -50,7 +50,7 @@ services_up() {
     local env
     env="$(deploy/local/up.sh)" || return 1
     eval "$env"
-    export OUTBOXKIT_TEST_DB_URL OUTBOXKIT_TEST_KAFKA_BOOTSTRAP \
+    export OUTBOXKIT_TEST_DB_URL OUTBOXKIT_TEST_PG_URL OUTBOXKIT_TEST_KAFKA_BOOTSTRAP \
         OUTBOXKIT_TEST_REDIS_URL OUTBOXKIT_TEST_PUSHGATEWAY_URL
 }
 

@@ -19,7 +19,7 @@ started=$(date +%s)
 
 # One apt-get update + install for everything missing, so the per-service
 # scripts below find their packages already there.
-ensure_packages mariadb-server mariadb-client redis-server redis-tools \
+ensure_packages mariadb-server mariadb-client postgresql-15 redis-server redis-tools \
     prometheus-pushgateway prometheus
 command -v java >/dev/null || ensure_packages openjdk-17-jre-headless
 command -v mvn >/dev/null || ensure_packages maven
@@ -30,6 +30,7 @@ kafka_pid=$!
 
 rc=0
 "$LOCAL_DIR/mariadb.sh" start >&2 || rc=1
+"$LOCAL_DIR/postgres.sh" start >&2 || rc=1
 "$LOCAL_DIR/redis.sh" start >&2 || rc=1
 "$LOCAL_DIR/pushgateway.sh" start >&2 || rc=1
 wait "$kafka_pid" || rc=1
@@ -42,6 +43,7 @@ log "all services up in $(($(date +%s) - started))s"
 
 cat <<'EOF'
 export OUTBOXKIT_TEST_DB_URL=mysql+pymysql://outboxkit:outboxkit@127.0.0.1:3306/outboxkit_test
+export OUTBOXKIT_TEST_PG_URL=postgresql+psycopg://outboxkit:outboxkit@127.0.0.1:5432/outboxkit_test
 export OUTBOXKIT_TEST_KAFKA_BOOTSTRAP=127.0.0.1:9092
 export OUTBOXKIT_TEST_REDIS_URL=redis://127.0.0.1:6379/0
 export OUTBOXKIT_TEST_PUSHGATEWAY_URL=http://127.0.0.1:9091

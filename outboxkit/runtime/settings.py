@@ -365,6 +365,14 @@ def optional_url(value: str | None) -> str | None:
     return _url_parts_problem(value, None)
 
 
+#: The extra that brings a URL scheme's driver.
+_DRIVER_EXTRAS = {
+    "postgresql+psycopg": "postgres",
+    "mysql+asyncmy": "async",
+    "mariadb+asyncmy": "async",
+}
+
+
 def valid_database_url(value: str | None) -> str | None:
     """A SQLAlchemy URL whose dialect and driver are installed, with a plain host.
 
@@ -397,8 +405,39 @@ def valid_database_url(value: str | None) -> str | None:
     try:
         dialect.import_dbapi()
     except ImportError as exc:
-        return f"the driver of {url.drivername!r} is not installed ({exc.name or exc})"
+        extra = _DRIVER_EXTRAS.get(url.drivername)
+        hint = f"; pip install 'outboxkit[{extra}]'" if extra else ""
+        return f"the driver of {url.drivername!r} is not installed ({exc.name or exc}){hint}"
     return None
+
+
+#: Why the relay, the consumer inbox and ``outboxkit admin`` refuse a PostgreSQL URL.
+POSTGRESQL_NOT_YET = (
+    "PostgreSQL is supported by `outboxkit schema apply` and the writer (enqueue) only; "
+    "the relay, the consumer inbox and `outboxkit admin` run on MySQL/MariaDB only for now "
+    "(see docs/postgresql.md)"
+)
+
+
+def is_postgresql_url(value: str) -> bool:
+    """Does this SQLAlchemy URL name PostgreSQL (any driver)? False if it is not a URL."""
+    import sqlalchemy as sa
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return sa.make_url(value).get_backend_name() == "postgresql"
+    except (ArgumentError, ValueError):
+        return False
+
+
+def valid_mysql_database_url(value: str | None) -> str | None:
+    """:func:`valid_database_url` for the services that run on MySQL/MariaDB only.
+
+    A PostgreSQL URL is refused by name, before its driver is even looked for.
+    """
+    if value is not None and is_postgresql_url(value):
+        return POSTGRESQL_NOT_YET
+    return valid_database_url(value)
 
 
 def valid_redis_url(value: str | None) -> str | None:
@@ -893,8 +932,9 @@ class RuntimeSettings:
     )
     db_url: str | None = setting(
         None,
-        help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db",
-        validate=valid_database_url,
+        help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db "
+        "(MySQL/MariaDB)",
+        validate=valid_mysql_database_url,
     )
     redis_url: str | None = setting(
         None,

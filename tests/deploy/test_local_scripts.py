@@ -7,7 +7,10 @@ lines only, whatever the verbosity.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,46 +43,88 @@ def test_up_prints_the_exports_on_stdout_and_one_line_per_service(verbose: bool)
     assert direct.returncode == 0, direct.stderr
     assert [line.split("=")[0] for line in direct.stdout.splitlines()] == [
         "export OUTBOXKIT_TEST_DB_URL",
+        "export OUTBOXKIT_TEST_PG_URL",
         "export OUTBOXKIT_TEST_KAFKA_BOOTSTRAP",
         "export OUTBOXKIT_TEST_REDIS_URL",
         "export OUTBOXKIT_TEST_PUSHGATEWAY_URL",
     ]
     if not verbose:  # services already run: one line each and the total
         lines = direct.stderr.splitlines()
-        assert len(lines) == 5, direct.stderr
-        for service in ("mariadb", "redis", "pushgateway", "kafka"):
+        assert len(lines) == 6, direct.stderr
+        for service in ("mariadb", "postgres", "redis", "pushgateway", "kafka"):
             [line] = [x for x in lines if x.startswith(f"[{service}] ")]
             assert " ready on 127.0.0.1:" in line and len(line) < 100, line
         assert lines[-1].startswith("[up] all services up in ")
 
 
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A state directory every user can enter: as root, PostgreSQL runs as ``postgres``.
+
+    (pytest's ``tmp_path`` lives under a directory only its owner may enter.)
+    """
+    path = Path(tempfile.mkdtemp(prefix="outboxkit-state-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.integration
-def test_a_service_start_and_stop_print_one_line_unless_verbose(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("service", "daemon"), [("redis", "redis-server"), ("postgres", "postgres")]
+)
+def test_a_service_start_and_stop_print_one_line_unless_verbose(
+    state_dir: Path, service: str, daemon: str
+) -> None:
     port = free_port()
     name = f"quiet{port}"
-    env = {"OUTBOXKIT_LOCAL_STATE": str(tmp_path)}
-    redis = str(LOCAL / "redis.sh")
+    env = {"OUTBOXKIT_LOCAL_STATE": str(state_dir)}
+    script = str(LOCAL / f"{service}.sh")
     try:
-        start = _run([redis, "start", "--name", name, "--port", str(port)], env=env)
+        start = _run([script, "start", "--name", name, "--port", str(port)], env=env)
         assert start.returncode == 0, start.stderr
         assert start.stderr.splitlines() == [
-            f"[redis] {name} ready on 127.0.0.1:{port} (pid {_pid(tmp_path, name)})"
+            f"[{service}] {name} ready on 127.0.0.1:{port} (pid {_pid(state_dir, service, name)})"
         ]
-        stop = _run([redis, "stop", "--name", name], env=env)
+        again = _run([script, "start", "--name", name], env=env)
+        assert again.stderr.splitlines() == [
+            f"[{service}] {name} ready on 127.0.0.1:{port} (already running)"
+        ]
+        stop = _run([script, "stop", "--name", name], env=env)
         assert stop.returncode == 0, stop.stderr
-        assert stop.stderr.splitlines() == [f"[redis] {name} stopped"]
+        assert stop.stderr.splitlines() == [f"[{service}] {name} stopped"]
 
-        loud = _run([redis, "start", "--name", name, "--port", str(port), "--verbose"], env=env)
+        loud = _run([script, "start", "--name", name, "--port", str(port), "--verbose"], env=env)
         assert loud.returncode == 0, loud.stderr
-        assert f"[redis] {name}: starting redis-server on 127.0.0.1:{port}" in loud.stderr
-        loud_stop = _run([redis, "stop", "--name", name], env={**env, "VERBOSE": "1"})
+        assert f"[{service}] {name}: starting {daemon} on 127.0.0.1:{port}" in loud.stderr
+        loud_stop = _run([script, "stop", "--name", name], env={**env, "VERBOSE": "1"})
         assert "stopping pid" in loud_stop.stderr and f"{name} stopped" in loud_stop.stderr
     finally:
-        _run([redis, "stop", "--name", name], env=env)
+        _run([script, "stop", "--name", name], env=env)
 
 
-def _pid(state: Path, name: str) -> str:
-    return (state / f"redis-{name}" / "pid").read_text().strip()
+def _pid(state: Path, service: str, name: str) -> str:
+    return (state / f"{service}-{name}" / "pid").read_text().strip()
+
+
+@pytest.mark.integration
+def test_postgres_runs_unprivileged_on_loopback_and_survives_a_crash(state_dir: Path) -> None:
+    """The server never runs as root, and a restart after SIGKILL finds its data intact."""
+    port = free_port()
+    name = f"crash{port}"
+    env = {"OUTBOXKIT_LOCAL_STATE": str(state_dir)}
+    script = str(LOCAL / "postgres.sh")
+    try:
+        assert _run([script, "start", "--name", name, "--port", str(port)], env=env).returncode == 0
+        pid = _pid(state_dir, "postgres", name)
+        assert Path(f"/proc/{pid}").stat().st_uid != 0
+        assert _run([script, "kill", "--name", name], env=env).returncode == 0
+        assert _run([script, "status", "--name", name], env=env).returncode == 3
+        restart = _run([script, "start", "--name", name], env=env)
+        assert restart.returncode == 0, restart.stderr
+        assert _run([script, "status", "--name", name], env=env).returncode == 0
+    finally:
+        _run([script, "stop", "--name", name], env=env)
 
 
 def _fake_apt(tmp_path: Path, *, fail: bool) -> dict[str, str]:

@@ -1,4 +1,8 @@
-"""``outboxkit schema apply|sql`` on a real database."""
+"""``outboxkit schema apply|sql`` on a real database.
+
+Tests marked ``on_both_databases`` run on MariaDB and on PostgreSQL; the upgrade
+of release-1 tables (collations) is MariaDB/MySQL only.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
 
+from outboxkit.errors import SchemaError
 from outboxkit.schema import (
     apply_schema,
     inbox_table,
@@ -39,6 +45,7 @@ def table_shape(engine: sa.Engine) -> tuple[list[str], list[str]]:
     return cols, idx
 
 
+@on_both_databases
 def test_apply_twice_is_idempotent(engine: sa.Engine, db_url: str) -> None:
     first = cli("apply", "--db-url", db_url, "--shards", "16")
     assert first.returncode == 0, first.stderr
@@ -54,7 +61,8 @@ def test_apply_twice_is_idempotent(engine: sa.Engine, db_url: str) -> None:
         assert sa.inspect(conn).has_table("outbox_inbox")
 
 
-def test_concurrent_apply_from_two_processes(engine: sa.Engine, db_url: str) -> None:
+@on_both_databases
+def test_concurrent_apply_from_three_processes(engine: sa.Engine, db_url: str) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "outboxkit", "schema", "apply", "--db-url", db_url],
@@ -62,10 +70,10 @@ def test_concurrent_apply_from_two_processes(engine: sa.Engine, db_url: str) -> 
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for _ in range(3)
     ]
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
-    assert [r[0] for r in results] == [0, 0], results
+    assert [r[0] for r in results] == [0, 0, 0], results
     created = [r for r in results if "created table outbox_events" in r[1]]
     assert len(created) == 1, results  # one created, the other found it in place
     with engine.connect() as conn:
@@ -74,15 +82,33 @@ def test_concurrent_apply_from_two_processes(engine: sa.Engine, db_url: str) -> 
     assert n == 1
 
 
+@on_both_databases
+def test_apply_waits_for_the_schema_lock_and_gives_up_naming_it(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process applying holds the lock: apply waits, then fails cleanly."""
+    from outboxkit.schema import apply as apply_module
+
+    monkeypatch.setattr(apply_module, "_LOCK_TIMEOUT_S", 1)
+    with engine.connect() as holder, apply_module._schema_lock(holder):
+        with pytest.raises(SchemaError, match="could not take the schema lock within 1 s"):
+            apply_schema(engine, shards=4)
+        assert not sa.inspect(engine).has_table("outbox_events")  # nothing done without it
+    assert apply_schema(engine, shards=4).shard_count == 4  # released: apply goes through
+
+
+@on_both_databases
 def test_shard_count_is_fixed_at_creation(engine: sa.Engine) -> None:
     assert apply_schema(engine, shards=4).shard_count == 4
     assert apply_schema(engine, shards=32).shard_count == 4
 
 
+@on_both_databases
 def test_upgrade_adds_a_missing_column_and_index(engine: sa.Engine) -> None:
     apply_schema(engine, shards=4)
+    [index] = [i for i in outbox_table().indexes if i.name == "ix_outbox_events_key_status"]
     with engine.begin() as conn:
-        conn.execute(sa.text("DROP INDEX ix_outbox_events_key_status ON outbox_events"))
+        conn.execute(sa.schema.DropIndex(index))
         conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
     report = apply_schema(engine, shards=4)
     assert "added column outbox_events.kafka_offset" in report.actions
@@ -91,10 +117,16 @@ def test_upgrade_adds_a_missing_column_and_index(engine: sa.Engine) -> None:
     assert "kafka_offset" in cols and "ix_outbox_events_key_status" in idx
 
 
-def test_custom_table_name_and_bad_names(engine: sa.Engine, db_url: str) -> None:
+@on_both_databases
+def test_custom_table_name(engine: sa.Engine, db_url: str) -> None:
     ok = cli("apply", "--db-url", db_url, "--table", "orders_outbox", "--shards", "2")
     assert ok.returncode == 0, ok.stderr
     assert sa.inspect(engine).has_table("orders_outbox")
+    with engine.connect() as conn:
+        assert read_shard_count(conn, "orders_outbox") == 2
+
+
+def test_bad_names_exit_2(db_url: str) -> None:
     bad = cli("apply", "--db-url", db_url, "--table", "x; DROP TABLE y")
     assert bad.returncode == 2
     assert "invalid table name" in bad.stderr
@@ -103,8 +135,11 @@ def test_custom_table_name_and_bad_names(engine: sa.Engine, db_url: str) -> None
     assert "shard count" in bad_shards.stderr
 
 
-def test_unreachable_database_exits_3_without_password(db_server_url: str) -> None:
-    url = sa.make_url(db_server_url).set(port=1, password="hunter2-secret")
+@pytest.mark.parametrize("server", ["db_server_url", "pg_server_url"])
+def test_unreachable_database_exits_3_without_password(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    url = sa.make_url(request.getfixturevalue(server)).set(port=1, password="hunter2-secret")
     res = cli("apply", "--db-url", url.render_as_string(hide_password=False))
     assert res.returncode == 3
     assert "hunter2-secret" not in res.stderr + res.stdout
@@ -130,6 +165,9 @@ def test_schema_sql_prints_ddl_for_each_dialect() -> None:
     assert "CREATE INDEX ix_outbox_events_status_id ON outbox_events (status, id)" in mysql
     pg = schema_sql("postgresql")
     assert "BYTEA" in pg and "CREATE INDEX IF NOT EXISTS" in pg
+    # the status type first, and a second run of the script does not trip on it
+    assert pg.startswith("DO $$ BEGIN CREATE TYPE outbox_status AS ENUM ('pending', ")
+    assert "EXCEPTION WHEN duplicate_object THEN NULL" in pg
     res = cli("sql", "--dialect", "mariadb")
     assert res.returncode == 0 and "outbox_inbox" in res.stdout
 
@@ -149,6 +187,7 @@ def test_sqlite_round_trip(tmp_path: object) -> None:
     eng.dispose()
 
 
+@on_both_databases
 def test_recovery_log_is_bounded(engine: sa.Engine) -> None:
     from outboxkit.schema import record_recovery, recovery_table, trim_recovery
 
@@ -309,3 +348,41 @@ def test_concurrent_upgrade_from_two_processes_changes_once(engine: sa.Engine, d
     assert "schema up to date" in outputs[1], results  # the second found it done
     assert "changed column outbox_events.topic" in outputs[0], results
     assert _dump(engine) == before
+
+
+def test_printed_postgresql_ddl_runs_twice(pg_url: str) -> None:
+    """``schema sql --dialect postgresql`` is a script an operator can run, and run again."""
+    engine = sa.create_engine(pg_url)
+    ddl = schema_sql("postgresql", table="printed_outbox")
+    try:
+        for _ in range(2):
+            with engine.begin() as conn:
+                for statement in ddl.split(";\n\n"):
+                    conn.exec_driver_sql(statement.strip().rstrip(";"))
+        insp = sa.inspect(engine)
+        assert insp.has_table("printed_outbox") and insp.has_table("outbox_inbox")
+        assert {str(i.name) for i in outbox_table("printed_outbox").indexes} <= {
+            i["name"] for i in insp.get_indexes("printed_outbox")
+        }
+    finally:
+        engine.dispose()
+
+
+@on_both_databases
+def test_a_table_name_too_long_for_its_index_names_is_refused_before_anything(
+    engine: sa.Engine, db_url: str, request: pytest.FixtureRequest
+) -> None:
+    """Index names are ``ix_<table>_key_status``: they, not the table, hit the limit first.
+
+    MySQL/MariaDB allow 64 characters per identifier, PostgreSQL 63, so the
+    longest table name is 50 there and 49 here; one more is refused with the
+    limit named (exit 2), before any table is created.
+    """
+    longest = {"mariadb": 50, "postgresql": 49}[request.node.callspec.params["db_url"]]
+    too_long = cli("apply", "--db-url", db_url, "--table", "t" * (longest + 1), "--shards", "2")
+    assert too_long.returncode == 2, too_long.stderr
+    assert f"at most {longest} characters" in too_long.stderr, too_long.stderr
+    assert "Traceback" not in too_long.stderr
+    assert sa.inspect(engine).get_table_names() == []
+    report = apply_schema(engine, table="t" * longest, shards=2, inbox=None)
+    assert report.shard_count == 2 and sa.inspect(engine).has_table("t" * longest)

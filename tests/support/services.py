@@ -249,3 +249,13 @@ class MariaDBInstance(ServiceInstance):
     @property
     def url(self) -> str:
         return f"mysql+pymysql://outboxkit:outboxkit@127.0.0.1:{self.port}/outboxkit_test"
+
+
+class PostgresInstance(ServiceInstance):
+    """PostgreSQL 15; ``kill()`` SIGKILLs the postmaster and every backend."""
+
+    service = "postgres"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://outboxkit:outboxkit@127.0.0.1:{self.port}/outboxkit_test"

@@ -1,0 +1,125 @@
+"""What does not run on PostgreSQL yet says so at start: exit 2, naming the setting.
+
+Schema apply and the writer support PostgreSQL (docs/postgresql.md); the relay,
+the consumer inbox and ``outboxkit admin`` are MySQL/MariaDB-only for now. Given
+a ``postgresql`` URL they must refuse before doing anything (no health server,
+no connection), with a message that names ``--db-url / OUTBOXKIT_DB_URL``, points
+to the page, and never prints the password.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from outboxkit.consumer import Consumer, Message
+from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+SECRET = "pg-secret-never-shown"
+PG_URL = f"postgresql+psycopg://outboxkit:{SECRET}@127.0.0.1:1/outboxkit"
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "pgscope_consumer.py").write_text(
+        textwrap.dedent(
+            """
+            from outboxkit.consumer import Consumer
+
+            class Noop(Consumer):
+                topics = ("t",)
+                group_id = "g"
+
+                def handle(self, message):
+                    pass
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["PYTHONPATH"] = str(tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "outboxkit", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["relay", "--kafka-bootstrap", "127.0.0.1:1", "--health-port", "0"],
+        ["consume", "pgscope_consumer:Noop", "--kafka-bootstrap", "127.0.0.1:1", "--inbox"],
+        ["admin", "status"],
+        ["admin", "purge", "--older-than", "7d"],
+    ],
+    ids=["relay", "consume", "admin-status", "admin-purge"],
+)
+def test_a_postgresql_url_is_refused_at_start_with_exit_2(args: list[str], tmp_path: Path) -> None:
+    out = _cli([*args, "--db-url", PG_URL], tmp_path)
+    assert out.returncode == 2, out.stderr
+    err = out.stderr
+    assert "--db-url / OUTBOXKIT_DB_URL" in err, err
+    assert "MySQL/MariaDB only" in err and "docs/postgresql.md" in err, err
+    assert SECRET not in err + out.stdout
+    assert "Traceback" not in err
+    assert "health-server-started" not in err  # refused before starting anything
+
+
+def test_an_embedded_consumer_refuses_a_postgresql_inbox_engine() -> None:
+    class Noop(Consumer):
+        topics = ("t",)
+        group_id = "g"
+
+        def handle(self, message: Message) -> None:
+            pass
+
+    settings = ConsumerSettings(kafka_bootstrap="127.0.0.1:1", inbox=True, health_port=0)
+    engine = sa.create_engine(PG_URL)
+    try:
+        with pytest.raises(ConfigError, match=r"engine=.*MySQL/MariaDB only.*docs/postgresql.md"):
+            Noop(settings, engine=engine)
+    finally:
+        engine.dispose()
+
+
+def test_schema_apply_still_takes_a_postgresql_url(tmp_path: Path) -> None:
+    """Not refused: it gets as far as connecting (exit 3, port 1 answers nothing)."""
+    out = _cli(["schema", "apply", "--db-url", PG_URL], tmp_path)
+    assert out.returncode == 3, out.stderr
+    assert "cannot reach" in out.stderr and SECRET not in out.stderr
+
+
+def test_schema_apply_without_the_extra_says_which_extra(tmp_path: Path) -> None:
+    """No psycopg: exit 2 naming the setting and the extra to install."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    probe = (
+        "import sys\n"
+        "sys.modules['psycopg'] = None  # as if outboxkit[postgres] were not installed\n"
+        "from outboxkit.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "schema", "apply", "--db-url", PG_URL],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--db-url / OUTBOXKIT_DB_URL" in out.stderr
+    assert "pip install 'outboxkit[postgres]'" in out.stderr, out.stderr
+    assert SECRET not in out.stderr
