@@ -96,7 +96,14 @@ def embedded(
     }
 
 
-def inbox_process(ctx: BenchContext, topic: str, messages: int, *, label: str) -> Row:
+def inbox_process(
+    ctx: BenchContext,
+    topic: str,
+    messages: int,
+    *,
+    label: str,
+    extra: dict[str, str] | None = None,
+) -> Row:
     """``outboxkit consume`` with the inbox on ``topic`` until all ``messages`` are in
     a fresh inbox table; its peak resident set and CPU from its first inbox row on.
 
@@ -122,6 +129,7 @@ def inbox_process(ctx: BenchContext, topic: str, messages: int, *, label: str) -
         "PYTHONPATH": os.pathsep.join(
             p for p in (os.environ.get("PYTHONPATH"), str(REPO_ROOT)) if p
         ),
+        **(extra or {}),
     }
     count = sa.select(sa.func.count()).select_from(inbox)
     proc = Proc.start(label, ["consume", "bench.apps:Trivial"], settings, ctx.log_dir / "consumer")
