@@ -45,16 +45,26 @@ class Meter:
 
     As cheap per message as the raw loops' own counting (they read the clock
     only for the first and the last message): ``next()`` on an
-    ``itertools.count`` is atomic, so no lock is needed.
+    ``itertools.count`` is atomic, so no lock is needed.  The process's CPU time
+    (every thread) is read at the same two moments, for CPU per message.
     """
 
     def __init__(self, expected: int, on_done: Callable[[], Any]) -> None:
         self.expected = expected
         self.first: float | None = None
         self.last: float | None = None
+        self.cpu_first: float | None = None
+        self.cpu_last: float | None = None
         self._counter = itertools.count(1)
         self._seen = 0  # the latest count some thread saw: exact once all arrived
         self._on_done = on_done
+
+    @property
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds of this process from the first message to the last."""
+        if self.cpu_first is None or self.cpu_last is None:
+            return None
+        return self.cpu_last - self.cpu_first
 
     @property
     def count(self) -> int:
@@ -65,6 +75,8 @@ class Meter:
         self._seen = n
         if n == 1:
             self.first = time.perf_counter()
+            self.cpu_first = time.process_time()
         if n == self.expected:
             self.last = time.perf_counter()
+            self.cpu_last = time.process_time()
             self._on_done()

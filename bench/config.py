@@ -18,6 +18,9 @@ class BenchConfig:
     rows: int = 200_000
     #: Backlog of the scaling scenario (first vs last 10%).
     backlog_rows: int = 1_000_000
+    #: Peak memory is also measured at 1/memory_scale of the scaling backlog (relay)
+    #: and of ``consumer_messages`` (consumer with the inbox): does it grow with the backlog?
+    memory_scale: int = 4
     keys: int = 10_000
     payload_bytes: int = 512
     #: Shards of the outbox table (the table default).
@@ -26,8 +29,8 @@ class BenchConfig:
     partitions: int = 6
     #: Relay claim batch size; None: the relay's own default.
     batch_size: int | None = None
-    #: Relay counts of the throughput scenario.
-    relay_counts: tuple[int, ...] = (1, 2, 3)
+    #: Relay counts of the throughput (scale-out) scenario.
+    relay_counts: tuple[int, ...] = (1, 2, 3, 4)
     #: Steady writer rates (events/s) of the latency scenario, and how long each lasts.
     latency_rates: tuple[int, ...] = (200, 1_000, 5_000)
     latency_seconds: float = 10.0

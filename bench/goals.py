@@ -84,6 +84,39 @@ GOALS = [
 ]
 
 
+def _largest(*values: float | None) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+#: A peak RSS may move this much between two runs of the same process without
+#: meaning it grows with the backlog (allocator arenas, librdkafka buffers).
+RSS_GROWTH_BOUND = 1.1
+
+GOALS += [
+    Goal(
+        "relay peak RSS draining the backlog (MB)",
+        "<= 150",
+        lambda r: _largest(
+            _fig(r, "backlog-scaling", "rss_mb"), _fig(r, "backlog-scaling", "rss_mb_delete")
+        ),
+        lambda v: v <= 150,
+    ),
+    Goal(
+        "relay peak RSS, backlog vs 1/4 of it",
+        f"<= {RSS_GROWTH_BOUND}",
+        lambda r: _fig(r, "backlog-scaling", "rss_growth"),
+        lambda v: v <= RSS_GROWTH_BOUND,
+    ),
+    Goal(
+        "consumer+inbox peak RSS, backlog vs 1/4 of it",
+        f"<= {RSS_GROWTH_BOUND}",
+        lambda r: _fig(r, "consumer", "inbox_rss_growth"),
+        lambda v: v <= RSS_GROWTH_BOUND,
+    ),
+]
+
+
 def evaluate(results: Results) -> list[dict[str, Any]]:
     out = []
     for goal in GOALS:

@@ -6,7 +6,10 @@ and SIGTERM reaches them the way Kubernetes sends it.  They are configured
 through ``OUTBOXKIT_*`` variables, which every setting has.
 
 CPU time comes from ``/proc/<pid>/stat``, for the processes under test and
-for the co-located MariaDB and Kafka, so a table can say which one was busy.
+for the co-located MariaDB, Kafka and Redis, so a table can say which one was
+busy; ``/proc/stat`` gives the whole machine's.  Peak memory is the kernel's
+high-water mark of a process's resident set (``VmHWM`` in ``/proc/<pid>/status``),
+read while the process is still alive.
 """
 
 from __future__ import annotations
@@ -35,6 +38,29 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     # Fields after the command: state is [0]; utime [11], stime [12], cutime [13], cstime [14].
     return sum(int(x) for x in fields[11:15]) / _CLK_TCK
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """Peak resident set (``VmHWM``) of ``pid`` in MB (10^6 bytes), None if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds all cores spent busy since boot (``/proc/stat``: not idle, not iowait)."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if first[0] != "cpu":
+        return None
+    ticks = [int(x) for x in first[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
 def _env(settings: dict[str, str]) -> dict[str, str]:
@@ -86,6 +112,10 @@ class Proc:
 
     def cpu(self) -> float | None:
         return cpu_seconds(self.pid)
+
+    def peak_rss_mb(self) -> float | None:
+        """Peak resident set so far; read it before :meth:`terminate`."""
+        return peak_rss_mb(self.pid)
 
     def wait_for_log(self, text: str, timeout: float) -> None:
         """Wait until the process logged ``text`` (e.g. its started event)."""
@@ -168,13 +198,16 @@ def relay_settings(
 
 @dataclass
 class ServiceCpu:
-    """CPU seconds of the co-located database and broker over an interval."""
+    """CPU seconds of the co-located database, broker and Redis over an interval,
+    and of the whole machine (``machine``: every process, the benchmark's own and
+    anything else running, as a shared machine has)."""
 
     pids: dict[str, int]
     start: dict[str, float] = field(default_factory=dict)
+    machine_start: float | None = None
 
     @classmethod
-    def find(cls, engine: sa.Engine, bootstrap: str) -> ServiceCpu:
+    def find(cls, engine: sa.Engine, bootstrap: str, redis_url: str | None = None) -> ServiceCpu:
         pids: dict[str, int] = {}
         db = _mariadb_pid(engine)
         if db:
@@ -182,10 +215,14 @@ class ServiceCpu:
         kafka = _kafka_pid(bootstrap)
         if kafka:
             pids["kafka"] = kafka
+        redis = _redis_pid(redis_url) if redis_url else None
+        if redis:
+            pids["redis"] = redis
         return cls(pids)
 
     def begin(self) -> None:
         self.start = {k: cpu_seconds(p) or 0.0 for k, p in self.pids.items()}
+        self.machine_start = machine_cpu_seconds()
 
     def used(self) -> dict[str, float]:
         out = {}
@@ -195,12 +232,35 @@ class ServiceCpu:
                 out[k] = now - self.start.get(k, 0.0)
         return out
 
+    def machine_used(self) -> float | None:
+        now = machine_cpu_seconds()
+        if now is None or self.machine_start is None:
+            return None
+        return now - self.machine_start
+
 
 def _mariadb_pid(engine: sa.Engine) -> int | None:
     with contextlib.suppress(Exception), engine.connect() as conn:
         path = conn.execute(sa.text("SELECT @@pid_file")).scalar_one()
         return int(Path(str(path)).read_text().split()[0])
     return None
+
+
+def _redis_pid(url: str) -> int | None:
+    """The Redis server's own pid (``INFO server``), if it runs on this machine."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        pid = int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+    with contextlib.suppress(OSError):
+        if b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    return None  # another machine's, or a pid this machine does not know
 
 
 def _kafka_pid(bootstrap: str) -> int | None:

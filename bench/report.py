@@ -57,6 +57,8 @@ def fmt(value: Any) -> str:
             return f"{value:,.0f}"
         if abs(value) >= 10:
             return f"{value:.1f}"
+        if 0 < abs(value) < 0.01:  # e.g. CPU seconds per 1,000 messages of a raw loop
+            return f"{value:.2g}"
         return f"{value:.2f}"
     if isinstance(value, int):
         return f"{value:,}"

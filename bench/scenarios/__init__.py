@@ -42,9 +42,7 @@ def all_scenarios() -> list[Scenario]:
     return [
         Scenario("db-ceiling", "the relay's claim + finalize SQL, no Kafka", db_ceiling.run),
         Scenario("producer-ceiling", "confluent-kafka alone, from memory", producer.run),
-        Scenario(
-            "relay-throughput", "a pre-filled backlog drained by 1, 2, 3 relays", throughput.run
-        ),
+        Scenario("relay-throughput", throughput.TITLE, throughput.run),
         Scenario("backlog-scaling", "first 10% vs last 10% of a large backlog", scaling.run),
         Scenario("latency", "commit→ack latency at steady writer rates; writer rate", latency.run),
         Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),

@@ -5,7 +5,13 @@ The raw loop is the at-least-once loop one would write by hand: ``poll``,
 handle, ``store_offsets`` after the handler, auto-commit of stored offsets, a
 synchronous commit at the end.  Rates count from the first message received to
 the last one handled, so the group join (seconds, the same for everybody) is
-reported separately and does not blur the comparison.
+reported separately and does not blur the comparison.  ``cpu s/1k msgs`` is
+the benchmark process's CPU time (all its threads) from the first message to
+the last, per 1,000 messages.
+
+Then ``outboxkit consume`` with the inbox runs as its own process on this topic
+and on one ``memory_scale`` times smaller, for its peak resident set (VmHWM):
+does a consumer's memory grow with the backlog it reads?
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ def raw_poll_loop(bootstrap: str, topic: str, expected: int, timeout: float) -> 
     n = 0
     started = time.perf_counter()
     first: float | None = None
+    cpu_first = 0.0
     deadline = time.monotonic() + timeout
     try:
         consumer.subscribe([topic])
@@ -68,14 +75,16 @@ def raw_poll_loop(bootstrap: str, topic: str, expected: int, timeout: float) -> 
                 continue
             if first is None:
                 first = time.perf_counter()
+                cpu_first = time.process_time()
             handle(msg)
             consumer.store_offsets(msg)
             n += 1
         last = time.perf_counter()
+        cpu = time.process_time() - cpu_first
         consumer.commit(asynchronous=False)
     finally:
         consumer.close()
-    return _row("raw poll loop", n, started, first, last)
+    return _row("raw poll loop", n, started, first, last, cpu)
 
 
 def raw_batch_loop(bootstrap: str, topic: str, expected: int, timeout: float) -> Row:
@@ -84,6 +93,7 @@ def raw_batch_loop(bootstrap: str, topic: str, expected: int, timeout: float) ->
     n = 0
     started = time.perf_counter()
     first: float | None = None
+    cpu_first = 0.0
     deadline = time.monotonic() + timeout
     try:
         consumer.subscribe([topic])
@@ -93,17 +103,19 @@ def raw_batch_loop(bootstrap: str, topic: str, expected: int, timeout: float) ->
                     continue
                 if first is None:
                     first = time.perf_counter()
+                    cpu_first = time.process_time()
                 handle(msg)
                 consumer.store_offsets(msg)
                 n += 1
         last = time.perf_counter()
+        cpu = time.process_time() - cpu_first
         consumer.commit(asynchronous=False)
     finally:
         consumer.close()
-    return _row("raw consume(500) loop", n, started, first, last)
+    return _row("raw consume(500) loop", n, started, first, last, cpu)
 
 
-def _row(variant: str, n: int, started: float, first: float | None, last: float) -> Row:
+def _row(variant: str, n: int, started: float, first: float | None, last: float, cpu: float) -> Row:
     if first is None or n == 0:
         raise RuntimeError(f"{variant}: no message received")
     return {
@@ -112,6 +124,7 @@ def _row(variant: str, n: int, started: float, first: float | None, last: float)
         "join_s": first - started,
         "seconds": last - first,
         "msgs/s": n / (last - first),
+        "cpu s/1k msgs": cpu / n * 1000,
     }
 
 
@@ -130,10 +143,12 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     raw = raw_poll_loop(bootstrap, topic, cfg.consumer_messages, cfg.timeout_seconds)
     res.rows.append(raw)
     res.figures["raw_rate"] = raw["msgs/s"]
+    res.figures["raw_cpu_per_1k"] = raw["cpu s/1k msgs"]
     batch = raw_batch_loop(bootstrap, topic, cfg.consumer_messages, cfg.timeout_seconds)
     res.rows.append(batch)
     res.figures["raw_batch_rate"] = batch["msgs/s"]
     from bench.scenarios import consumer_base  # needs outboxkit.consumer
 
     consumer_base.run_variants(ctx, res, topic)
+    consumer_base.memory_rows(ctx, res, topic)
     return res

@@ -5,10 +5,15 @@ thread, as the raw loops run in this process) with a fresh group, and stops it
 once every message was handled.  Variants: the trivial handler; the same with
 the inbox on MariaDB (each message in its own transaction with an inbox row);
 ``concurrency=N`` with a handler that sleeps 1 ms.
+
+Last, ``outboxkit consume bench.apps:Trivial`` with the inbox as a process of its
+own, on this topic and on a smaller one, for its peak memory: an embedded
+consumer shares the benchmark's process, whose memory is not the consumer's.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -16,11 +21,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from bench import data
 from bench.apps import Counting, Meter, Sleepy, Trivial
-from bench.context import BenchContext
+from bench.context import REPO_ROOT, BenchContext
+from bench.kafka import produce, relay_producer_config
+from bench.procs import Proc
 from bench.report import Row, ScenarioResult
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.schema import DEFAULT_INBOX_TABLE, inbox_table
+
+#: Seconds between counts of the inbox table while a consumer process fills it.
+_INBOX_POLL_S = 0.25
 
 
 def dlq_topic(ctx: BenchContext, topic: str) -> None:
@@ -74,12 +85,88 @@ def embedded(
     if codes != [0] or meter.first is None or meter.last is None:
         raise RuntimeError(f"{label}: exit code {codes}, {meter.count} of {expected} messages")
     seconds = meter.last - meter.first
+    cpu = meter.cpu_seconds
     return {
         "variant": label,
         "messages": meter.count,
         "join_s": meter.first - started,
         "seconds": seconds,
         "msgs/s": meter.count / seconds if seconds > 0 else float("inf"),
+        "cpu s/1k msgs": cpu / meter.count * 1000 if cpu is not None else None,
+    }
+
+
+def inbox_process(
+    ctx: BenchContext,
+    topic: str,
+    messages: int,
+    *,
+    label: str,
+    extra: dict[str, str] | None = None,
+) -> Row:
+    """``outboxkit consume`` with the inbox on ``topic`` until all ``messages`` are in
+    a fresh inbox table; its peak resident set and CPU from its first inbox row on.
+
+    Progress is the inbox table's row count (a row exists once its message's
+    transaction committed), sampled every ``_INBOX_POLL_S``.
+    """
+    cfg = ctx.config
+    dlq_topic(ctx, topic)
+    table = f"bench_inbox_{label.replace('-', '_')}"
+    inbox = inbox_table(table)
+    inbox.create(ctx.engine, checkfirst=True)
+    settings = {
+        "OUTBOXKIT_KAFKA_BOOTSTRAP": ctx.services.kafka_bootstrap,
+        "OUTBOXKIT_GROUP_ID": f"bench-{label}-{ctx.run_id}",
+        "OUTBOXKIT_TOPICS": topic,
+        "OUTBOXKIT_HEALTH_PORT": "0",
+        "OUTBOXKIT_SERVICE": "bench-consumer",
+        "OUTBOXKIT_NODE_ID": f"bench-{label}",
+        "OUTBOXKIT_INBOX": "true",
+        "OUTBOXKIT_INBOX_TABLE": table,
+        "OUTBOXKIT_DB_URL": ctx.db_url,
+        # bench.apps must be importable by the child; the root goes last (see bench/__init__).
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH"), str(REPO_ROOT)) if p
+        ),
+        **(extra or {}),
+    }
+    count = sa.select(sa.func.count()).select_from(inbox)
+    proc = Proc.start(label, ["consume", "bench.apps:Trivial"], settings, ctx.log_dir / "consumer")
+    try:
+        deadline = time.monotonic() + cfg.timeout_seconds
+        start: tuple[float, float, int] | None = None  # (time, cpu, rows) at the first row seen
+        while True:
+            with ctx.engine.connect() as conn:
+                done = int(conn.execute(count).scalar_one())
+            now, cpu = time.perf_counter(), proc.cpu()
+            if start is None and done > 0 and cpu is not None:
+                start = (now, cpu, done)
+            if done >= messages:
+                break
+            if not proc.alive():
+                raise RuntimeError(f"{label} exited early:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: {done} of {messages} messages after the timeout")
+            time.sleep(_INBOX_POLL_S)
+        peak = proc.peak_rss_mb()
+        code = proc.terminate()
+    finally:
+        proc.kill()
+    if code != 0:
+        raise RuntimeError(f"{label}: exit code {code}\n{proc.log_tail(10)}")
+    with ctx.engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+    assert start is not None
+    handled = done - start[2]
+    seconds = now - start[0]
+    return {
+        "variant": f"outboxkit consume + inbox, {messages:,} messages",
+        "messages": messages,
+        "seconds": seconds if handled else None,
+        "msgs/s": handled / seconds if handled and seconds > 0 else None,
+        "cpu s/1k msgs": (cpu - start[1]) / handled * 1000 if handled and cpu else None,
+        "peak MB": peak,
     }
 
 
@@ -92,6 +179,7 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     base["vs raw poll"] = base["msgs/s"] / raw
     res.rows.append(base)
     res.figures["base_rate"] = base["msgs/s"]
+    res.figures["base_cpu_per_1k"] = base["cpu s/1k msgs"]
 
     # The default (200) pauses partitions so often that librdkafka's prefetch is
     # thrown away and fetched again; this row shows what a larger buffer gives.
@@ -105,6 +193,7 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     inbox["vs raw poll"] = inbox["msgs/s"] / raw
     res.rows.append(inbox)
     res.figures["inbox_rate"] = inbox["msgs/s"]
+    res.figures["inbox_cpu_per_1k"] = inbox["cpu s/1k msgs"]
 
     n = cfg.consumer_concurrency
     sleepy = embedded(
@@ -121,3 +210,28 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.notes.append(
         f"ideal for concurrency={n} and a {cfg.consumer_sleep_ms:g} ms handler: {ideal:,.0f} msgs/s"
     )
+
+
+def memory_rows(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
+    """Peak memory of ``outboxkit consume`` with the inbox, at two backlog sizes."""
+    cfg = ctx.config
+    n = cfg.consumer_messages
+    small_n = max(1, n // max(1, cfg.memory_scale))
+    small_topic = ctx.topic("consume-small")
+    msgs = data.messages(small_n, keys=cfg.keys, payload_bytes=cfg.payload_bytes)
+    out = produce(relay_producer_config(ctx.services.kafka_bootstrap), small_topic, msgs)
+    if out.acked != small_n:
+        raise RuntimeError(f"pre-filling {small_topic}: {out.acked} of {small_n} acked")
+    rows = []
+    for size, name, label in ((small_n, small_topic, "inbox-small"), (n, topic, "inbox-full")):
+        rows.append(inbox_process(ctx, name, size, label=label))
+    res.tables["outboxkit consume with the inbox, as a process: peak memory and CPU"] = rows
+    little, big = rows[0]["peak MB"], rows[1]["peak MB"]
+    if little and big:
+        res.figures["inbox_rss_mb_small"] = little
+        res.figures["inbox_rss_mb"] = big
+        res.figures["inbox_rss_growth"] = big / little
+        res.notes.append(
+            f"consumer with the inbox, peak RSS: {big:.0f} MB reading {n:,} messages, "
+            f"{little:.0f} MB reading {small_n:,} (x{big / little:.2f})"
+        )

@@ -3,7 +3,8 @@
 Shared by the throughput, scaling and drain scenarios: copy the backlog into a
 fresh table for a fresh topic, start N ``outboxkit relay`` processes, follow
 the topic's message count until every row arrived, SIGTERM them, check that
-the table holds what it should, and report rates, CPU and duplicates.
+the table holds what it should, and report rates, CPU, peak memory and
+duplicates.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class DrainRun:
     cpu_wall: float
     relay_cpu: float
     services_cpu: dict[str, float]
+    #: Busy CPU seconds of the whole machine over the same interval (None: no /proc/stat).
+    machine_cpu: float | None
+    #: The largest peak resident set (VmHWM) of the relays, MB.
+    peak_rss_mb: float | None
     exit_codes: list[int]
     messages: int
     table_after: dict[str, int]
@@ -65,11 +70,19 @@ class DrainRun:
     def rate(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def relay_cpu_per_1k(self) -> float:
+        """The relays' CPU seconds per 1,000 events delivered (all relays together)."""
+        return self.relay_cpu / self.rows * 1000
+
     def cpu_row(self) -> dict[str, float | None]:
         wall = self.cpu_wall
         out: dict[str, float | None] = {"relay cpu": cpu_share(self.relay_cpu, wall)}
         for name, used in self.services_cpu.items():
             out[f"{name} cpu"] = cpu_share(used, wall)
+        out["machine cpu"] = cpu_share(self.machine_cpu, wall)
+        out["relay cpu s/1k events"] = self.relay_cpu_per_1k
+        out["relay peak MB"] = self.peak_rss_mb
         return out
 
 
@@ -88,7 +101,7 @@ def drain_backlog(
     table = f"bench_{label.replace('-', '_')}"
     data.copy_backlog(ctx.engine, source, table, topic=topic, rows=rows, shards=cfg.shards)
     progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
-    services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap)
+    services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap, ctx.services.redis_url)
     procs: list[Proc] = []
     spy: subprocess.Popen[bytes] | None = None
     log_dir = ctx.log_dir / label
@@ -121,7 +134,10 @@ def drain_backlog(
             raise RuntimeError(f"{exc}\n{tails}") from None
         cpu_wall = time.perf_counter() - cpu_t0
         services_cpu = services.used()
+        machine_cpu = services.machine_used()
         relay_cpu = sum(p.cpu() or 0.0 for p in procs) - relay_cpu_start
+        # The high-water mark covers the whole drain; read before the processes go.
+        peaks = [m for m in (p.peak_rss_mb() for p in procs) if m is not None]
         codes = [p.terminate() for p in procs]
         wall = time.perf_counter() - t0
         time.sleep(progress.interval * 2)  # a last sample: duplicates sent at the end
@@ -140,6 +156,8 @@ def drain_backlog(
         cpu_wall=cpu_wall,
         relay_cpu=relay_cpu,
         services_cpu=services_cpu,
+        machine_cpu=machine_cpu,
+        peak_rss_mb=max(peaks) if peaks else None,
         exit_codes=codes,
         messages=progress.latest(),
         table_after=after,

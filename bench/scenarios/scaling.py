@@ -5,6 +5,12 @@ Delivered rows pile up behind the relay as it goes, so a claim whose cost grew
 with delivered history would show here as a slower tail.  The same again with
 delete-on-deliver, where the table shrinks instead (and purged rows leave
 InnoDB delete-marks for the purge thread).
+
+Memory: each drain reports the relay's peak resident set (VmHWM), and a first,
+smaller drain of ``backlog_rows / memory_scale`` rows gives the same figure for
+a quarter of the backlog (by default), so ``rss_growth`` says whether a relay's
+memory grows with the backlog it drains.  ``relay cpu s/1k events`` is its CPU
+per 1,000 events.
 """
 
 from __future__ import annotations
@@ -64,8 +70,23 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     cfg = ctx.config
     res = ScenarioResult("backlog-scaling", "first 10% vs last 10% of a large backlog")
     n = cfg.backlog_rows
-    res.settings = {"rows": n, "batch_size": batch_size(cfg), "relays": 1}
+    small = max(1, n // max(1, cfg.memory_scale))
+    res.settings = {"rows": n, "small_rows": small, "batch_size": batch_size(cfg), "relays": 1}
     source = template(ctx, n)
+    # The smaller backlog first, for the peak-memory comparison only.
+    out = drain_backlog(ctx, source=source, rows=small, relays=1, label="scale-small")
+    res.rows.append(
+        {
+            "finalize": "mark delivered",
+            "rows": small,
+            "seconds": out.seconds,
+            "events/s": out.rate,
+            **out.cpu_row(),
+        }
+    )
+    if out.peak_rss_mb is not None:
+        res.figures["rss_mb_small"] = out.peak_rss_mb
+    res.notes.extend(out.notes)
     for delete in (False, True):
         label = "scale-delete" if delete else "scale"
         with PurgeLag(ctx.engine) as lag:
@@ -91,10 +112,20 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         suffix = "_delete" if delete else ""
         res.figures[f"rate{suffix}"] = out.rate
         res.figures[f"last_vs_first{suffix}"] = last / first
+        res.figures[f"relay_cpu_per_1k{suffix}"] = out.relay_cpu_per_1k
+        if out.peak_rss_mb is not None:
+            res.figures[f"rss_mb{suffix}"] = out.peak_rss_mb
         res.notes.extend(out.notes)
         if out.profile:
             mode = "delete" if delete else "mark delivered"
             res.tables[f"profile of the relay ({mode}), share of its loop's wall time"] = (
                 out.profile
             )
+    big, little = res.figures.get("rss_mb"), res.figures.get("rss_mb_small")
+    if big and little:
+        res.figures["rss_growth"] = big / little
+        res.notes.append(
+            f"relay peak RSS: {big:.0f} MB draining {n:,} rows, {little:.0f} MB draining "
+            f"{small:,} rows (x{big / little:.2f})"
+        )
     return res

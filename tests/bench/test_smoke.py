@@ -11,11 +11,14 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from bench.config import BenchConfig
 from bench.context import Services
+from bench.procs import ServiceCpu
 from bench.runner import run
 from bench.scenarios import names
 
@@ -67,3 +70,73 @@ def test_smoke_run_writes_a_complete_report(
     assert {g["goal"] for g in saved["goals"]} >= {"consumer base class vs raw poll loop"}
     for goal in saved["goals"]:
         assert set(goal) == {"goal", "target", "measured", "met"}
+
+    _assert_memory_and_cpu(saved)
+    _assert_scale_out(saved, services)
+
+
+#: Figures of peak memory (MB) and CPU per 1,000 events each scenario must report.
+MEMORY_AND_CPU = {
+    "backlog-scaling": (
+        "rss_mb",
+        "rss_mb_small",
+        "rss_mb_delete",
+        "rss_growth",
+        "relay_cpu_per_1k",
+        "relay_cpu_per_1k_delete",
+    ),
+    "consumer": (
+        "inbox_rss_mb",
+        "inbox_rss_mb_small",
+        "inbox_rss_growth",
+        "raw_cpu_per_1k",
+        "base_cpu_per_1k",
+        "inbox_cpu_per_1k",
+    ),
+}
+MEMORY_GOALS = {
+    "relay peak RSS draining the backlog (MB)",
+    "relay peak RSS, backlog vs 1/4 of it",
+    "consumer+inbox peak RSS, backlog vs 1/4 of it",
+}
+
+
+def _assert_memory_and_cpu(saved: dict[str, Any]) -> None:
+    for name, wanted in MEMORY_AND_CPU.items():
+        figures = saved["scenarios"][name]["figures"]
+        assert set(wanted) <= set(figures), f"{name}: missing {set(wanted) - set(figures)}"
+        for figure in wanted:
+            if figure.startswith(("rss_mb", "inbox_rss_mb")):
+                # A Python process with librdkafka and SQLAlchemy loaded: tens of MB, so
+                # a figure in kB or bytes, or of the wrong process, shows here.
+                assert 20 < figures[figure] < 2000, f"{name}.{figure} = {figures[figure]}"
+    scaling = saved["scenarios"]["backlog-scaling"]
+    assert [r["rows"] for r in scaling["rows"]] == [
+        BenchConfig.smoke().backlog_rows // BenchConfig.smoke().memory_scale,
+        BenchConfig.smoke().backlog_rows,
+        BenchConfig.smoke().backlog_rows,
+    ]
+    goals = {g["goal"]: g for g in saved["goals"]}
+    assert set(goals) >= MEMORY_GOALS
+    for goal in MEMORY_GOALS:
+        assert goals[goal]["measured"] is not None, goal
+        assert goals[goal]["met"] in (True, False), goal
+
+
+def _assert_scale_out(saved: dict[str, Any], services: Services) -> None:
+    """One row per relay count, with the relays' and every co-located service's CPU."""
+    throughput = saved["scenarios"]["relay-throughput"]
+    counts = BenchConfig.smoke().relay_counts
+    assert [r["relays"] for r in throughput["rows"]] == list(counts)
+    engine = sa.create_engine(services.db_url)
+    try:
+        found = ServiceCpu.find(engine, services.kafka_bootstrap, services.redis_url).pids
+    finally:
+        engine.dispose()
+    columns = {"relay cpu", "machine cpu", "relay cpu s/1k events", "relay peak MB"}
+    columns |= {f"{service} cpu" for service in found}
+    for row in throughput["rows"]:
+        assert columns <= set(row), f"missing {columns - set(row)}"
+        assert row["relay cpu"] > 0 and row["machine cpu"] > 0, row
+    for n in counts:
+        assert throughput["figures"][f"relay_cpu_per_1k_{n}"] > 0
