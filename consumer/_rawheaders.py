@@ -37,18 +37,18 @@ def _load() -> Any:
     bundled = sorted(glob.glob(os.path.join(here, "confluent_kafka.libs", "librdkafka*.so*")))
     try:
         lib = ctypes.CDLL(bundled[0] if bundled else "librdkafka.so.1")
-        get_all = lib.rd_kafka_header_get_all
+        address = ctypes.cast(lib.rd_kafka_header_get_all, ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
-    get_all.restype = ctypes.c_int
-    get_all.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_char_p),
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_size_t),
-    ]
-    return get_all
+    if not address:
+        return None
+    # rd_kafka_resp_err_t rd_kafka_header_get_all(const rd_kafka_headers_t *hdrs,
+    #     size_t idx, const char **namep, const void **valuep, size_t *sizep):
+    # a prototype of plain pointers takes the byref() out-parameters as they are,
+    # about half the cost per call of argtypes that check each pointer's type.
+    c_void_p = ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, ctypes.c_size_t, c_void_p, c_void_p, c_void_p)
+    return proto(address)
 
 
 _get_all = _load()
@@ -58,6 +58,9 @@ _USABLE = (
     and isinstance(_MESSAGE_TYPE, type)
     and _MESSAGE_TYPE.__basicsize__ >= _C_HEADERS + _PTR
 )
+
+
+_TWO_POINTERS = ctypes.c_void_p * 2
 
 
 def _pointer(address: int) -> int:
@@ -102,15 +105,15 @@ def header_names_decodable(record: Any) -> bool | None:
             return None
         if record.key() is not None and record.value() is not None:
             _layout = True
-    base = id(record)
-    if _pointer(base + _HEADERS):
+    # Both fields in one read: the converted list (a Python object) and the C copy.
+    converted, headers = _TWO_POINTERS.from_address(id(record) + _HEADERS)
+    if converted:
         return None  # already converted by someone: headers() returns that list
-    headers = _pointer(base + _C_HEADERS)
     if not headers:
         return True
-    get_all, name = _get_all, _name
+    get_all, name, refs = _get_all, _name, _refs
     index = 0
-    while get_all(headers, index, *_refs) == 0:
+    while get_all(headers, index, refs[0], refs[1], refs[2]) == 0:
         raw = name.value
         if raw is not None and not raw.isascii():
             try:

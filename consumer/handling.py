@@ -97,9 +97,9 @@ class Handling:
         item.first_attempt_at = item.first_attempt_at or started
         item.attempts += 1
         try:
-            # The headers are read once, here, before any handler: a record whose
+            # The headers are checked once, here, before any handler: a record whose
             # headers cannot be decoded is the record's fault, whatever classify says.
-            item.message.headers  # noqa: B018
+            item.message._check_headers()
         except InvalidMessageError as exc:
             self._give_up(item, exc, Classification.PERMANENT)
             return None

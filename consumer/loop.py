@@ -1,6 +1,7 @@
 """The poll loop: the one thread that talks to the Kafka consumer.
 
-Workers never touch the Kafka consumer; they report through a queue, and this
+Workers never touch the Kafka consumer; they report each result to the
+dispatcher (:meth:`~outboxkit.consumer.workers.Dispatcher.results`), and this
 loop turns finished messages into stored offsets (``store_offsets``, one past
 the last contiguous finished message of each partition). It keeps polling even
 when every partition is paused (full, or its dead-letter topic is down), so a
@@ -15,12 +16,11 @@ the commits on revoke and at exit, and the offset bookkeeping are in
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
@@ -41,8 +41,8 @@ _FETCH_BATCH = 500
 _POLL_TIMEOUT = 0.1
 
 
-#: A worker's report on one message: the item, its outcome, an error text. A
-#: plain tuple: one is built per message, and a NamedTuple costs several times more.
+#: A worker's report on one message: the item, its outcome, an error text
+#: (:data:`outboxkit.consumer.workers.Result`, with the outcome typed).
 Completion = tuple[WorkItem, Outcome, str | None]
 
 
@@ -68,7 +68,6 @@ class PollLoop(OffsetCommits):
         *,
         kafka: Any,
         dispatcher: Dispatcher,
-        completions: queue.SimpleQueue[Completion],
         metrics: ConsumerMetrics,
         lane_of: Callable[[Message], Hashable] | None,  # None: the partition is the lane
         max_buffered: int,
@@ -76,7 +75,6 @@ class PollLoop(OffsetCommits):
     ) -> None:
         self.kafka = kafka
         self.dispatcher = dispatcher
-        self.completions = completions
         self.metrics = metrics
         self.lane_of = lane_of
         self.max_buffered = max_buffered
@@ -134,18 +132,13 @@ class PollLoop(OffsetCommits):
         """Apply what the workers reported; store the offsets that moved."""
         to_store: dict[TopicPartition, int] = {}
         counts: dict[str, int] = defaultdict(int)
-        live: dict[TopicPartition, int] | None = None
-        get = self.completions.get_nowait
-        while True:
-            try:
-                done = get()
-            except queue.Empty:
-                break
-            if live is None:
-                # Partitions open and close only on this thread: one snapshot serves
-                # every result collected now.
-                live = self.dispatcher.live_generations()
-            self._apply(done, to_store, counts, live)
+        results = cast(list[Completion], self.dispatcher.results())
+        if results:
+            # Partitions open and close only on this thread: one snapshot serves
+            # every result collected now.
+            live = self.dispatcher.live_generations()
+            for done in results:
+                self._apply(done, to_store, counts, live)
         for result, n in counts.items():  # one metric update per result, not per message
             self.metrics.messages.labels(result=result).inc(n)
             self.totals[result] += n

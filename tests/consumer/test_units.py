@@ -14,7 +14,7 @@ from outboxkit.consumer import InvalidMessageError, Message, PermanentError, Tra
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.offsets import PartitionOffsets
 from outboxkit.consumer.retry import RetryPolicy
-from outboxkit.consumer.workers import Dispatcher, WorkItem
+from outboxkit.consumer.workers import Dispatcher, Run, WorkItem
 
 pytestmark = pytest.mark.unit
 
@@ -57,20 +57,60 @@ def _item(tp: tuple[str, int], key: bytes, offset: int) -> WorkItem:
     return WorkItem(message=msg, lane=(tp, key), tp=tp)
 
 
+def _started(d: Dispatcher, timeout: float = 0.1, limit: int = 64) -> tuple[Run, WorkItem]:
+    """Take a run and start its first message."""
+    run = d.take(timeout, limit)
+    assert run is not None
+    item = d.next(run)
+    assert item is not None
+    return run, item
+
+
+def _offsets(items: list[WorkItem]) -> list[int]:
+    return [i.message.offset for i in items]
+
+
 def test_a_lane_runs_one_message_at_a_time_in_order() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
     for o, key in enumerate([b"a", b"a", b"b"]):
         d.submit(_item(tp, key, o))
-    first = d.take(0.1)
-    second = d.take(0.1)
-    assert first is not None and second is not None
+    run_a, first = _started(d)
+    run_b, second = _started(d)
     assert (first.message.offset, second.message.offset) == (0, 2)  # lane a is busy
     assert d.take(0.05) is None
-    d.finish(first)
-    third = d.take(0.1)
-    assert third is not None and third.message.offset == 1
+    assert set(d.running()) == {first, second}
+    third = d.next(run_a, "success")
+    assert third is not None and third.message.offset == 1  # the same run, in order
+    assert d.running(lambda i: i.lane == first.lane) == [third]
+    assert d.next(run_a, "success") is None and d.next(run_b, "success") is None
+    assert [(i.message.offset, o) for i, o, _ in d.results()] == [
+        (0, "success"),
+        (1, "success"),
+        (2, "success"),
+    ]
+    assert d.results() == [] and d.counts() == (0, 0, 0)
+
+
+def test_a_run_is_bounded_and_its_lane_goes_back_to_the_ready_queue() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o, key in enumerate([b"a", b"a", b"a", b"b"]):
+        d.submit(_item(tp, key, o))
+    run_a, a0 = _started(d, limit=2)
+    assert d.counts() == (1, 0, 3)  # a1 (in the run, not started), a2 and b3: queued
+    a1 = d.next(run_a, "success")
+    assert a1 is not None and d.next(run_a, "success") is None
+    _, b3 = _started(d, limit=2)  # lane a went behind lane b
+    _, a2 = _started(d, limit=2)
+    assert (a0.message.offset, a1.message.offset, b3.message.offset, a2.message.offset) == (
+        0,
+        1,
+        3,
+        2,
+    )
 
 
 def test_a_deferred_retry_keeps_its_lane_and_frees_the_worker() -> None:
@@ -80,13 +120,17 @@ def test_a_deferred_retry_keeps_its_lane_and_frees_the_worker() -> None:
     d.submit(_item(tp, b"a", 0))
     d.submit(_item(tp, b"a", 1))
     d.submit(_item(tp, b"b", 2))
-    item = d.take(0.1)
-    assert item is not None and d.defer(item, 0.2)
-    other = d.take(0.1)
-    assert other is not None and other.message.offset == 2  # not offset 1: lane a waits
+    run, item = _started(d)
+    assert d.defer(run, 0.2)  # the run ends; offset 1 goes back to lane a's queue
+    assert d.running() == [] and d.counts() == (0, 1, 2)
+    _, other = _started(d)
+    assert other.message.offset == 2  # not offset 1: lane a waits
     started = time.monotonic()
-    again = d.take(1.0)
-    assert again is item and time.monotonic() - started >= 0.15
+    again, retried = _started(d, timeout=1.0)
+    assert retried is item and time.monotonic() - started >= 0.15
+    assert d.next(again, "success") is None  # the retry runs alone
+    _, after = _started(d)
+    assert after.message.offset == 1  # then the lane's queue, in order
 
 
 def test_released_partitions_hand_back_queued_work_and_refuse_retries() -> None:
@@ -95,55 +139,50 @@ def test_released_partitions_hand_back_queued_work_and_refuse_retries() -> None:
     d.open(tp)
     for o in range(3):
         d.submit(_item(tp, b"a", o))
-    running = d.take(0.1)
-    assert running is not None
+    run, running = _started(d)
     released = d.release([tp])
-    assert [i.message.offset for i in released] == [1, 2]
+    assert _offsets(released) == [1, 2]  # not started: handed back, even within the run
     assert d.is_live(running)  # its offset may still be stored before the commit
-    assert not d.defer(running, 0.1)  # but it is not retried here
+    assert not d.defer(run, 0.1)  # but it is not retried here
+    d.give_up(run, "released", "gone")
+    assert [(i, o) for i, o, _ in d.results()] == [(running, "released")]
     d.close([tp])
     assert not d.is_live(running)
 
 
-def test_finishing_can_hand_over_the_lanes_next_message_only() -> None:
+def test_draining_hands_back_what_a_run_has_not_started() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
-    for o, key in enumerate([b"a", b"b", b"a"]):
+    for o, key in enumerate([b"a", b"a", b"a", b"b"]):
         d.submit(_item(tp, key, o))
-    a0, b1 = d.take(0.1), d.take(0.1)
-    assert a0 is not None and b1 is not None
-    a2 = d.finish(a0, take_next=True)
-    assert a2 is not None and a2.message.offset == 2  # same lane, in order
-    assert d.finish(b1, take_next=True) is None  # lane b has nothing queued
-    assert d.running() == [a2] and d.take(0.05) is None
-
-    d.submit(_item(tp, b"a", 3))
-    d.submit(_item(tp, b"a", 4))
-    assert d.finish(a2) is None  # without take_next the lane goes back to the queue
-    a3 = d.take(0.1)
-    assert a3 is not None and a3.message.offset == 3
-    d.drain()  # draining: queued work is released, nothing more is handed over
-    assert d.finish(a3, take_next=True) is None
+    run, a0 = _started(d)
+    assert sorted(_offsets(d.drain())) == [1, 2, 3]
+    assert d.running() == [a0]  # running: it finishes and counts
+    assert d.next(run, "success") is None  # nothing more is started
+    assert d.results() == [(a0, "success", None)]
+    assert d.take(0.05) is None
 
 
-def test_a_due_retry_goes_before_the_lanes_next_message() -> None:
+def test_a_due_retry_goes_before_the_next_run() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
     for o, key in enumerate([b"r", b"a", b"a"]):
         d.submit(_item(tp, key, o))
-    retry, a1 = d.take(0.1), d.take(0.1)
-    assert retry is not None and a1 is not None and d.defer(retry, 0.0)
-    assert d.finish(a1, take_next=True) is None
-    assert d.take(0.1) is retry
+    run_r, retry = _started(d)
+    run_a, _ = _started(d, limit=1)
+    assert d.defer(run_r, 0.0)
+    assert d.next(run_a, "success") is None
+    _, again = _started(d)
+    assert again is retry
 
 
 def test_take_wakes_when_work_arrives() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
-    got: list[WorkItem | None] = []
+    got: list[Run | None] = []
     t = threading.Thread(target=lambda: got.append(d.take(2.0)))
     t.start()
     time.sleep(0.05)
