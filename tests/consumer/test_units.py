@@ -40,6 +40,39 @@ def test_stored_offset_never_passes_an_unfinished_message(offsets: list[int], rn
     assert tracker.unfinished == 0
 
 
+@given(
+    st.lists(st.integers(0, 10_000), min_size=1, max_size=60, unique=True),
+    st.randoms(),
+    st.integers(1, 8),
+)
+def test_offsets_received_and_finished_in_batches_match_one_at_a_time(
+    offsets: list[int], rnd: object, chunk: int
+) -> None:
+    """The poll loop's batch forms (a fetched run, the results of one round) store
+    exactly what the per-message forms store, whatever the order of finishing."""
+    offsets.sort()
+    one, many = PartitionOffsets(), PartitionOffsets()
+    for o in offsets:
+        one.received(o)
+    for start in range(0, len(offsets), chunk):
+        many.received_many(offsets[start : start + chunk])
+    many.received_many(offsets[:chunk])  # the same records again (a seek): ignored
+    order = list(offsets)
+    rnd.shuffle(order)  # type: ignore[attr-defined]
+    for start in range(0, len(order), chunk):
+        batch = order[start : start + chunk]
+        stored = None
+        for o in batch:
+            stored = one.finished(o) or stored
+        assert many.finished_many(batch) == stored
+        assert (many.stored, many.window, many.unfinished) == (
+            one.stored,
+            one.window,
+            one.unfinished,
+        )
+    assert many.stored == offsets[-1] + 1 and many.window == 0
+
+
 def test_confirmed_commit_counts_covered_messages() -> None:
     tracker = PartitionOffsets()
     for o in (3, 4, 7):  # gaps: compaction or transaction markers
