@@ -43,7 +43,7 @@ from outboxkit.consumer.handling import Handling, Outcome, Result
 from outboxkit.consumer.inbox import Inbox
 from outboxkit.consumer.loop import DrainReport, PollLoop
 from outboxkit.consumer.message import Message
-from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, Run
@@ -395,15 +395,19 @@ class Consumer:
 
     def _work_until_stopped(self) -> None:
         dispatcher = self._dispatcher
+        times = HandleTimes(self.metrics.handle_seconds)
         while True:
             run = dispatcher.take(timeout=0.5, limit=_RUN_LIMIT)
             if run is None:
                 if dispatcher.stopped:
                     return
                 continue
-            self._handle_run(run)
+            try:
+                self._handle_run(run, times)
+            finally:
+                times.flush()
 
-    def _handle_run(self, run: Run) -> None:
+    def _handle_run(self, run: Run, times: HandleTimes) -> None:
         """Handle ``run``'s messages in order, each reported as it finishes.
 
         A result that must wait (a retry, a dead-letter write to try again) ends
@@ -413,7 +417,7 @@ class Consumer:
         item = next_item(run)
         while item is not None:
             try:
-                result = process(item)
+                result = process(item, times)
             except BaseException:
                 # A bug outside the handler: keep the message (nothing is skipped) and
                 # let the supervisor log and restart this worker.
@@ -422,6 +426,7 @@ class Consumer:
             if result.delay is not None:
                 self._wait(run, result)
                 return
+            times.flush(due_only=True)
             item = next_item(run, result.outcome)
 
     def _wait(self, run: Run, result: Result) -> None:

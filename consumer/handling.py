@@ -23,7 +23,7 @@ from outboxkit.consumer.dlq import DeadLetters, DeadLetterUnavailable, Failure
 from outboxkit.consumer.errors import Classification, InvalidMessageError
 from outboxkit.consumer.inbox import Inbox
 from outboxkit.consumer.message import Message
-from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.workers import WorkItem
 from outboxkit.runtime.logs import log_event, redact
@@ -84,14 +84,16 @@ class Handling:
         #: CONSUMER spans around each attempt; None without OpenTelemetry or a provider.
         self.tracing = tracing
 
-    def process(self, item: WorkItem) -> Result:
+    def process(self, item: WorkItem, times: HandleTimes | None = None) -> Result:
+        """Handle ``item`` once (or dead-letter it); the handler's time goes to
+        ``times`` (a worker's batch of ``worker_handle_seconds``) or the histogram."""
         if item.failure is None:
-            result = self._attempt(item)
+            result = self._attempt(item, times)
             if result is not None:
                 return result
         return self._dead_letter(item)
 
-    def _attempt(self, item: WorkItem) -> Result | None:
+    def _attempt(self, item: WorkItem, times: HandleTimes | None) -> Result | None:
         """Run the handler once; None means "gave up": dead-letter it."""
         started = time.monotonic()
         item.first_attempt_at = item.first_attempt_at or started
@@ -112,7 +114,9 @@ class Handling:
                     with self.tracing.span(item.message):
                         duplicate = self._run(item.message)
             finally:
-                self.metrics.handle_seconds.observe(time.perf_counter() - timer)
+                (self.metrics.handle_seconds if times is None else times).observe(
+                    time.perf_counter() - timer
+                )
         except Exception as exc:
             error = exc
         else:

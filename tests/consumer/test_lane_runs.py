@@ -106,6 +106,9 @@ def test_a_failure_inside_a_run_keeps_lane_order_and_the_offsets_reach_the_end(
         assert offsets == sorted(offsets), f"lane {lane!r} out of order: {offsets}"
     expected_attempts = sum(2 if value == "transient" else 1 for _, value in plan)
     assert len(consumer.attempts) == expected_attempts
+    # Handler times are added per run: every attempt is in the histogram at the end.
+    count = consumer.registry.get_sample_value("worker_handle_seconds_count")
+    assert count == expected_attempts
     if permanent:
         letters = read_all(kafka_bootstrap, dlq, expect=len(permanent))
         originals = sorted(int(dict(r.headers())["dlq.original.offset"]) for r in letters)

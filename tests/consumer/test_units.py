@@ -9,9 +9,11 @@ import pytest
 import sqlalchemy.exc as sa_exc
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from outboxkit.consumer import InvalidMessageError, Message, PermanentError, TransientError
 from outboxkit.consumer.errors import Classification, classify
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.offsets import PartitionOffsets
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.workers import Dispatcher, Run, WorkItem
@@ -71,6 +73,40 @@ def test_offsets_received_and_finished_in_batches_match_one_at_a_time(
             one.unfinished,
         )
     assert many.stored == offsets[-1] + 1 and many.window == 0
+
+
+_BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@given(
+    st.lists(st.one_of(st.sampled_from(_BOUNDS), st.floats(0, 100, allow_nan=False)), max_size=80),
+    st.integers(1, 10),
+)
+def test_handle_times_in_batches_expose_what_each_observe_would(
+    seconds: list[float], chunk: int
+) -> None:
+    """A worker adds its handler times in batches: the histogram's buckets, count and
+    sum are what one ``observe`` per attempt gives (a time on a bound included)."""
+    one, batched = CollectorRegistry(), CollectorRegistry()
+    reference = ConsumerMetrics(one).handle_seconds
+    times = HandleTimes(ConsumerMetrics(batched).handle_seconds)
+    for i, s in enumerate(seconds, 1):
+        reference.observe(s)
+        times.observe(s)
+        if i % chunk == 0:
+            times.flush()
+    times.flush()
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {
+            (x.name, x.labels.get("le", "")): x.value
+            for m in registry.collect()
+            if m.name == "worker_handle_seconds"
+            for x in m.samples
+            if not x.name.endswith("_created")
+        }
+
+    assert samples(batched) == pytest.approx(samples(one))
 
 
 def test_confirmed_commit_counts_covered_messages() -> None:
