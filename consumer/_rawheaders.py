@@ -37,18 +37,17 @@ def _load() -> Any:
     bundled = sorted(glob.glob(os.path.join(here, "confluent_kafka.libs", "librdkafka*.so*")))
     try:
         lib = ctypes.CDLL(bundled[0] if bundled else "librdkafka.so.1")
-        address = ctypes.cast(lib.rd_kafka_header_get_all, ctypes.c_void_p).value
+        get_all = lib.rd_kafka_header_get_all
     except (OSError, AttributeError):
         return None
-    if not address:
-        return None
     # rd_kafka_resp_err_t rd_kafka_header_get_all(const rd_kafka_headers_t *hdrs,
-    #     size_t idx, const char **namep, const void **valuep, size_t *sizep):
-    # a prototype of plain pointers takes the byref() out-parameters as they are,
-    # about half the cost per call of argtypes that check each pointer's type.
-    c_void_p = ctypes.c_void_p
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, ctypes.c_size_t, c_void_p, c_void_p, c_void_p)
-    return proto(address)
+    #     size_t idx, const char **namep, const void **valuep, size_t *sizep).
+    # No argtypes on purpose: every argument is passed as a ctypes object of the
+    # parameter's exact type (c_void_p, c_size_t, byref()), which ctypes hands
+    # over as it is; converting Python ints through argtypes cost about twice as
+    # much per call, and this runs for every header of every message.
+    get_all.restype = ctypes.c_int
+    return get_all
 
 
 _get_all = _load()
@@ -85,7 +84,9 @@ def _layout_matches(record: Any) -> bool:
 # The struct layout belongs to the compiled type, not to a record: it is checked
 # on the first records seen (one with a key and a value settles it).
 _layout: bool | None = None
-# Out-parameters, reused: callers hold the message module's decode lock.
+# Arguments and out-parameters, reused: callers hold the message module's decode lock.
+_headers_arg = ctypes.c_void_p()
+_indexes = tuple(ctypes.c_size_t(i) for i in range(32))
 _name, _value, _size = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
 _refs = (ctypes.byref(_name), ctypes.byref(_value), ctypes.byref(_size))
 
@@ -111,9 +112,14 @@ def header_names_decodable(record: Any) -> bool | None:
         return None  # already converted by someone: headers() returns that list
     if not headers:
         return True
-    get_all, name, refs = _get_all, _name, _refs
+    get_all, name, indexes, (name_ref, value_ref, size_ref) = _get_all, _name, _indexes, _refs
+    hdrs = _headers_arg
+    hdrs.value = headers
     index = 0
-    while get_all(headers, index, refs[0], refs[1], refs[2]) == 0:
+    while True:
+        arg = indexes[index] if index < len(indexes) else ctypes.c_size_t(index)
+        if get_all(hdrs, arg, name_ref, value_ref, size_ref) != 0:
+            return True
         raw = name.value
         if raw is not None and not raw.isascii():
             try:
@@ -121,4 +127,3 @@ def header_names_decodable(record: Any) -> bool | None:
             except UnicodeDecodeError:
                 return False
         index += 1
-    return True
