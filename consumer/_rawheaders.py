@@ -36,7 +36,12 @@ def _load() -> Any:
     here = os.path.dirname(os.path.dirname(confluent_kafka.__file__))
     bundled = sorted(glob.glob(os.path.join(here, "confluent_kafka.libs", "librdkafka*.so*")))
     try:
-        lib = ctypes.CDLL(bundled[0] if bundled else "librdkafka.so.1")
+        # PyDLL: the call keeps the interpreter lock. It is a short read of the
+        # record's header list that never blocks, and CDLL's release and re-take
+        # of the lock around each call (one per header, plus one, per message)
+        # handed the lock to the poll thread every time: the worker then waited
+        # for it back, which halved the consumer's rate.
+        lib = ctypes.PyDLL(bundled[0] if bundled else "librdkafka.so.1")
         get_all = lib.rd_kafka_header_get_all
     except (OSError, AttributeError):
         return None
