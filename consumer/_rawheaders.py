@@ -36,18 +36,22 @@ def _load() -> Any:
     here = os.path.dirname(os.path.dirname(confluent_kafka.__file__))
     bundled = sorted(glob.glob(os.path.join(here, "confluent_kafka.libs", "librdkafka*.so*")))
     try:
-        lib = ctypes.CDLL(bundled[0] if bundled else "librdkafka.so.1")
+        # PyDLL: the call keeps the interpreter lock. It is a short read of the
+        # record's header list that never blocks, and CDLL's release and re-take
+        # of the lock around each call (one per header, plus one, per message)
+        # handed the lock to the poll thread every time: the worker then waited
+        # for it back, which halved the consumer's rate.
+        lib = ctypes.PyDLL(bundled[0] if bundled else "librdkafka.so.1")
         get_all = lib.rd_kafka_header_get_all
     except (OSError, AttributeError):
         return None
+    # rd_kafka_resp_err_t rd_kafka_header_get_all(const rd_kafka_headers_t *hdrs,
+    #     size_t idx, const char **namep, const void **valuep, size_t *sizep).
+    # No argtypes on purpose: every argument is passed as a ctypes object of the
+    # parameter's exact type (c_void_p, c_size_t, byref()), which ctypes hands
+    # over as it is; converting Python ints through argtypes cost about twice as
+    # much per call, and this runs for every header of every message.
     get_all.restype = ctypes.c_int
-    get_all.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_char_p),
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_size_t),
-    ]
     return get_all
 
 
@@ -58,6 +62,9 @@ _USABLE = (
     and isinstance(_MESSAGE_TYPE, type)
     and _MESSAGE_TYPE.__basicsize__ >= _C_HEADERS + _PTR
 )
+
+
+_TWO_POINTERS = ctypes.c_void_p * 2
 
 
 def _pointer(address: int) -> int:
@@ -82,7 +89,9 @@ def _layout_matches(record: Any) -> bool:
 # The struct layout belongs to the compiled type, not to a record: it is checked
 # on the first records seen (one with a key and a value settles it).
 _layout: bool | None = None
-# Out-parameters, reused: callers hold the message module's decode lock.
+# Arguments and out-parameters, reused: callers hold the message module's decode lock.
+_headers_arg = ctypes.c_void_p()
+_indexes = tuple(ctypes.c_size_t(i) for i in range(32))
 _name, _value, _size = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
 _refs = (ctypes.byref(_name), ctypes.byref(_value), ctypes.byref(_size))
 
@@ -102,15 +111,20 @@ def header_names_decodable(record: Any) -> bool | None:
             return None
         if record.key() is not None and record.value() is not None:
             _layout = True
-    base = id(record)
-    if _pointer(base + _HEADERS):
+    # Both fields in one read: the converted list (a Python object) and the C copy.
+    converted, headers = _TWO_POINTERS.from_address(id(record) + _HEADERS)
+    if converted:
         return None  # already converted by someone: headers() returns that list
-    headers = _pointer(base + _C_HEADERS)
     if not headers:
         return True
-    get_all, name = _get_all, _name
+    get_all, name, indexes, (name_ref, value_ref, size_ref) = _get_all, _name, _indexes, _refs
+    hdrs = _headers_arg
+    hdrs.value = headers
     index = 0
-    while get_all(headers, index, *_refs) == 0:
+    while True:
+        arg = indexes[index] if index < len(indexes) else ctypes.c_size_t(index)
+        if get_all(hdrs, arg, name_ref, value_ref, size_ref) != 0:
+            return True
         raw = name.value
         if raw is not None and not raw.isascii():
             try:
@@ -118,4 +132,3 @@ def header_names_decodable(record: Any) -> bool | None:
             except UnicodeDecodeError:
                 return False
         index += 1
-    return True

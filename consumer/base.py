@@ -25,7 +25,6 @@ workers at once; order is kept per partition (per key with ``concurrency > 1``).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -42,12 +41,12 @@ from outboxkit.consumer.dlq import DeadLetters, producer_config
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.handling import Handling, Outcome, Result
 from outboxkit.consumer.inbox import Inbox
-from outboxkit.consumer.loop import Completion, DrainReport, PollLoop
+from outboxkit.consumer.loop import DrainReport, PollLoop
 from outboxkit.consumer.message import Message
-from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings
-from outboxkit.consumer.workers import Dispatcher, WorkItem
+from outboxkit.consumer.workers import Dispatcher, Run
 from outboxkit.runtime.errors import (
     ConfigError,
     DependencyError,
@@ -82,9 +81,9 @@ _log = logging.getLogger("outboxkit.consumer")
 
 _kafka_log = logging.getLogger("outboxkit.consumer.kafka")
 
-# How many messages of one lane a worker runs back to back before it goes back to
-# the ready queue, so one busy partition (or key) cannot starve the others.
-_LANE_STREAK = 64
+# How many messages of one lane a worker takes at once (a run) before the lane goes
+# back to the ready queue, so one busy partition (or key) cannot starve the others.
+_RUN_LIMIT = 64
 _FORCED_CONFIG = {"enable.auto.offset.store": "false"}
 
 
@@ -140,7 +139,6 @@ class Consumer:
         self._async_engine = engine
         self._owns_engine = False
         self._dispatcher = Dispatcher()
-        self._completions: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._kafka: Any = None
         self._loop: PollLoop | None = None
         self._dead_letters: DeadLetters | None = None
@@ -297,7 +295,6 @@ class Consumer:
         self._loop = PollLoop(
             kafka=self._kafka,
             dispatcher=self._dispatcher,
-            completions=self._completions,
             metrics=self.metrics,
             lane_of=None if self.workers == 1 else self._lane_of,
             max_buffered=s.max_buffered,
@@ -406,42 +403,50 @@ class Consumer:
                 self._handling.inbox.release()
 
     def _work_until_stopped(self) -> None:
-        item: WorkItem | None = None
-        streak = 0
+        dispatcher = self._dispatcher
+        times = HandleTimes(self.metrics.handle_seconds)
         while True:
-            if item is None:
-                item = self._dispatcher.take(timeout=0.5)
-                streak = 0
-                if item is None:
-                    if self._dispatcher.stopped:
-                        return
-                    continue
+            run = dispatcher.take(timeout=0.5, limit=_RUN_LIMIT)
+            if run is None:
+                if dispatcher.stopped:
+                    return
+                continue
             try:
-                result = self._handling.process(item)
+                self._handle_run(run, times)
+            finally:
+                times.flush()
+
+    def _handle_run(self, run: Run, times: HandleTimes) -> None:
+        """Handle ``run``'s messages in order, each reported as it finishes.
+
+        A result that must wait (a retry, a dead-letter write to try again) ends
+        the run: the message keeps its lane and the rest go back to its queue.
+        """
+        next_item, process = self._dispatcher.next, self._handling.process
+        item = next_item(run)
+        while item is not None:
+            try:
+                result = process(item, times)
             except BaseException:
                 # A bug outside the handler: keep the message (nothing is skipped) and
                 # let the supervisor log and restart this worker.
-                self._settle(item, Result(Outcome.RETRY, delay=1.0))
+                self._wait(run, Result(Outcome.RETRY, delay=1.0))
                 raise
-            streak += 1
-            item = self._settle(item, result, take_next=streak < _LANE_STREAK)
+            if result.delay is not None:
+                self._wait(run, result)
+                return
+            times.flush(due_only=True)
+            item = next_item(run, result.outcome)
 
-    def _settle(
-        self, item: WorkItem, result: Result, *, take_next: bool = False
-    ) -> WorkItem | None:
-        """Report ``item``'s result; with ``take_next``, maybe return its lane's next message."""
+    def _wait(self, run: Run, result: Result) -> None:
+        """The run's current message runs again after ``result.delay`` (the run ends)."""
         outcome = result.outcome
-        if result.delay is not None:
-            if self._dispatcher.defer(item, result.delay):
-                if outcome is Outcome.RETRY:
-                    self.metrics.messages.labels(result="retry").inc()
-                else:
-                    self._completions.put((item, outcome, result.error))
-                return None
-            outcome = Outcome.RELEASED
-        nxt = self._dispatcher.finish(item, take_next=take_next)
-        self._completions.put((item, outcome, result.error))
-        return nxt
+        assert result.delay is not None
+        report = None if outcome is Outcome.RETRY else (outcome, result.error)
+        if not self._dispatcher.defer(run, result.delay, report):
+            self._dispatcher.give_up(run, Outcome.RELEASED, result.error)
+        elif outcome is Outcome.RETRY:
+            self.metrics.messages.labels(result="retry").inc()
 
     def _mark_closed(self) -> None:
         self._closed = True

@@ -23,7 +23,7 @@ from outboxkit.consumer.dlq import DeadLetters, DeadLetterUnavailable, Failure
 from outboxkit.consumer.errors import Classification, InvalidMessageError
 from outboxkit.consumer.inbox import Inbox
 from outboxkit.consumer.message import Message
-from outboxkit.consumer.metrics import ConsumerMetrics
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.workers import WorkItem
 from outboxkit.runtime.logs import log_event, redact
@@ -84,22 +84,24 @@ class Handling:
         #: CONSUMER spans around each attempt; None without OpenTelemetry or a provider.
         self.tracing = tracing
 
-    def process(self, item: WorkItem) -> Result:
+    def process(self, item: WorkItem, times: HandleTimes | None = None) -> Result:
+        """Handle ``item`` once (or dead-letter it); the handler's time goes to
+        ``times`` (a worker's batch of ``worker_handle_seconds``) or the histogram."""
         if item.failure is None:
-            result = self._attempt(item)
+            result = self._attempt(item, times)
             if result is not None:
                 return result
         return self._dead_letter(item)
 
-    def _attempt(self, item: WorkItem) -> Result | None:
+    def _attempt(self, item: WorkItem, times: HandleTimes | None) -> Result | None:
         """Run the handler once; None means "gave up": dead-letter it."""
         started = time.monotonic()
         item.first_attempt_at = item.first_attempt_at or started
         item.attempts += 1
         try:
-            # The headers are read once, here, before any handler: a record whose
+            # The headers are checked once, here, before any handler: a record whose
             # headers cannot be decoded is the record's fault, whatever classify says.
-            item.message.headers  # noqa: B018
+            item.message._check_headers()
         except InvalidMessageError as exc:
             self._give_up(item, exc, Classification.PERMANENT)
             return None
@@ -112,7 +114,9 @@ class Handling:
                     with self.tracing.span(item.message):
                         duplicate = self._run(item.message)
             finally:
-                self.metrics.handle_seconds.observe(time.perf_counter() - timer)
+                (self.metrics.handle_seconds if times is None else times).observe(
+                    time.perf_counter() - timer
+                )
         except Exception as exc:
             error = exc
         else:

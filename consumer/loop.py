@@ -15,12 +15,11 @@ the commits on revoke and at exit, and the offset bookkeeping are in
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
@@ -41,8 +40,8 @@ _FETCH_BATCH = 500
 _POLL_TIMEOUT = 0.1
 
 
-#: A worker's report on one message: the item, its outcome, an error text. A
-#: plain tuple: one is built per message, and a NamedTuple costs several times more.
+#: A worker's report on one message: the item, its outcome, an error text
+#: (:data:`outboxkit.consumer.workers.Result`, with the outcome typed).
 Completion = tuple[WorkItem, Outcome, str | None]
 
 
@@ -68,7 +67,6 @@ class PollLoop(OffsetCommits):
         *,
         kafka: Any,
         dispatcher: Dispatcher,
-        completions: queue.SimpleQueue[Completion],
         metrics: ConsumerMetrics,
         lane_of: Callable[[Message], Hashable] | None,  # None: the partition is the lane
         max_buffered: int,
@@ -76,7 +74,6 @@ class PollLoop(OffsetCommits):
     ) -> None:
         self.kafka = kafka
         self.dispatcher = dispatcher
-        self.completions = completions
         self.metrics = metrics
         self.lane_of = lane_of
         self.max_buffered = max_buffered
@@ -102,26 +99,45 @@ class PollLoop(OffsetCommits):
         self.collect()
 
     def _accept(self, records: list[Any]) -> None:
-        """Track and hand out one fetched batch: one dispatcher lock for all of it."""
+        """Track and hand out one fetched batch: one dispatcher lock for all of it.
+
+        A batch holds runs of records of one partition: the partition's tuple,
+        tracker and received offsets are handled once per run, not per record.
+        """
         items: list[WorkItem] = []
-        touched: set[TopicPartition] = set()
+        touched: list[TopicPartition] = []
         lane_of = self.lane_of
         from_kafka = Message.from_kafka
         offsets = self.offsets
+        draining = self.draining
+        topic: str | None = None
+        partition = -1
+        tp: TopicPartition = ("", -1)
+        tracker: PartitionOffsets | None = None
+        received: list[int] = []
         for record in records:
             err = record.error()
             if err is not None:
                 self._kafka_error(err)
                 continue
-            tp = (record.topic(), record.partition())
-            tracker = offsets.get(tp)
-            if tracker is None or self.draining:
-                continue  # not ours any more, or draining: Kafka redelivers it
-            tracker.received(record.offset())
+            if draining:
+                continue  # Kafka redelivers it
+            if record.partition() != partition or record.topic() != topic:
+                if tracker is not None and received:
+                    tracker.received_many(received)
+                topic, partition = record.topic(), record.partition()
+                tp = (topic, partition)
+                tracker = offsets.get(tp)
+                received = []
+                if tracker is not None:
+                    touched.append(tp)
+            if tracker is None:
+                continue  # not ours any more: Kafka redelivers it
+            received.append(record.offset())
             message = from_kafka(record)
-            lane = tp if lane_of is None else lane_of(message)
-            items.append(WorkItem(message, lane, tp))
-            touched.add(tp)
+            items.append(WorkItem(message, tp if lane_of is None else lane_of(message), tp))
+        if tracker is not None and received:
+            tracker.received_many(received)
         if not items:
             return
         self.dispatcher.submit_many(items)
@@ -131,21 +147,39 @@ class PollLoop(OffsetCommits):
                 self._pause(tp, "full")  # bounds memory: see offsets.py
 
     def collect(self) -> None:
-        """Apply what the workers reported; store the offsets that moved."""
+        """Apply what the workers reported; store the offsets that moved.
+
+        A success of a live partition outside a drain (nearly every result) takes
+        the short path: counted, and its offset marked finished with the others
+        of its partition at once.
+        """
         to_store: dict[TopicPartition, int] = {}
         counts: dict[str, int] = defaultdict(int)
-        live: dict[TopicPartition, int] | None = None
-        get = self.completions.get_nowait
-        while True:
-            try:
-                done = get()
-            except queue.Empty:
-                break
-            if live is None:
-                # Partitions open and close only on this thread: one snapshot serves
-                # every result collected now.
-                live = self.dispatcher.live_generations()
-            self._apply(done, to_store, counts, live)
+        results = cast(list[Completion], self.dispatcher.results())
+        if results:
+            # Partitions open and close only on this thread: one snapshot serves
+            # every result collected now.
+            live = self.dispatcher.live_generations()
+            finished: dict[TopicPartition, list[int]] = {}
+            success, succeeded = Outcome.SUCCESS, 0
+            short = self._watch is None
+            for done in results:
+                item = done[0]
+                if done[1] is success and short and not item.dlq_blocked:
+                    succeeded += 1
+                    tp = item.tp
+                    if live.get(tp) == item.generation:
+                        offsets = finished.get(tp)
+                        if offsets is None:
+                            finished[tp] = [item.message.offset]
+                        else:
+                            offsets.append(item.message.offset)
+                else:
+                    self._apply(done, to_store, counts, live)
+            if succeeded:
+                counts[success._value_] += succeeded
+            for tp, offsets in finished.items():
+                self._finished(tp, offsets, to_store)
         for result, n in counts.items():  # one metric update per result, not per message
             self.metrics.messages.labels(result=result).inc(n)
             self.totals[result] += n
@@ -154,6 +188,19 @@ class PollLoop(OffsetCommits):
         running, waiting, queued = self.dispatcher.counts()
         self.metrics.inflight.set(running + waiting)
         self.metrics.buffered.set(queued)
+
+    def _finished(
+        self, tp: TopicPartition, offsets: list[int], to_store: dict[TopicPartition, int]
+    ) -> None:
+        """``offsets`` of ``tp`` (still live) finished: store what moved, resume if room."""
+        tracker = self.offsets.get(tp)
+        if tracker is None:
+            return
+        stored = tracker.finished_many(offsets)
+        if stored is not None:
+            to_store[tp] = stored
+        if tp in self.paused and tracker.window < max(1, self.max_buffered // 2):
+            self._resume(tp, "full")
 
     def _apply(
         self,
@@ -182,14 +229,9 @@ class PollLoop(OffsetCommits):
         if self._watch is not None and item in self._watch:
             self._watch.discard(item)
             self._count_drained(outcome)
-        tracker = self.offsets.get(tp)
-        if not live or tracker is None or not outcome.final:
+        if not live or not outcome.final:
             return  # revoked meanwhile: the new owner handles the message again
-        stored = tracker.finished(item.message.offset)
-        if stored is not None:
-            to_store[tp] = stored
-        if tp in self.paused and tracker.window < max(1, self.max_buffered // 2):
-            self._resume(tp, "full")
+        self._finished(tp, [item.message.offset], to_store)
 
     def _kafka_error(self, err: Any) -> None:
         if err.code() == KafkaError._PARTITION_EOF:

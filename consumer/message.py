@@ -76,6 +76,7 @@ class Message:
         m._record = record
         m._headers = None
         m._header_error = None
+        m._names_checked = False
         m._tx = None
         return m
 
@@ -111,6 +112,10 @@ class Message:
     def _readable_headers(self) -> tuple[tuple[str, bytes], ...] | None:
         """The headers, or None when they cannot be decoded (never raises)."""
         return self.headers
+
+    def _check_headers(self) -> None:
+        """:class:`InvalidMessageError` if the headers cannot be decoded; checked
+        before any handler runs, without decoding them when that can be avoided."""
 
     def _fields(self) -> tuple[object, ...]:
         return (
@@ -234,10 +239,11 @@ class _KafkaMessage(Message):
     field or two: copying every field (and decoding the headers) up front was
     the largest per-message cost of the loop."""
 
-    __slots__ = ("_header_error", "_record")
+    __slots__ = ("_header_error", "_names_checked", "_record")
 
     _record: Any
     _header_error: str | None
+    _names_checked: bool  # every header name is UTF-8: headers() is safe to call
 
     @property
     def topic(self) -> str:
@@ -285,10 +291,32 @@ class _KafkaMessage(Message):
                     self._decode_headers()
         return self._headers
 
+    def _check_headers(self) -> None:
+        # Most handlers never read the headers: checking the names is enough to
+        # know that they can be decoded, and costs less than decoding them.
+        if not self._names_checked and self._headers is None and self._header_error is None:
+            with _HEADERS_ONCE:
+                if self._headers is None and self._header_error is None:
+                    self._check_names()
+        if self._header_error is not None:
+            raise InvalidMessageError(f"{self._where()}: {self._header_error}")
+
+    def _check_names(self) -> None:
+        """Check the names once (lock held); when that cannot be told, decode."""
+        if self._names_checked:
+            return
+        decodable = header_names_decodable(self._record)
+        if decodable is None:
+            self._decode_headers()
+        elif decodable:
+            self._names_checked = True
+        else:
+            self._header_error = "header names are not UTF-8"
+
     def _decode_headers(self) -> None:
         """Call the record's ``headers()`` exactly once, and only when every name is
-        UTF-8 (see ``_rawheaders``); keep the result or the failure."""
-        if header_names_decodable(self._record) is False:
+        UTF-8 (see ``_rawheaders``); keep the result or the failure (lock held)."""
+        if not self._names_checked and header_names_decodable(self._record) is False:
             self._header_error = "header names are not UTF-8"
             return
         try:
@@ -304,4 +332,5 @@ class _KafkaMessage(Message):
         m = _KafkaMessage.__new__(_KafkaMessage)
         m._record, m._headers, m._tx = self._record, self._headers, tx
         m._header_error = self._header_error
+        m._names_checked = self._names_checked
         return m

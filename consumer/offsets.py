@@ -89,13 +89,36 @@ class PartitionOffsets:
             return
         self._pending.append(offset)
 
+    def received_many(self, offsets: list[int]) -> None:
+        """:meth:`received` for each of ``offsets`` (ascending, one fetch of the partition)."""
+        pending = self._pending
+        if (not pending or offsets[0] > pending[-1]) and (
+            self.stored is None or offsets[0] >= self.stored
+        ):
+            pending.extend(offsets)  # the usual case: all new, none below the mark
+            return
+        for offset in offsets:
+            self.received(offset)
+
     def finished(self, offset: int) -> int | None:
         """Mark ``offset`` finished; return the new offset to store, or None if unchanged."""
-        self._finished.add(offset)
+        return self.finished_many((offset,))
+
+    def finished_many(self, offsets: Iterable[int]) -> int | None:
+        """Mark ``offsets`` finished; return the new offset to store, or None if unchanged."""
+        pending, finished = self._pending, self._finished
         moved = 0
-        while self._pending and self._pending[0] in self._finished:
-            done = self._pending.popleft()
-            self._finished.discard(done)
+        for offset in offsets:
+            if not finished and pending and pending[0] == offset:
+                # In order (the usual case): straight below the mark, no set.
+                pending.popleft()
+                self.stored = offset + 1
+                moved += 1
+            else:
+                finished.add(offset)
+        while pending and pending[0] in finished:
+            done = pending.popleft()
+            finished.discard(done)
             self.stored = done + 1
             moved += 1
         if not moved:

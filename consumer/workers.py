@@ -1,4 +1,4 @@
-"""Hand messages to worker threads: one worker per message, in order per lane.
+"""Hand messages to worker threads: runs of a lane's messages, in order per lane.
 
 A *lane* is what must stay in order: the partition (``concurrency=1``), or the
 partition and the message key (``concurrency > 1``; messages without a key share
@@ -10,8 +10,23 @@ previous one has finished, including any retry waits, so:
   runs: the lane stays busy until that handler returns;
 * per-key (or per-partition) order holds across retries.
 
-A message waiting for a retry (or for the dead-letter topic) gives its worker
-back: the other lanes keep moving, on every partition.
+A worker takes a *run*: up to ``limit`` queued messages of one lane, handled
+one after the other. Each message of a run still starts, finishes and is
+reported on its own (:meth:`Dispatcher.next` reports one and starts the next
+under one lock), so what the rest of the consumer sees is per message:
+
+* only the message being handled is *running*; the run's messages not started
+  yet are queued work, handed back (released) when their partition is revoked
+  or the consumer drains, exactly like messages still in the lane's queue;
+* a result is visible to the poll loop as soon as the handler returned (the
+  poll loop takes every result reported since its last round at once:
+  :meth:`Dispatcher.results`), so offsets move as they did per message;
+* a message that must wait for a retry (or for the dead-letter topic) ends
+  the run: the run's remaining messages go back to the front of the lane's
+  queue, behind the retry, and the worker is free for other lanes.
+
+Bounding a run to ``limit`` messages keeps one busy lane from starving the
+others: the lane goes to the back of the ready queue between runs.
 
 Partitions are *opened* when assigned and *closed* when revoked, lost, or at
 drain; a closed partition's queued and waiting messages are released (their
@@ -27,13 +42,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from outboxkit.consumer.message import Message
 
-__all__ = ["Dispatcher", "TopicPartition", "WorkItem"]
+__all__ = ["Dispatcher", "Run", "TopicPartition", "WorkItem"]
 
 TopicPartition = tuple[str, int]
+
+#: A worker's report on one message: the item, its outcome (an ``Outcome`` of
+#: ``consumer.handling``, opaque here), an error text. A plain tuple: one is
+#: built per message, and a NamedTuple costs several times more.
+Result = tuple["WorkItem", object, "str | None"]
 
 
 @dataclass(eq=False, slots=True)
@@ -52,16 +72,36 @@ class WorkItem:
     dlq_blocked: bool = False  # owned by the poll loop
 
 
+@dataclass(eq=False, slots=True)
+class Run:
+    """Messages of one lane that one worker handles back to back, in order.
+
+    ``todo`` is not started yet (the dispatcher takes it back on release and
+    drain); ``current`` is the message being handled, if any.
+    """
+
+    lane: Hashable
+    tp: TopicPartition
+    todo: deque[WorkItem]
+    current: WorkItem | None = None
+    over: bool = field(default=False)
+
+
 class Dispatcher:
-    """Thread-safe lanes, a ready queue and a timer heap for deferred retries."""
+    """Thread-safe lanes, a ready queue, a timer heap for deferred retries, and
+    the results workers reported since the poll loop last looked."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # One plain lock: the per-message paths take it with ``with self._mutex``
+        # (no Python-level Condition methods); waits and notifies use the condition.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._queued: dict[Hashable, deque[WorkItem]] = {}
-        self._busy: dict[Hashable, WorkItem] = {}  # running, or waiting for a retry
+        self._busy: dict[Hashable, Run | WorkItem] = {}  # a run, or a message waiting to retry
         self._ready: deque[Hashable] = deque()
         self._delayed: list[tuple[float, int, WorkItem]] = []
-        self._running: set[WorkItem] = set()
+        self._runs: set[Run] = set()
+        self._results: list[Result] = []
         self._live: dict[TopicPartition, int] = {}
         self._generations: dict[TopicPartition, int] = {}
         self._seq = itertools.count()
@@ -89,6 +129,10 @@ class Dispatcher:
         with self._cond:
             self._releasing |= closing
             released: list[WorkItem] = []
+            for run in self._runs:
+                if run.tp in closing:
+                    released.extend(run.todo)
+                    run.todo.clear()
             for lane in list(self._queued):
                 items = self._queued[lane]
                 keep = deque(i for i in items if i.tp not in closing)
@@ -103,7 +147,7 @@ class Dispatcher:
                 heapq.heapify(self._delayed)
                 for _, _, item in waiting:
                     released.append(item)
-                    self._free_lane(item)
+                    self._free_lane(item.lane, item)
             self._ready = deque(lane for lane in self._ready if lane in self._queued)
             self._cond.notify_all()
             return released
@@ -126,9 +170,12 @@ class Dispatcher:
         with self._cond:
             self._draining = True
             released = [i for q in self._queued.values() for i in q]
+            for run in self._runs:
+                released.extend(run.todo)
+                run.todo.clear()
             released.extend(item for _, _, item in self._delayed)
             for _, _, item in self._delayed:
-                self._free_lane(item)
+                self._free_lane(item.lane, item)
             self._queued.clear()
             self._delayed.clear()
             self._ready.clear()
@@ -136,12 +183,12 @@ class Dispatcher:
             return released
 
     def is_live(self, item: WorkItem) -> bool:
-        with self._cond:
+        with self._mutex:
             return self._live.get(item.tp) == item.generation
 
     def live_generations(self) -> dict[TopicPartition, int]:
         """A snapshot of the open partitions' generations (for checking many results at once)."""
-        with self._cond:
+        with self._mutex:
             return dict(self._live)
 
     def submit(self, item: WorkItem) -> None:
@@ -169,6 +216,14 @@ class Dispatcher:
             if woken:
                 self._cond.notify(woken)
 
+    def results(self) -> list[Result]:
+        """Every result reported since the last call, in the order reported (poll loop)."""
+        with self._mutex:
+            results = self._results
+            if results:
+                self._results = []
+            return results
+
     def stop(self) -> None:
         """No more work is handed out; waiting workers return None from :meth:`take`."""
         with self._cond:
@@ -181,18 +236,24 @@ class Dispatcher:
 
     # -- workers ------------------------------------------------------------
 
-    def take(self, timeout: float) -> WorkItem | None:
-        """The next message to run, or None after ``timeout`` s or once stopped."""
+    def take(self, timeout: float, limit: int = 64) -> Run | None:
+        """The next run to handle (a due retry alone, or up to ``limit`` queued
+        messages of a ready lane), or None after ``timeout`` s or once stopped.
+        Start its messages with :meth:`next`."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._stopped:
                 now = time.monotonic()
                 if self._delayed and self._delayed[0][0] <= now:
                     _, _, item = heapq.heappop(self._delayed)
-                    self._running.add(item)
-                    return item
+                    return self._start(item.lane, deque((item,)))
                 if self._ready:
-                    return self._start_next(self._ready.popleft())
+                    lane = self._ready.popleft()
+                    queue = self._queued[lane]
+                    if len(queue) <= limit:
+                        del self._queued[lane]
+                        return self._start(lane, queue)
+                    return self._start(lane, deque(queue.popleft() for _ in range(limit)))
                 wait = deadline - now
                 if self._delayed:
                     wait = min(wait, self._delayed[0][0] - now)
@@ -201,36 +262,36 @@ class Dispatcher:
                 self._cond.wait(max(wait, 0.001))
             return None
 
-    def finish(self, item: WorkItem, *, take_next: bool = False) -> WorkItem | None:
-        """The worker is done with ``item`` (for good); its lane may move on.
-
-        With ``take_next``, the lane's next message is handed straight to the same
-        worker (one lock instead of a finish and a take), unless a retry is due or
-        no work is handed out any more. The caller bounds such streaks so the
-        other lanes get their turn.
-        """
-        with self._cond:
-            self._running.discard(item)
-            lane = item.lane
-            if (
-                take_next
-                and self._busy.get(lane) is item
-                and lane in self._queued
-                and not self._stopped
-                and not (self._delayed and self._delayed[0][0] <= time.monotonic())
-            ):
-                return self._start_next(lane)
-            if self._free_lane(item):
-                # One lane became ready: one worker is enough (often this one).
-                self._cond.notify()
+    def next(self, run: Run, outcome: object = None) -> WorkItem | None:
+        """Report the run's current message as done with ``outcome`` (if one is
+        running) and start its next one; None when the run is over (its lane is
+        free again). One lock for both: this is the per-message path."""
+        with self._mutex:
+            current = run.current
+            if current is not None:
+                self._results.append((current, outcome, None))
+            todo = run.todo
+            if todo and not self._stopped:
+                item = run.current = todo.popleft()
+                return item
+            run.current = None
+            self._end(run)
             return None
 
-    def defer(self, item: WorkItem, delay: float) -> bool:
-        """Run ``item`` again after ``delay`` s, keeping its lane busy.
+    def defer(
+        self, run: Run, delay: float, report: tuple[object, str | None] | None = None
+    ) -> bool:
+        """Run the run's current message again after ``delay`` s, keeping its lane
+        busy, and end the run: its messages not started go back to the front of
+        the lane's queue. ``report`` (outcome, error) is reported with it, so the
+        poll loop sees it before any later result of the same message.
 
-        False (and nothing deferred) if its partition was closed meanwhile:
-        the caller finishes it as released.
+        False (nothing deferred, nothing reported) if its partition was closed
+        meanwhile, or no work is handed out any more: the caller then ends the
+        run with :meth:`give_up`.
         """
+        item = run.current
+        assert item is not None
         with self._cond:
             if (
                 self._stopped
@@ -239,37 +300,75 @@ class Dispatcher:
                 or self._live.get(item.tp) != item.generation
             ):
                 return False
-            self._running.discard(item)
+            run.current = None
+            if report is not None:
+                self._results.append((item, report[0], report[1]))
             heapq.heappush(self._delayed, (time.monotonic() + delay, next(self._seq), item))
+            self._busy[run.lane] = item  # first: ending the run must not free the lane
+            self._end(run)
             self._cond.notify_all()
             return True
+
+    def give_up(self, run: Run, outcome: object, error: str | None) -> None:
+        """Report the run's current message with ``outcome`` (released: Kafka
+        redelivers it) and end the run."""
+        with self._cond:
+            item = run.current
+            if item is not None:
+                self._results.append((item, outcome, error))
+            run.current = None
+            self._end(run)
 
     # -- views ----------------------------------------------------------------
 
     def running(self, where: Callable[[WorkItem], bool] | None = None) -> list[WorkItem]:
-        with self._cond:
-            return [i for i in self._running if where is None or where(i)]
+        with self._mutex:
+            return [
+                run.current
+                for run in self._runs
+                if run.current is not None and (where is None or where(run.current))
+            ]
 
     def counts(self) -> tuple[int, int, int]:
         """(running, waiting for a retry, queued)."""
-        with self._cond:
+        with self._mutex:
             queued = sum(len(q) for q in self._queued.values())
-            return len(self._running), len(self._delayed), queued
+            running = 0
+            for run in self._runs:
+                queued += len(run.todo)
+                running += run.current is not None
+            return running, len(self._delayed), queued
 
-    def _start_next(self, lane: Hashable) -> WorkItem:
-        """Hand out ``lane``'s next queued message: the lane is busy with it (lock held)."""
-        queue = self._queued[lane]
-        item = queue.popleft()
-        if not queue:
-            del self._queued[lane]
-        self._busy[lane] = item
-        self._running.add(item)
-        return item
+    def _start(self, lane: Hashable, todo: deque[WorkItem]) -> Run:
+        """``lane`` is busy with a new run of ``todo`` (lock held)."""
+        run = Run(lane, todo[0].tp, todo)
+        self._busy[lane] = run
+        self._runs.add(run)
+        return run
 
-    def _free_lane(self, item: WorkItem) -> bool:
-        """Free ``item``'s lane; True if the lane has queued work again (it is ready)."""
-        lane = item.lane
-        if self._busy.get(lane) is item:
+    def _end(self, run: Run) -> None:
+        """The run is over (lock held): what it did not start goes back to the front
+        of its lane's queue; the lane is free unless a retry holds it."""
+        if run.over:
+            return
+        run.over = True
+        self._runs.discard(run)
+        lane = run.lane
+        if run.todo:
+            queue = self._queued.get(lane)
+            if queue:
+                queue.extendleft(reversed(run.todo))
+            else:
+                self._queued[lane] = run.todo
+            run.todo = deque()
+        if self._free_lane(lane, run):
+            # One lane became ready: one worker is enough (often this one).
+            self._cond.notify()
+
+    def _free_lane(self, lane: Hashable, holder: Run | WorkItem) -> bool:
+        """Free ``lane`` if ``holder`` holds it; True if the lane has queued work
+        again (it is ready)."""
+        if self._busy.get(lane) is holder:
             del self._busy[lane]
             if lane in self._queued:
                 self._ready.append(lane)

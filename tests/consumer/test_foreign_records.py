@@ -156,6 +156,7 @@ def test_header_names_are_checked_before_the_client_decodes_them(
     """The check reads the client's C struct; a client whose layout changed makes this
     fail (None: cannot tell) instead of silently going back to crashing."""
     topic = kafka_topics(1)
+    many = [(f"h{i}".encode(), b"x") for i in range(40)]
     produce_raw(
         kafka_bootstrap,
         topic,
@@ -163,10 +164,15 @@ def test_header_names_are_checked_before_the_client_decodes_them(
             RawRecord(b"k", b"v", [(b"event_id", b"e"), (b"caf\xc3\xa9", None)]),
             RawRecord(None, None, [(b"ok", b"x"), (b"\xc3(", None)]),
             RawRecord(b"k", None, []),
+            # More headers than the check keeps index arguments for (32): the
+            # last name is read as well.
+            RawRecord(b"k", b"v", [*many, (b"\xff", None)]),
+            RawRecord(b"k", b"v", many),
         ],
     )
-    records = _consume(kafka_bootstrap, topic, 3)
-    assert [header_names_decodable(r) for r in records] == [True, False, True]
+    records = _consume(kafka_bootstrap, topic, 5)
+    assert [header_names_decodable(r) for r in records] == [True, False, True, False, True]
+    assert len(Message.from_kafka(records[4]).headers) == 40
     good = Message.from_kafka(records[0])
     assert good.headers == (("event_id", b"e"), ("café", b""))
     bad = Message.from_kafka(records[1])

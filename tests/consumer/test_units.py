@@ -9,12 +9,14 @@ import pytest
 import sqlalchemy.exc as sa_exc
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from outboxkit.consumer import InvalidMessageError, Message, PermanentError, TransientError
 from outboxkit.consumer.errors import Classification, classify
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.offsets import PartitionOffsets
 from outboxkit.consumer.retry import RetryPolicy
-from outboxkit.consumer.workers import Dispatcher, WorkItem
+from outboxkit.consumer.workers import Dispatcher, Run, WorkItem
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +42,73 @@ def test_stored_offset_never_passes_an_unfinished_message(offsets: list[int], rn
     assert tracker.unfinished == 0
 
 
+@given(
+    st.lists(st.integers(0, 10_000), min_size=1, max_size=60, unique=True),
+    st.randoms(),
+    st.integers(1, 8),
+)
+def test_offsets_received_and_finished_in_batches_match_one_at_a_time(
+    offsets: list[int], rnd: object, chunk: int
+) -> None:
+    """The poll loop's batch forms (a fetched run, the results of one round) store
+    exactly what the per-message forms store, whatever the order of finishing."""
+    offsets.sort()
+    one, many = PartitionOffsets(), PartitionOffsets()
+    for o in offsets:
+        one.received(o)
+    for start in range(0, len(offsets), chunk):
+        many.received_many(offsets[start : start + chunk])
+    many.received_many(offsets[:chunk])  # the same records again (a seek): ignored
+    order = list(offsets)
+    rnd.shuffle(order)  # type: ignore[attr-defined]
+    for start in range(0, len(order), chunk):
+        batch = order[start : start + chunk]
+        stored = None
+        for o in batch:
+            stored = one.finished(o) or stored
+        assert many.finished_many(batch) == stored
+        assert (many.stored, many.window, many.unfinished) == (
+            one.stored,
+            one.window,
+            one.unfinished,
+        )
+    assert many.stored == offsets[-1] + 1 and many.window == 0
+
+
+_BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@given(
+    st.lists(st.one_of(st.sampled_from(_BOUNDS), st.floats(0, 100, allow_nan=False)), max_size=80),
+    st.integers(1, 10),
+)
+def test_handle_times_in_batches_expose_what_each_observe_would(
+    seconds: list[float], chunk: int
+) -> None:
+    """A worker adds its handler times in batches: the histogram's buckets, count and
+    sum are what one ``observe`` per attempt gives (a time on a bound included)."""
+    one, batched = CollectorRegistry(), CollectorRegistry()
+    reference = ConsumerMetrics(one).handle_seconds
+    times = HandleTimes(ConsumerMetrics(batched).handle_seconds)
+    for i, s in enumerate(seconds, 1):
+        reference.observe(s)
+        times.observe(s)
+        if i % chunk == 0:
+            times.flush()
+    times.flush()
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {
+            (x.name, x.labels.get("le", "")): x.value
+            for m in registry.collect()
+            if m.name == "worker_handle_seconds"
+            for x in m.samples
+            if not x.name.endswith("_created")
+        }
+
+    assert samples(batched) == pytest.approx(samples(one))
+
+
 def test_confirmed_commit_counts_covered_messages() -> None:
     tracker = PartitionOffsets()
     for o in (3, 4, 7):  # gaps: compaction or transaction markers
@@ -57,20 +126,60 @@ def _item(tp: tuple[str, int], key: bytes, offset: int) -> WorkItem:
     return WorkItem(message=msg, lane=(tp, key), tp=tp)
 
 
+def _started(d: Dispatcher, timeout: float = 0.1, limit: int = 64) -> tuple[Run, WorkItem]:
+    """Take a run and start its first message."""
+    run = d.take(timeout, limit)
+    assert run is not None
+    item = d.next(run)
+    assert item is not None
+    return run, item
+
+
+def _offsets(items: list[WorkItem]) -> list[int]:
+    return [i.message.offset for i in items]
+
+
 def test_a_lane_runs_one_message_at_a_time_in_order() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
     for o, key in enumerate([b"a", b"a", b"b"]):
         d.submit(_item(tp, key, o))
-    first = d.take(0.1)
-    second = d.take(0.1)
-    assert first is not None and second is not None
+    run_a, first = _started(d)
+    run_b, second = _started(d)
     assert (first.message.offset, second.message.offset) == (0, 2)  # lane a is busy
     assert d.take(0.05) is None
-    d.finish(first)
-    third = d.take(0.1)
-    assert third is not None and third.message.offset == 1
+    assert set(d.running()) == {first, second}
+    third = d.next(run_a, "success")
+    assert third is not None and third.message.offset == 1  # the same run, in order
+    assert d.running(lambda i: i.lane == first.lane) == [third]
+    assert d.next(run_a, "success") is None and d.next(run_b, "success") is None
+    assert [(i.message.offset, o) for i, o, _ in d.results()] == [
+        (0, "success"),
+        (1, "success"),
+        (2, "success"),
+    ]
+    assert d.results() == [] and d.counts() == (0, 0, 0)
+
+
+def test_a_run_is_bounded_and_its_lane_goes_back_to_the_ready_queue() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o, key in enumerate([b"a", b"a", b"a", b"b"]):
+        d.submit(_item(tp, key, o))
+    run_a, a0 = _started(d, limit=2)
+    assert d.counts() == (1, 0, 3)  # a1 (in the run, not started), a2 and b3: queued
+    a1 = d.next(run_a, "success")
+    assert a1 is not None and d.next(run_a, "success") is None
+    _, b3 = _started(d, limit=2)  # lane a went behind lane b
+    _, a2 = _started(d, limit=2)
+    assert (a0.message.offset, a1.message.offset, b3.message.offset, a2.message.offset) == (
+        0,
+        1,
+        3,
+        2,
+    )
 
 
 def test_a_deferred_retry_keeps_its_lane_and_frees_the_worker() -> None:
@@ -80,13 +189,17 @@ def test_a_deferred_retry_keeps_its_lane_and_frees_the_worker() -> None:
     d.submit(_item(tp, b"a", 0))
     d.submit(_item(tp, b"a", 1))
     d.submit(_item(tp, b"b", 2))
-    item = d.take(0.1)
-    assert item is not None and d.defer(item, 0.2)
-    other = d.take(0.1)
-    assert other is not None and other.message.offset == 2  # not offset 1: lane a waits
+    run, item = _started(d)
+    assert d.defer(run, 0.2)  # the run ends; offset 1 goes back to lane a's queue
+    assert d.running() == [] and d.counts() == (0, 1, 2)
+    _, other = _started(d)
+    assert other.message.offset == 2  # not offset 1: lane a waits
     started = time.monotonic()
-    again = d.take(1.0)
-    assert again is item and time.monotonic() - started >= 0.15
+    again, retried = _started(d, timeout=1.0)
+    assert retried is item and time.monotonic() - started >= 0.15
+    assert d.next(again, "success") is None  # the retry runs alone
+    _, after = _started(d)
+    assert after.message.offset == 1  # then the lane's queue, in order
 
 
 def test_released_partitions_hand_back_queued_work_and_refuse_retries() -> None:
@@ -95,55 +208,50 @@ def test_released_partitions_hand_back_queued_work_and_refuse_retries() -> None:
     d.open(tp)
     for o in range(3):
         d.submit(_item(tp, b"a", o))
-    running = d.take(0.1)
-    assert running is not None
+    run, running = _started(d)
     released = d.release([tp])
-    assert [i.message.offset for i in released] == [1, 2]
+    assert _offsets(released) == [1, 2]  # not started: handed back, even within the run
     assert d.is_live(running)  # its offset may still be stored before the commit
-    assert not d.defer(running, 0.1)  # but it is not retried here
+    assert not d.defer(run, 0.1)  # but it is not retried here
+    d.give_up(run, "released", "gone")
+    assert [(i, o) for i, o, _ in d.results()] == [(running, "released")]
     d.close([tp])
     assert not d.is_live(running)
 
 
-def test_finishing_can_hand_over_the_lanes_next_message_only() -> None:
+def test_draining_hands_back_what_a_run_has_not_started() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
-    for o, key in enumerate([b"a", b"b", b"a"]):
+    for o, key in enumerate([b"a", b"a", b"a", b"b"]):
         d.submit(_item(tp, key, o))
-    a0, b1 = d.take(0.1), d.take(0.1)
-    assert a0 is not None and b1 is not None
-    a2 = d.finish(a0, take_next=True)
-    assert a2 is not None and a2.message.offset == 2  # same lane, in order
-    assert d.finish(b1, take_next=True) is None  # lane b has nothing queued
-    assert d.running() == [a2] and d.take(0.05) is None
-
-    d.submit(_item(tp, b"a", 3))
-    d.submit(_item(tp, b"a", 4))
-    assert d.finish(a2) is None  # without take_next the lane goes back to the queue
-    a3 = d.take(0.1)
-    assert a3 is not None and a3.message.offset == 3
-    d.drain()  # draining: queued work is released, nothing more is handed over
-    assert d.finish(a3, take_next=True) is None
+    run, a0 = _started(d)
+    assert sorted(_offsets(d.drain())) == [1, 2, 3]
+    assert d.running() == [a0]  # running: it finishes and counts
+    assert d.next(run, "success") is None  # nothing more is started
+    assert d.results() == [(a0, "success", None)]
+    assert d.take(0.05) is None
 
 
-def test_a_due_retry_goes_before_the_lanes_next_message() -> None:
+def test_a_due_retry_goes_before_the_next_run() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
     for o, key in enumerate([b"r", b"a", b"a"]):
         d.submit(_item(tp, key, o))
-    retry, a1 = d.take(0.1), d.take(0.1)
-    assert retry is not None and a1 is not None and d.defer(retry, 0.0)
-    assert d.finish(a1, take_next=True) is None
-    assert d.take(0.1) is retry
+    run_r, retry = _started(d)
+    run_a, _ = _started(d, limit=1)
+    assert d.defer(run_r, 0.0)
+    assert d.next(run_a, "success") is None
+    _, again = _started(d)
+    assert again is retry
 
 
 def test_take_wakes_when_work_arrives() -> None:
     d = Dispatcher()
     tp = ("t", 0)
     d.open(tp)
-    got: list[WorkItem | None] = []
+    got: list[Run | None] = []
     t = threading.Thread(target=lambda: got.append(d.take(2.0)))
     t.start()
     time.sleep(0.05)
