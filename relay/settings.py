@@ -116,7 +116,7 @@ class RelaySettings(RuntimeSettings):
         validate=_positive_or_unset,
     )
     pipeline: bool = setting(
-        True,
+        False,
         help="overlap the round trips of two batches: claim the next batch while the "
         "current one's delivery reports are in flight, and finalize it while the next "
         "one is produced (docs/relay.md)",

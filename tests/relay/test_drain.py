@@ -246,14 +246,16 @@ def test_sigkill_with_two_batches_in_flight_loses_and_reorders_nothing(
 ) -> None:
     topic = kafka_topics(partitions=3)
     add_events(engine, outbox, _two_batches_of_events(topic))
-    first = relay_process(_slow_relay_args(db_url, kafka_bootstrap, lease_ttl=14.0))
+    first = relay_process(_slow_relay_args(db_url, kafka_bootstrap, lease_ttl=14.0, pipeline=True))
     held = _two_batches_leased(engine, outbox)
     time.sleep(0.5)  # the first batch's full producer batches are acknowledged by now
     first.signal(signal.SIGKILL)
     first.wait(timeout=10)
     assert {r.event_id for r in rows(engine, outbox) if r.status == "delivering"} == set(held)
 
-    second = relay_process(_slow_relay_args(db_url, kafka_bootstrap, kafka_config={}))
+    second = relay_process(
+        _slow_relay_args(db_url, kafka_bootstrap, kafka_config={}, pipeline=True)
+    )
     second.wait_event("lease-reclaimed", timeout=20)
     wait_for(
         lambda: status_counts(engine, outbox) == {"delivered": 600}, timeout=60, what="backlog"
@@ -286,7 +288,7 @@ def test_sigterm_with_two_batches_in_flight_settles_both_within_flush_timeout(
 ) -> None:
     topic = kafka_topics(partitions=3)
     add_events(engine, outbox, _two_batches_of_events(topic))
-    relay = relay_process(_slow_relay_args(db_url, kafka_bootstrap))
+    relay = relay_process(_slow_relay_args(db_url, kafka_bootstrap, pipeline=True))
     held = _two_batches_leased(engine, outbox)
     time.sleep(0.3)  # full producer batches are acknowledged by now; the rest lingers
 
