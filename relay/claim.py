@@ -31,13 +31,14 @@ LOCKED`` and re-checked, so two relays racing for a row cannot both get it:
 the loser either skips the locked row or, once the winner committed, sees it
 ``delivering`` with a live lease.
 
-A claim made while this relay's previous batch is still leased (``scan``,
-the pipelined relay) looks only at the first ``scan`` due rows by id (all
-statuses together, so a row's earlier due rows of its key are among them) and
+A claim made while this relay's previous batch is still leased (``id_upper``,
+the pipelined relay) looks only at rows with ``id <= id_upper`` (a prefix of
+the table by id, so a row's earlier rows of its key are inside it too) and
 keeps those no earlier row holds back: the previous batch's keys block
 their later rows, and with a few hot keys an unbounded search for unblocked
-rows would read the whole backlog. Such a claim may come back empty; the relay
-then settles its batch and claims without the bound.
+rows would read the whole backlog. The bound is one more range condition on
+the ``(status, id)`` scans, which then stop at ``id_upper``. Such a claim may
+come back empty; the relay then settles its batch and claims without it.
 
 Everything runs in one short READ COMMITTED transaction (no gap locks that
 would block writers' inserts).
@@ -125,15 +126,17 @@ def candidates(
     limit: int,
     excluded_topics: Collection[str] = (),
     shard_count: int | None = None,
-    scan: int | None = None,
+    id_upper: int | None = None,
 ) -> list[tuple[int, bytes | None]]:
     """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks.
 
-    ``scan``: consider only the first ``scan`` due rows by id."""
+    ``id_upper``: consider only rows with ``id <= id_upper``."""
+    bounded = id_upper is not None
     query = _cached_candidates_query(
-        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics)), shard_count, scan
+        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics)), shard_count, bounded
     )
-    return [(r.id, r.message_key) for r in conn.execute(query)]
+    params = {"id_upper": id_upper} if bounded else {}
+    return [(r.id, r.message_key) for r in conn.execute(query, params)]
 
 
 @functools.lru_cache(maxsize=32)
@@ -143,13 +146,13 @@ def _cached_candidates_query(
     limit: int,
     excluded_topics: tuple[str, ...],
     shard_count: int | None,
-    scan: int | None,
+    bounded: bool,
 ) -> sa.Select[tuple[int, bytes | None]]:
     # Built once per shard set and paused-topic set (they rarely change): building
     # it took 18% of the loop at 1,000 events/s, and the same object keeps its
     # SQLAlchemy cache key, so it is not compiled again either.
     return candidates_query(
-        table, shards, limit, excluded_topics, shard_count=shard_count, scan=scan
+        table, shards, limit, excluded_topics, shard_count=shard_count, bounded=bounded
     )
 
 
@@ -188,11 +191,11 @@ def candidates_query(
     excluded_topics: Collection[str] = (),
     *,
     shard_count: int | None = None,
-    scan: int | None = None,
+    bounded: bool = False,
 ) -> sa.Select[tuple[int, bytes | None]]:
     """The candidates of a claim. ``shard_count``: the table's shard count; without
-    it, rows whose stored shard is out of range are never candidates. ``scan``:
-    only the first ``scan`` due rows by id are considered."""
+    it, rows whose stored shard is out of range are never candidates. ``bounded``:
+    only rows with ``id <=`` the bound parameter ``id_upper`` are considered."""
     t = outbox_table(table)
     earlier = t.alias("earlier")
     now = db_now()
@@ -201,6 +204,8 @@ def candidates_query(
         sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
     ]
     common: list[sa.ColumnElement[bool]] = [_owned(t, shards, shard_count)]
+    if bounded:
+        common.append(t.c.id <= sa.bindparam("id_upper", type_=sa.BigInteger()))
     if excluded_topics:
         # A row of a paused topic is not claimed (nor reclaimed once its lease
         # expired), so it cannot ride ahead of its key's later rows in the batch:
@@ -220,41 +225,24 @@ def candidates_query(
         earlier.c.id < t.c.id,
         sa.or_(*blocking),
     )
+    common.append(~key_blocked)
 
     def by_status(
-        status: Status, due: sa.ColumnElement[bool], *, blocked_too: bool = False
+        status: Status, due: sa.ColumnElement[bool]
     ) -> sa.Select[tuple[int, bytes | None]]:
-        where = [t.c.status == status.value, due, *common]
-        if not blocked_too:
-            where.append(~key_blocked)
         return (
             sa.select(t.c.id, t.c.message_key)
-            .where(*where)
+            .where(t.c.status == status.value, due, *common)
             .order_by(t.c.id)
-            .limit(limit if scan is None else scan)
+            .limit(limit)
         )
 
-    def merged(*, blocked_too: bool = False) -> sa.Subquery:
-        return sa.union_all(
-            by_status(Status.PENDING, t.c.next_attempt_at <= now, blocked_too=blocked_too),
-            by_status(Status.RETRYABLE, t.c.next_attempt_at <= now, blocked_too=blocked_too),
-            by_status(Status.DELIVERING, _lease_over(t, now), blocked_too=blocked_too),
-        ).subquery("candidates")
-
-    if scan is None:
-        rows = merged()
-        return sa.select(rows.c.id, rows.c.message_key).order_by(rows.c.id).limit(limit)
-    # The first ``scan`` due rows by id over all statuses: a row's earlier due rows
-    # of its key are among them too, so the batch still takes them first.
-    every = merged(blocked_too=True)
-    first = sa.select(every.c.id).order_by(every.c.id).limit(scan).subquery("first_due")
-    return (
-        sa.select(t.c.id, t.c.message_key)
-        .select_from(t.join(first, first.c.id == t.c.id))
-        .where(~key_blocked)
-        .order_by(t.c.id)
-        .limit(limit)
-    )
+    merged = sa.union_all(
+        by_status(Status.PENDING, t.c.next_attempt_at <= now),
+        by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
+        by_status(Status.DELIVERING, _lease_over(t, now)),
+    ).subquery("candidates")
+    return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
 
 
 def claim_batch(
@@ -267,11 +255,11 @@ def claim_batch(
     lease_ttl: float,
     excluded_topics: Collection[str] = (),
     shard_count: int | None = None,
-    scan: int | None = None,
+    id_upper: int | None = None,
 ) -> Batch | None:
     """Lease up to ``limit`` due rows to ``owner``; None when nothing was due.
 
-    ``scan``: look only at the first ``scan`` due rows by id (a claim
+    ``id_upper``: look only at rows with ``id <= id_upper`` (a claim
     made while an earlier batch of ours is leased; see the module docstring).
 
     Reclaimed rows are logged (``lease-reclaimed``) and recorded in the recovery
@@ -291,7 +279,7 @@ def claim_batch(
             limit=limit,
             excluded_topics=excluded_topics,
             shard_count=shard_count,
-            scan=scan,
+            id_upper=id_upper,
         )
         if not found:
             return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import random
 import threading
 import time
@@ -254,6 +255,16 @@ class Relay:
             return False
         return True
 
+    def _next_id_upper(self, shards: frozenset[int]) -> int | None:
+        """Beside a leased batch, whose keys hold back their later rows, a claim
+        looks no further than about one batch of our shards' rows past its last
+        id (see claim.py); otherwise it is unbounded."""
+        if not self._held:
+            return None
+        last = self._held[-1].batch.rows[-1].id  # a batch is in id order
+        share = len(shards) / max(len(shards), self._shard_count or 1)
+        return last + math.ceil(self.settings.batch_size / share)
+
     def _may_claim(self, previous: _Held | None) -> bool:
         """Claim while ``previous`` is in flight only while its reports can still
         come (before its deadline, which its lease outlasts): a claim never meets
@@ -403,9 +414,7 @@ class Relay:
                 lease_ttl=self.settings.lease_ttl,
                 excluded_topics=self.paused.excluded(),
                 shard_count=self._shard_count,
-                # Beside a leased batch, whose keys hold back their later rows:
-                # look no further than one batch deep (see claim.py).
-                scan=self.settings.batch_size if self._held else None,
+                id_upper=self._next_id_upper(shards),
             )
             if batch is None:
                 return None

@@ -296,12 +296,12 @@ _STATES = [
 ]
 
 
-def test_a_scan_bounded_claim_never_lets_a_key_overtake_itself(
+def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
     engine: sa.Engine, outbox: str
 ) -> None:
-    """The pipelined relay's claim beside a leased batch (``scan``): whatever the
-    rows' states, a claimed row has no earlier unsettled row of its key left out
-    of the batch, and only the first ``scan`` due rows are looked at."""
+    """The pipelined relay's claim beside a leased batch (``id_upper``): whatever
+    the rows' states, a claimed row has no earlier unsettled row of its key left
+    out of the batch, and no row past the bound is claimed."""
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
@@ -315,10 +315,11 @@ def test_a_scan_bounded_claim_never_lets_a_key_overtake_itself(
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(st.lists(row, min_size=1, max_size=25), st.integers(1, 8), st.integers(1, 8))
-    # A bound per status would take b's pending row 3 without its retryable row 2.
-    @example([("a", 1), ("b", 1), ("b", 0)], 1, 2)
-    def check(table: list[tuple[str | None, int]], scan: int, limit: int) -> None:
+    @given(st.lists(row, min_size=1, max_size=25), st.integers(0, 26), st.integers(1, 8))
+    # A bound that cut each status on its own (the first n retryable rows, the
+    # first n pending rows) would take b's pending row 3 without its retryable row 2.
+    @example([("a", 1), ("b", 1), ("b", 0)], 3, 2)
+    def check(table: list[tuple[str | None, int]], bound: int, limit: int) -> None:
         with engine.begin() as conn:
             conn.execute(t.delete())
         add_events(engine, outbox, [Event(topic="t", key=k, payload=b"x") for k, _ in table])
@@ -334,14 +335,12 @@ def test_a_scan_bounded_claim_never_lets_a_key_overtake_itself(
                     ),
                     {"s": status, "n": seconds, "id": row_id},
                 )
+        id_upper = ids[0] - 1 + bound
         batch = claim_batch(
-            engine, outbox, owner="r", shards=ALL, limit=limit, lease_ttl=60, scan=scan
+            engine, outbox, owner="r", shards=ALL, limit=limit, lease_ttl=60, id_upper=id_upper
         )
         claimed = {r.id for r in batch.rows} if batch is not None else set()
-        due = [
-            i for i, (_, s) in zip(ids, table, strict=True) if _STATES[s][1] < 0
-        ]  # pending/retryable due, delivering expired
-        assert claimed <= set(due[:scan]), "only the first `scan` due rows"
+        assert all(i <= id_upper for i in claimed), "nothing past the bound"
         assert len(claimed) <= limit
         for row_id, (key, _) in zip(ids, table, strict=True):
             if row_id not in claimed or key is None:
