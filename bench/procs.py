@@ -173,6 +173,7 @@ def relay_settings(
     delete_on_deliver: bool = False,
     redis_url: str | None = None,
     redis_prefix: str | None = None,
+    pipeline: bool | None = None,
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     settings = {
@@ -188,6 +189,8 @@ def relay_settings(
     }
     if batch_size:
         settings["OUTBOXKIT_BATCH_SIZE"] = str(batch_size)
+    if pipeline is not None:
+        settings["OUTBOXKIT_PIPELINE"] = "true" if pipeline else "false"
     if redis_url:
         settings["OUTBOXKIT_REDIS_URL"] = redis_url
         if redis_prefix:

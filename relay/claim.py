@@ -31,6 +31,15 @@ LOCKED`` and re-checked, so two relays racing for a row cannot both get it:
 the loser either skips the locked row or, once the winner committed, sees it
 ``delivering`` with a live lease.
 
+A claim made while this relay's previous batch is still leased (``id_upper``,
+the pipelined relay) looks only at rows with ``id <= id_upper`` (a prefix of
+the table by id, so a row's earlier rows of its key are inside it too) and
+keeps those no earlier row holds back: the previous batch's keys block
+their later rows, and with a few hot keys an unbounded search for unblocked
+rows would read the whole backlog. The bound is one more range condition on
+the ``(status, id)`` scans, which then stop at ``id_upper``. Such a claim may
+come back empty; the relay then settles its batch and claims without it.
+
 Everything runs in one short READ COMMITTED transaction (no gap locks that
 would block writers' inserts).
 """
@@ -117,12 +126,17 @@ def candidates(
     limit: int,
     excluded_topics: Collection[str] = (),
     shard_count: int | None = None,
+    id_upper: int | None = None,
 ) -> list[tuple[int, bytes | None]]:
-    """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks."""
+    """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks.
+
+    ``id_upper``: consider only rows with ``id <= id_upper``."""
+    bounded = id_upper is not None
     query = _cached_candidates_query(
-        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics)), shard_count
+        table, tuple(sorted(shards)), limit, tuple(sorted(excluded_topics)), shard_count, bounded
     )
-    return [(r.id, r.message_key) for r in conn.execute(query)]
+    params = {"id_upper": id_upper} if bounded else {}
+    return [(r.id, r.message_key) for r in conn.execute(query, params)]
 
 
 @functools.lru_cache(maxsize=32)
@@ -132,11 +146,14 @@ def _cached_candidates_query(
     limit: int,
     excluded_topics: tuple[str, ...],
     shard_count: int | None,
+    bounded: bool,
 ) -> sa.Select[tuple[int, bytes | None]]:
     # Built once per shard set and paused-topic set (they rarely change): building
     # it took 18% of the loop at 1,000 events/s, and the same object keeps its
     # SQLAlchemy cache key, so it is not compiled again either.
-    return candidates_query(table, shards, limit, excluded_topics, shard_count=shard_count)
+    return candidates_query(
+        table, shards, limit, excluded_topics, shard_count=shard_count, bounded=bounded
+    )
 
 
 def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
@@ -174,9 +191,11 @@ def candidates_query(
     excluded_topics: Collection[str] = (),
     *,
     shard_count: int | None = None,
+    bounded: bool = False,
 ) -> sa.Select[tuple[int, bytes | None]]:
     """The candidates of a claim. ``shard_count``: the table's shard count; without
-    it, rows whose stored shard is out of range are never candidates."""
+    it, rows whose stored shard is out of range are never candidates. ``bounded``:
+    only rows with ``id <=`` the bound parameter ``id_upper`` are considered."""
     t = outbox_table(table)
     earlier = t.alias("earlier")
     now = db_now()
@@ -185,6 +204,8 @@ def candidates_query(
         sa.and_(earlier.c.status == Status.DELIVERING.value, earlier.c.lease_expires_at > now),
     ]
     common: list[sa.ColumnElement[bool]] = [_owned(t, shards, shard_count)]
+    if bounded:
+        common.append(t.c.id <= sa.bindparam("id_upper", type_=sa.BigInteger()))
     if excluded_topics:
         # A row of a paused topic is not claimed (nor reclaimed once its lease
         # expired), so it cannot ride ahead of its key's later rows in the batch:
@@ -234,8 +255,12 @@ def claim_batch(
     lease_ttl: float,
     excluded_topics: Collection[str] = (),
     shard_count: int | None = None,
+    id_upper: int | None = None,
 ) -> Batch | None:
     """Lease up to ``limit`` due rows to ``owner``; None when nothing was due.
+
+    ``id_upper``: look only at rows with ``id <= id_upper`` (a claim
+    made while an earlier batch of ours is leased; see the module docstring).
 
     Reclaimed rows are logged (``lease-reclaimed``) and recorded in the recovery
     log in the same transaction. ``attempts`` goes up by one for every row.
@@ -254,6 +279,7 @@ def claim_batch(
             limit=limit,
             excluded_topics=excluded_topics,
             shard_count=shard_count,
+            id_upper=id_upper,
         )
         if not found:
             return None

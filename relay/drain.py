@@ -79,7 +79,8 @@ def release(
 class ExitRecord(ServiceExitRecord):
     """The one line an operator reads after a relay stopped (``relay-exit``).
 
-    The row counts describe the batch in flight when the drain began:
+    The row counts describe the batches in flight when the drain began (two
+    with ``pipeline`` on):
     ``batch_size = delivered + failed + retryable + unknown + left_leased + lease_lost``.
     ``unknown`` rows were released (no outcome known); ``left_leased`` rows could
     not be released (database unreachable) and wait for their lease to expire;
@@ -150,7 +151,8 @@ def stop(relay: Relay) -> int:
     #    try again while the budget lasts, so nothing waits for lease expiry
     #    without need.
     release_leftover(relay)
-    left = len(relay._held.batch) if relay._held is not None else 0
+    relay.close_finalizer()
+    left = relay.held_rows()
     # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
     #    then Redis (shard leases: the next owner must find our rows settled and
     #    no copy of them left in our producer), then the DB pool.
@@ -177,9 +179,9 @@ def release_leftover(relay: Relay) -> None:
     """Release a batch the loop could not settle, retrying while the database is
     unreachable for as long as the shutdown budget leaves time to close the rest
     (a database blip during a redeploy must not leave rows leased)."""
-    if relay._held is None:
+    if not relay._held:
         return
-    rows = len(relay._held.batch)
+    rows = relay.held_rows()
     reserve = _CLOSE_BUDGET + 1.0 + _RECORD_RESERVE
     tries = 0
 
@@ -309,10 +311,9 @@ def failed_start(relay: Relay, kind: str, code: int, exc: BaseException) -> int:
 
 
 def on_hurry(relay: Relay) -> None:
-    held = relay._held
-    unfinished = 0
-    if held is not None:
-        unfinished = held.inflight.missing() if held.inflight else len(held.batch)
+    unfinished = sum(
+        held.inflight.missing() if held.inflight else len(held.batch) for held in relay._held
+    )
     log_event(log, "drain-hurried", level=logging.WARNING, unfinished_rows=unfinished)
 
 
@@ -322,19 +323,18 @@ def cut(relay: Relay) -> list[str]:
     retention = relay._retention
     if retention is not None and retention.is_alive():
         cut.append("retention")
-    held = relay._held
-    if held is not None:
-        cut.append(f"{len(held.batch)} leased rows (back after lease expiry)")
+    held = relay.held_rows()
+    if held:
+        cut.append(f"{held} leased rows (back after lease expiry)")
     return cut
 
 
 def on_forced(relay: Relay) -> None:
-    held = relay._held
     started = relay.lifecycle.drain_started_at
     if started is not None:  # set_stopped() will not run: record the duration here
         relay.service_metrics.shutdown_duration.set(time.monotonic() - started)
     record = relay._exit
-    record.left_leased = len(held.batch) if held is not None else 0
+    record.left_leased = relay.held_rows()
     record.batch_size += record.left_leased
     record.abandoned = cut(relay)
     record.result, record.exit_code = "forced", EXIT_FORCED

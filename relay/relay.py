@@ -15,12 +15,17 @@ exit record and ``outbox_shutdown_pending`` and comes back after its lease expir
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import math
 import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import sqlalchemy as sa
 import tenacity
@@ -29,7 +34,7 @@ from sqlalchemy.engine import Engine
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import Batch, claim_batch, create_engine
+from outboxkit.relay.claim import Batch, ClaimedRow, claim_batch, create_engine
 from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.leases import ForeignRelayMonitor
@@ -63,6 +68,8 @@ from outboxkit.wakeup import wakeup_channel
 
 __all__ = ["PUSH_JOB", "Relay"]
 
+_T = TypeVar("_T")
+
 log = logging.getLogger("outboxkit.relay")
 
 #: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
@@ -81,6 +88,10 @@ class _Held:
 
     batch: Batch
     inflight: InFlight | None = None
+    #: Rows handed to the producer (in id order); their reports land in ``inflight``.
+    sent: list[ClaimedRow] = field(default_factory=list)
+    #: Decisions known without Kafka (spent rows; rows released unsent).
+    known: list[Decision] = field(default_factory=list)
     #: Refund the attempt if the rows end up released (False after a crash).
     refund: bool = True
     #: What the salvage decided (known outcomes kept) when it could not write it.
@@ -125,7 +136,11 @@ class Relay:
         self._on_batch = on_batch
         self._publisher: Publisher | None = None
         self._producer_trouble: object | None = None
-        self._held: _Held | None = None
+        #: Batches leased to us, oldest first: at most two (one while not pipelining).
+        #: Replaced, never mutated: other threads read it (shard leases, metrics).
+        self._held: tuple[_Held, ...] = ()
+        #: Writes a batch's outcomes while the loop produces the next one (pipeline).
+        self._finalizer: ThreadPoolExecutor | None = None
         self._shard_count: int | None = None
         self._jittered = False
         self._next_sample = 0.0
@@ -188,37 +203,185 @@ class Relay:
 
     def _loop(self) -> None:
         """Claim -> publish -> finalize until the drain begins (the supervisor
-        restarts this after an unexpected exception, never once draining)."""
+        restarts this after an unexpected exception, never once draining).
+
+        With ``pipeline`` on, two batches overlap: batch N+1 is claimed while N's
+        delivery reports are in flight, and N is finalized (on the finalizer
+        thread, its own database connection) while N+1 is produced. N is settled
+        before N+2 is claimed, so at most two batches are leased to this relay,
+        and the claim rules keep them apart per key: a key whose row is in N
+        (``delivering`` under a live lease) has no row in N+1.
+        """
         self._settle_leftover()
         self._start_jitter()
         while not self.lifecycle.draining.is_set():
             if self._publisher is not None and self._publisher.fatal is not None:
-                self._rebuild_producer()
+                if not self._step(self._finish_all, "batch-interrupted"):
+                    return
+                self._rebuild_producer()  # with no batch in flight (it purges the queue)
                 continue
             self._sample_backlog_if_due()
+            previous = self._held[-1] if self._held else None
             try:
-                batch = self._claim()
+                batch = self._claim() if self._may_claim(previous) else None
             except Exception as exc:
                 # The database failed the claim that was running when the drain began
-                # (a redeploy during a blip): nothing is held, so this is the end of
-                # the loop, not a crash. A claim whose commit went through unseen left
-                # rows leased; they are reclaimed after their lease.
+                # (a redeploy during a blip): what is held is salvaged, so this is the
+                # end of the loop, not a crash. A claim whose commit went through
+                # unseen left rows leased; they are reclaimed after their lease.
+                self._salvage_all(exc, culprit=None)
                 self._end_if_interrupted(
                     exc, "claim-interrupted", "the drain goes on; nothing was held"
                 )
                 return
-            if batch is None:
+            if batch is None and previous is None:
                 self._waker.wait(self.settings.poll_interval)
                 continue
-            try:
-                self._deliver(batch)
-            except Exception as exc:
-                # Same for the batch's finalize: the drain retries the release of
-                # what is still held while its budget lasts (drain.release_leftover).
-                self._end_if_interrupted(
-                    exc, "batch-interrupted", "the drain releases what is still held"
-                )
+            turn = functools.partial(self._advance, previous, batch)
+            if not self._step(turn, "batch-interrupted"):
                 return
+        # Draining: no claim any more; what is in flight gets its reports (within
+        # the flush budget, see drain.batch_deadline) and is settled, oldest first.
+        self._step(self._finish_all, "batch-interrupted")
+
+    def _step(self, fn: Callable[[], None], event: str) -> bool:
+        """Run ``fn`` (batch work); after a dependency failure once draining, log
+        ``event`` and return False (the loop ends: the drain releases what is still
+        held, drain.release_leftover); any other exception is a crash."""
+        try:
+            fn()
+        except Exception as exc:
+            self._end_if_interrupted(exc, event, "the drain releases what is still held")
+            return False
+        return True
+
+    def _next_id_upper(self, shards: frozenset[int]) -> int | None:
+        """Beside a leased batch, whose keys hold back their later rows, a claim
+        looks no further than about one batch of our shards' rows past its last
+        id (see claim.py); otherwise it is unbounded."""
+        if not self._held:
+            return None
+        last = self._held[-1].batch.rows[-1].id  # a batch is in id order
+        share = len(shards) / max(len(shards), self._shard_count or 1)
+        return last + math.ceil(self.settings.batch_size / share)
+
+    def _may_claim(self, previous: _Held | None) -> bool:
+        """Claim while ``previous`` is in flight only while its reports can still
+        come (before its deadline, which its lease outlasts): a claim never meets
+        our own rows' expired leases."""
+        return previous is None or time.monotonic() < drain.batch_deadline(self, previous.batch)
+
+    def _advance(self, previous: _Held | None, batch: Batch | None) -> None:
+        """One turn: settle ``previous`` (if any) while ``batch`` (if any) is produced;
+        without the pipeline, ``batch`` is settled in the same turn."""
+        held = self._held[-1] if batch is not None else None
+        assert held is None or held.batch is batch
+        if previous is None:
+            assert held is not None
+            self._guard(held, lambda: self._send(held))
+            if not self.settings.pipeline:
+                self._finish(held)
+            return
+        decisions = self._guard(previous, lambda: self._outcomes(previous))
+        pending = self._submit_finalize(previous, decisions)
+        try:
+            if held is not None:
+                self._send(held)
+        except Exception as exc:
+            # The write of ``previous`` must be over before anything is salvaged.
+            with contextlib.suppress(Exception):  # then it is salvaged below
+                self._settled(previous, decisions, pending.result())
+            self._salvage_all(exc, culprit=held)
+            raise
+        self._join_finalize(previous, decisions, pending)
+        if held is not None and held.inflight is None:
+            self._finish(held)  # nothing was sent: settle it now, not a turn later
+
+    def _finish(self, held: _Held) -> None:
+        """Wait for the batch's reports, then write its outcomes."""
+        self._guard(held, lambda: self._settle(held, self._outcomes(held)))
+
+    def _finish_all(self) -> None:
+        for held in self._held:
+            self._finish(held)
+
+    def _guard(self, held: _Held, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` for ``held``; on an unexpected exception salvage every batch
+        held (this one without refund unless a dependency failed) and re-raise."""
+        try:
+            return fn()
+        except Exception as exc:
+            self._salvage_all(exc, culprit=held)
+            raise
+
+    def _salvage_all(self, exc: Exception, *, culprit: _Held | None) -> None:
+        """Salvage every batch held, oldest first. Only ``culprit`` (the batch whose
+        work raised) loses its attempt, and only if no dependency failed."""
+        for held in self._held:
+            refund = held is not culprit or is_infrastructure_error(exc)
+            self._salvage(held, refund=refund)
+
+    def _send(self, held: _Held) -> None:
+        """Hand the batch to the producer (reports arrive in ``held.inflight``);
+        spent rows, and rows of a batch that may no longer be sent, are decided here."""
+        batch = held.batch
+        assert self._publisher is not None
+        if self._on_batch is not None:
+            self._on_batch(batch)
+        spent = [d for d in (exhausted(r, self.settings.max_attempts) for r in batch.rows) if d]
+        spent_ids = {d.row.id for d in spent}
+        to_send = [r for r in batch.rows if r.id not in spent_ids]
+        held.known = spent
+        if self.lifecycle.draining.is_set():  # the drain began during the claim
+            held.known = [*spent, *(Decision(r, Fate.RELEASED, refund=True) for r in to_send)]
+        elif to_send and time.monotonic() >= drain.batch_deadline(self, batch):
+            # Stalled since the claim (a stopped process, a long pause): the
+            # batch's budget is spent and its lease may have run out, so another
+            # relay may hold these rows by now. Sending them would only make
+            # duplicates; give them back (token-checked, nothing was sent).
+            log_event(
+                log,
+                "batch-expired-before-publish",
+                level=logging.WARNING,
+                rows=len(to_send),
+                stalled_s=round(time.monotonic() - batch.claimed_mono, 3),
+                effect="released unsent (attempt refunded) or left to the relay "
+                "that reclaimed them",
+            )
+            held.known = [*spent, *(Decision(r, Fate.RELEASED, refund=True) for r in to_send)]
+        elif to_send:
+            held.sent = to_send
+            held.inflight = self._publisher.publish(to_send)
+
+    def _outcomes(self, held: _Held) -> list[Decision]:
+        """Wait for the batch's reports (bounded by its deadline) and decide every row."""
+        if held.inflight is None:
+            return list(held.known)
+        assert self._publisher is not None
+        self._publisher.wait(held.inflight, lambda: drain.batch_deadline(self, held.batch))
+        decisions = decide(
+            held.sent,
+            self._reports(held.inflight),
+            max_attempts=self.settings.max_attempts,
+            refund_unknown=True,
+        )
+        return [*held.known, *decisions]
+
+    def _submit_finalize(self, held: _Held, decisions: list[Decision]) -> Future[FinalizeResult]:
+        if self._finalizer is None:
+            self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="outboxkit-finalize")
+        return self._finalizer.submit(self._write, held, decisions)
+
+    def _join_finalize(
+        self, held: _Held, decisions: list[Decision], pending: Future[FinalizeResult]
+    ) -> None:
+        """Wait for the finalizer's write of ``held``; count it, or salvage it if it failed."""
+        try:
+            result = pending.result()
+        except Exception as exc:
+            self._salvage_all(exc, culprit=held)
+            raise
+        self._settled(held, decisions, result)
 
     def _end_if_interrupted(self, exc: Exception, event: str, effect: str) -> None:
         """Re-raise ``exc`` (a crash) unless the drain has begun and a dependency
@@ -251,10 +414,11 @@ class Relay:
                 lease_ttl=self.settings.lease_ttl,
                 excluded_topics=self.paused.excluded(),
                 shard_count=self._shard_count,
+                id_upper=self._next_id_upper(shards),
             )
             if batch is None:
                 return None
-            self._held = _Held(batch)
+            self._held = (*self._held, _Held(batch))
         self.metrics.claimed.inc(len(batch))
         self.metrics.shard_out_of_range.inc(
             sum(1 for r in batch.rows if r.misplaced_shard is not None)
@@ -262,50 +426,6 @@ class Relay:
         self.metrics.batch_size.observe(len(batch))
         self.metrics.reclaimed.inc(sum(1 for r in batch.rows if r.reclaimed_from is not None))
         return batch
-
-    def _deliver(self, batch: Batch) -> None:
-        """Publish the batch, wait for its reports, finalize. On an unexpected
-        exception: finalize what is known, release the rest (without refund unless
-        a dependency failed), re-raise.
-        """
-        held = self._held
-        assert held is not None and held.batch is batch and self._publisher is not None
-        try:
-            if self._on_batch is not None:
-                self._on_batch(batch)
-            spent = [d for d in (exhausted(r, self.settings.max_attempts) for r in batch.rows) if d]
-            spent_ids = {d.row.id for d in spent}
-            to_send = [r for r in batch.rows if r.id not in spent_ids]
-            if self.lifecycle.draining.is_set():  # the drain began during the claim
-                decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
-            elif to_send and time.monotonic() >= drain.batch_deadline(self, batch):
-                # Stalled since the claim (a stopped process, a long pause): the
-                # batch's budget is spent and its lease may have run out, so another
-                # relay may hold these rows by now. Sending them would only make
-                # duplicates; give them back (token-checked, nothing was sent).
-                log_event(
-                    log,
-                    "batch-expired-before-publish",
-                    level=logging.WARNING,
-                    rows=len(to_send),
-                    stalled_s=round(time.monotonic() - batch.claimed_mono, 3),
-                    effect="released unsent (attempt refunded) or left to the relay "
-                    "that reclaimed them",
-                )
-                decisions = [Decision(r, Fate.RELEASED, refund=True) for r in to_send]
-            else:
-                held.inflight = self._publisher.publish(to_send)
-                self._publisher.wait(held.inflight, lambda: drain.batch_deadline(self, batch))
-                decisions = decide(
-                    to_send,
-                    self._reports(held.inflight),
-                    max_attempts=self.settings.max_attempts,
-                    refund_unknown=True,
-                )
-            self._settle(held, [*spent, *decisions])
-        except Exception as exc:
-            self._salvage(held, refund=is_infrastructure_error(exc))
-            raise
 
     def _reports(self, inflight: InFlight) -> dict[int, Report]:
         assert self._publisher is not None
@@ -359,7 +479,10 @@ class Relay:
 
     def _settle(self, held: _Held, decisions: list[Decision]) -> None:
         """Write the decisions under the batch's token, then count and log them."""
-        result = finalize(
+        self._settled(held, decisions, self._write(held, decisions))
+
+    def _write(self, held: _Held, decisions: list[Decision]) -> FinalizeResult:
+        return finalize(
             self.engine,
             self.settings.table,
             held.batch,
@@ -367,7 +490,9 @@ class Relay:
             backoff=self.backoff,
             delete_on_deliver=self.settings.delete_on_deliver,
         )
-        self._held = None
+
+    def _settled(self, held: _Held, decisions: list[Decision], result: FinalizeResult) -> None:
+        self._held = tuple(h for h in self._held if h is not held)
         self._account(held.batch, decisions, result)
 
     def _salvage(self, held: _Held, *, refund: bool) -> None:
@@ -400,21 +525,27 @@ class Relay:
                 effect="rows stay leased until their lease expires",
             )
 
+    def close_finalizer(self) -> None:
+        """Wait for a finalize still being written (after an interrupt), then stop
+        the finalizer thread; a batch it wrote but could not count is released
+        again under its token, which changes nothing (counted as lease lost)."""
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.shutdown(wait=True)
+
     def _settle_leftover(self) -> None:
-        """Settle a batch a crashed run could not settle (raises if the DB is still
-        gone): the salvage's decisions when it got that far (acknowledged rows stay
-        delivered, no second copy), else release every row."""
-        held = self._held
-        if held is None:
-            return
-        if held.decisions is not None:
-            self._settle(held, held.decisions)
-            return
-        result = release(
-            self.engine, self.settings.table, held.batch, held.batch.rows, refund=held.refund
-        )
-        self._held = None
-        self._account(held.batch, [], result)
+        """Settle the batches a crashed run could not settle, oldest first (raises if
+        the DB is still gone): the salvage's decisions when it got that far
+        (acknowledged rows stay delivered, no second copy), else release every row."""
+        self.close_finalizer()
+        for held in self._held:
+            if held.decisions is not None:
+                self._settle(held, held.decisions)
+                continue
+            result = release(
+                self.engine, self.settings.table, held.batch, held.batch.rows, refund=held.refund
+            )
+            self._settled(held, [], result)
 
     def _account(self, batch: Batch, decisions: list[Decision], result: FinalizeResult) -> None:
         """Count a finalized batch and act on its outcomes (see relay/accounting.py)."""
@@ -460,15 +591,17 @@ class Relay:
             self.paused.resume(topic, cause="no-rows-left")
 
     def _inflight_shards(self) -> frozenset[int]:
-        held = self._held
-        return held.batch.shards if held is not None else frozenset()
+        return frozenset().union(*(h.batch.shards for h in self._held))
+
+    def held_rows(self) -> int:
+        """Rows leased to this relay and not yet finalized or released."""
+        return sum(len(h.batch) for h in self._held)
 
     def _shutdown_pending(self) -> int:
         """Rows we hold while draining/stopped; 0 while running (no false alerts)."""
-        held = self._held
-        if held is None or not self.lifecycle.draining.is_set():
+        if not self.lifecycle.draining.is_set():
             return 0
-        return len(held.batch)
+        return self.held_rows()
 
     def _ready_details(self) -> dict[str, object]:
         details: dict[str, object] = {"paused_topics": self.paused.details()}

@@ -115,6 +115,12 @@ class RelaySettings(RuntimeSettings):
         default_help="message.timeout.ms + 2 s",
         validate=_positive_or_unset,
     )
+    pipeline: bool = setting(
+        False,
+        help="overlap the round trips of two batches: claim the next batch while the "
+        "current one's delivery reports are in flight, and finalize it while the next "
+        "one is produced (docs/relay.md)",
+    )
     max_attempts: int = setting(
         10, help="claims of a row before a retriable error marks it failed", validate=at_least_one
     )

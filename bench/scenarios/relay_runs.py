@@ -94,6 +94,8 @@ def drain_backlog(
     relays: int,
     label: str,
     delete_on_deliver: bool = False,
+    batch: int | None = None,
+    pipeline: bool | None = None,
 ) -> DrainRun:
     """Copy ``rows`` rows of ``source`` and drain them with ``relays`` relay processes."""
     cfg = ctx.config
@@ -113,10 +115,11 @@ def drain_backlog(
                 bootstrap=ctx.services.kafka_bootstrap,
                 table=table,
                 node_id=f"{label}-{i}",
-                batch_size=batch_size(cfg),
+                batch_size=batch or batch_size(cfg),
                 delete_on_deliver=delete_on_deliver,
                 redis_url=ctx.services.redis_url if relays > 1 else None,
                 redis_prefix=ctx.redis_prefix,
+                pipeline=pipeline,
             )
             procs.append(Proc.start(f"relay-{i}", ["relay"], settings, log_dir))
         if ctx.profile:

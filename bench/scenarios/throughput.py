@@ -2,6 +2,11 @@
 relay processes (more than one share the shards through Redis leases), next to
 the DB and producer ceilings measured earlier in the same run.
 
+One relay also drains it with each batch size (``batch_size`` and
+``batch_sizes``) and the pipeline on and off (``pipeline_modes``), alternating,
+so the comparison shares the run's conditions; ``rate_1`` is the drain with the
+relay's own defaults (or ``batch_size``).
+
 Rates count from just before the first message reached the topic to the moment
 the last row's message did, so process start-up is left out.  ``relay cpu`` is
 the relays' CPU time, summed, as a share of one core over that interval (2 cores
@@ -17,7 +22,12 @@ from bench.context import BenchContext
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
 from bench.scenarios.common import batch_size, template
-from bench.scenarios.relay_runs import drain_backlog, require_relay, require_shard_leases
+from bench.scenarios.relay_runs import (
+    DrainRun,
+    drain_backlog,
+    require_relay,
+    require_shard_leases,
+)
 
 TITLE = "a pre-filled backlog drained by 1 to N relays: throughput and scale-out"
 
@@ -34,6 +44,8 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         "shards": cfg.shards,
         "partitions": cfg.partitions,
         "relay_counts": list(cfg.relay_counts),
+        "batch_sizes": [batch_size(cfg), *cfg.batch_sizes],
+        "pipeline_modes": list(cfg.pipeline_modes),
     }
     db = results.get("db-ceiling")
     producer = results.get("producer-ceiling")
@@ -48,25 +60,58 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
             except Unavailable as exc:
                 res.notes.append(f"{n} relays: skipped, {exc}")
                 continue
-        out = drain_backlog(ctx, source=source, rows=cfg.rows, relays=n, label=f"relay{n}")
+        variants: list[tuple[int | None, bool | None]] = [(None, None)]
         if n == 1:
-            one = out.rate
-        res.rows.append(
-            {
-                "relays": n,
-                "rows": out.rows,
-                "seconds": out.seconds,
-                "events/s": out.rate,
-                "vs 1 relay": out.rate / one if one else None,
-                "vs DB ceiling": out.rate / db_rate if db_rate else None,
-                "vs producer ceiling": out.rate / producer_rate if producer_rate else None,
-                "duplicates": out.messages - out.rows,
-                **out.cpu_row(),
-            }
-        )
-        res.figures[f"rate_{n}"] = out.rate
-        res.figures[f"relay_cpu_per_1k_{n}"] = out.relay_cpu_per_1k
-        res.notes.extend(out.notes)
-        if out.profile:
-            res.tables[f"profile of relay 0 of {n}, share of its loop's wall time"] = out.profile
+            sizes = dict.fromkeys([batch_size(cfg), *cfg.batch_sizes])
+            variants += [(b, bool(p)) for b in sizes for p in cfg.pipeline_modes]
+        for batch, pipeline in variants:
+            label = f"relay{n}" if batch is None else f"relay{n}-b{batch}-p{int(bool(pipeline))}"
+            out = drain_backlog(
+                ctx,
+                source=source,
+                rows=cfg.rows,
+                relays=n,
+                label=label,
+                batch=batch,
+                pipeline=pipeline,
+            )
+            if n == 1 and batch is None:
+                one = out.rate
+            _add_row(res, n, batch, pipeline, out, one, db_rate, producer_rate)
+            if batch is None:
+                res.figures[f"rate_{n}"] = out.rate
+                res.figures[f"relay_cpu_per_1k_{n}"] = out.relay_cpu_per_1k
+            else:
+                res.figures[f"rate_{n}_b{batch}_p{int(bool(pipeline))}"] = out.rate
+            res.notes.extend(out.notes)
+            if out.profile:
+                title = f"profile of relay 0 of {n} ({label}), share of its loop's wall time"
+                res.tables[title] = out.profile
     return res
+
+
+def _add_row(
+    res: ScenarioResult,
+    n: int,
+    batch: int | None,
+    pipeline: bool | None,
+    out: DrainRun,
+    one: float | None,
+    db_rate: float | None,
+    producer_rate: float | None,
+) -> None:
+    res.rows.append(
+        {
+            "relays": n,
+            "batch": batch if batch is not None else "default",
+            "pipeline": "default" if pipeline is None else ("on" if pipeline else "off"),
+            "rows": out.rows,
+            "seconds": out.seconds,
+            "events/s": out.rate,
+            "vs 1 relay": out.rate / one if one else None,
+            "vs DB ceiling": out.rate / db_rate if db_rate else None,
+            "vs producer ceiling": out.rate / producer_rate if producer_rate else None,
+            "duplicates": out.messages - out.rows,
+            **out.cpu_row(),
+        }
+    )

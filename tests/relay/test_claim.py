@@ -136,6 +136,7 @@ class RecordingOwnership:
         self.calls.append("close")
 
 
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "no-pipeline"])
 def test_relay_claims_only_from_shards_its_ownership_allows(
     engine: sa.Engine,
     db_url: str,
@@ -143,6 +144,7 @@ def test_relay_claims_only_from_shards_its_ownership_allows(
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     embedded: Callable[..., EmbeddedRelay],
+    pipeline: bool,
 ) -> None:
     topic = kafka_topics(partitions=1)
     keys = [f"key-{i}" for i in range(40)]
@@ -157,7 +159,9 @@ def test_relay_claims_only_from_shards_its_ownership_allows(
         during.append((ownership.inflight(), batch.shards))
 
     relay = embedded(
-        fast_settings(db_url, kafka_bootstrap, batch_size=5), ownership=ownership, on_batch=look
+        fast_settings(db_url, kafka_bootstrap, batch_size=5, pipeline=pipeline),
+        ownership=ownership,
+        on_batch=look,
     )
     expected = sum(3 for k in keys if shard_of[k] in mine)
     wait_for(
@@ -168,7 +172,10 @@ def test_relay_claims_only_from_shards_its_ownership_allows(
     assert {shard_of[k] for k in delivered} == mine, "nothing from shards it does not own"
     assert relay.metric("outbox_shards_owned") == 1
     assert during and all(seen == shards == mine for seen, shards in during)
-    assert not ownership.inflight_seen, "between batches the relay holds no shard"
+    if pipeline:  # the next claim runs beside the batch in flight: its shards are held
+        assert ownership.inflight_seen <= mine
+    else:
+        assert not ownership.inflight_seen, "between batches the relay holds no shard"
 
     with ownership._lock:
         ownership.shards = set()  # owning nothing: no claim at all
@@ -275,3 +282,76 @@ def test_a_delivering_row_without_a_lease_expiry_is_reclaimed_in_key_order(
     batch = claim_batch(engine, outbox, owner="a", shards=ALL, limit=10, lease_ttl=30)
     assert batch is not None and [r.id for r in batch.rows] == [first, second]
     assert batch.rows[0].attempts == 1
+
+
+#: Row states of the generated claims: (status, seconds until due / lease end).
+_STATES = [
+    ("pending", -1),
+    ("retryable", -1),
+    ("retryable", 60),
+    ("delivering", 60),
+    ("delivering", -1),
+    ("delivered", 0),
+    ("failed", 0),
+]
+
+
+def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """The pipelined relay's claim beside a leased batch (``id_upper``): whatever
+    the rows' states, a claimed row has no earlier unsettled row of its key left
+    out of the batch, and no row past the bound is claimed."""
+    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import strategies as st
+
+    t = outbox_table(outbox)
+    row = st.tuples(st.sampled_from(["a", "b", "c", None]), st.sampled_from(range(len(_STATES))))
+
+    @settings(
+        max_examples=40,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.lists(row, min_size=1, max_size=25), st.integers(0, 26), st.integers(1, 8))
+    # A bound that cut each status on its own (the first n retryable rows, the
+    # first n pending rows) would take b's pending row 3 without its retryable row 2.
+    @example([("a", 1), ("b", 1), ("b", 0)], 3, 2)
+    def check(table: list[tuple[str | None, int]], bound: int, limit: int) -> None:
+        with engine.begin() as conn:
+            conn.execute(t.delete())
+        add_events(engine, outbox, [Event(topic="t", key=k, payload=b"x") for k, _ in table])
+        ids = [r.id for r in rows(engine, outbox)]
+        with engine.begin() as conn:
+            for row_id, (_, state) in zip(ids, table, strict=True):
+                status, seconds = _STATES[state]
+                conn.execute(
+                    sa.text(
+                        f"UPDATE {outbox} SET status=:s, lease_token='x', lease_owner='o', "
+                        "next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL :n SECOND, "
+                        "lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL :n SECOND WHERE id=:id"
+                    ),
+                    {"s": status, "n": seconds, "id": row_id},
+                )
+        id_upper = ids[0] - 1 + bound
+        batch = claim_batch(
+            engine, outbox, owner="r", shards=ALL, limit=limit, lease_ttl=60, id_upper=id_upper
+        )
+        claimed = {r.id for r in batch.rows} if batch is not None else set()
+        assert all(i <= id_upper for i in claimed), "nothing past the bound"
+        assert len(claimed) <= limit
+        for row_id, (key, _) in zip(ids, table, strict=True):
+            if row_id not in claimed or key is None:
+                continue
+            for other_id, (other_key, state) in zip(ids, table, strict=True):
+                if other_id >= row_id or other_key != key:
+                    continue
+                settled = _STATES[state][0] in ("delivered", "failed")
+                assert settled or other_id in claimed, (
+                    f"row {row_id} of key {key} claimed, its earlier row {other_id} "
+                    f"({_STATES[state]}) left out"
+                )
+
+    check()

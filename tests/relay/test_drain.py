@@ -241,6 +241,106 @@ def test_sigkill_mid_batch_rows_reclaimed_after_lease_expiry_attempts_kept(
     _assert_first_deliveries_in_id_order(messages, table)
 
 
+def _two_batches_of_events(topic: str) -> list[Event]:
+    """600 rows over 200 keys, three each: with batches of 100, batch N holds
+    k0..k99 and batch N+1 (claimed while N is leased, over the next 100 due
+    rows) k100..k199: 200 rows leased under two tokens, and every key's later
+    rows held back behind them."""
+    return [Event(topic=topic, key=f"k{i % 200}", payload=b"p") for i in range(600)]
+
+
+def _two_batches_leased(engine: sa.Engine, table: str) -> dict[str, sa.Row[object]]:
+    """The rows held once the pipelined relay leased two batches (asserted)."""
+    wait_for(lambda: _delivering(engine, table) == 200, timeout=20, what="two batches leased")
+    held = {r.event_id: r for r in rows(engine, table) if r.status == "delivering"}
+    assert len({r.lease_token for r in held.values()}) == 2, "two batches, two tokens"
+    keys_by_token: dict[str, set[object]] = defaultdict(set)
+    for r in held.values():
+        keys_by_token[r.lease_token].add(r.message_key)
+    first, second = keys_by_token.values()
+    assert not first & second, "a key is never in both batches"
+    return held
+
+
+def test_sigkill_with_two_batches_in_flight_loses_and_reorders_nothing(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, _two_batches_of_events(topic))
+    first = relay_process(_slow_relay_args(db_url, kafka_bootstrap, lease_ttl=14.0, pipeline=True))
+    held = _two_batches_leased(engine, outbox)
+    time.sleep(0.5)  # the first batch's full producer batches are acknowledged by now
+    first.signal(signal.SIGKILL)
+    first.wait(timeout=10)
+    assert {r.event_id for r in rows(engine, outbox) if r.status == "delivering"} == set(held)
+
+    second = relay_process(
+        _slow_relay_args(db_url, kafka_bootstrap, kafka_config={}, pipeline=True)
+    )
+    second.wait_event("lease-reclaimed", timeout=20)
+    wait_for(
+        lambda: status_counts(engine, outbox) == {"delivered": 600}, timeout=60, what="backlog"
+    )
+    second.signal(signal.SIGTERM)
+    assert second.wait(timeout=10) == 0
+
+    table = rows(engine, outbox)
+    assert all(r.attempts == (2 if r.event_id in held else 1) for r in table), (
+        "the crashed claims are not refunded"
+    )
+    reclaimed = second.events("lease-reclaimed")
+    assert sum(e["rows"] for e in reclaimed) == 200
+    messages = consume(kafka_bootstrap, topic, expected=600)
+    copies: dict[str, int] = defaultdict(int)
+    for m in messages:
+        copies[m.headers["event_id"].decode()] += 1
+    assert set(copies) == {r.event_id for r in table}, "nothing lost"
+    assert {eid for eid, n in copies.items() if n > 1} <= set(held), "duplicates only of held rows"
+    _assert_first_deliveries_in_id_order(messages, table)
+
+
+def test_sigterm_with_two_batches_in_flight_settles_both_within_flush_timeout(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, _two_batches_of_events(topic))
+    relay = relay_process(_slow_relay_args(db_url, kafka_bootstrap, pipeline=True))
+    held = _two_batches_leased(engine, outbox)
+    time.sleep(0.3)  # full producer batches are acknowledged by now; the rest lingers
+
+    sent = time.monotonic()
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(timeout=10) == 0
+    # flush_timeout (1 s) for the reports, then finalize and close: not 8 s of linger.
+    assert time.monotonic() - sent < 5
+    exit_line = relay.events("relay-exit")[0]
+    assert exit_line["result"] == "clean" and exit_line["left_leased"] == 0
+    parts = ("delivered", "failed", "retryable", "unknown", "left_leased", "lease_lost")
+    assert sum(exit_line[p] for p in parts) == exit_line["batch_size"] == 200, exit_line
+    assert exit_line["delivered"] > 0 and exit_line["unknown"] > 0, exit_line
+
+    table = rows(engine, outbox)
+    after = {r.event_id: r for r in table if r.event_id in held}
+    assert {r.status for r in after.values()} <= {"delivered", "retryable"}
+    released = [r for r in after.values() if r.status == "retryable"]
+    assert len(released) == exit_line["unknown"]
+    assert all(r.attempts == 0 and r.lease_token is None for r in released), "attempt refunded"
+    delivered = [r for r in after.values() if r.status == "delivered"]
+    assert len(delivered) == exit_line["delivered"]
+    assert all(r.attempts == 1 for r in delivered)
+    assert {r.status for r in table if r.event_id not in held} == {"pending"}, "no third claim"
+
+
 def test_pushgateway_gets_zero_shutdown_pending_after_clean_drain(
     engine: sa.Engine,
     db_url: str,

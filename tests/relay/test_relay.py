@@ -15,6 +15,7 @@ from outboxkit import Event
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["no-pipeline", "pipeline"])
 def test_20000_rows_over_500_keys_delivered_once_in_key_order(
     engine: sa.Engine,
     db_url: str,
@@ -22,6 +23,7 @@ def test_20000_rows_over_500_keys_delivered_once_in_key_order(
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     embedded: Callable[..., EmbeddedRelay],
+    pipeline: bool,
 ) -> None:
     topic = kafka_topics(partitions=6)
     events = [
@@ -35,7 +37,7 @@ def test_20000_rows_over_500_keys_delivered_once_in_key_order(
     ]
     event_ids = add_events(engine, outbox, events)
 
-    relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=1000))
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=1000, pipeline=pipeline))
     wait_for(
         lambda: relay.metric("outbox_backlog_rows", {"status": "pending"}) > 0,
         timeout=10,
