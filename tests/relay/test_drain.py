@@ -274,7 +274,12 @@ def test_sigkill_with_two_batches_in_flight_loses_and_reorders_nothing(
     add_events(engine, outbox, _two_batches_of_events(topic))
     first = relay_process(_slow_relay_args(db_url, kafka_bootstrap, lease_ttl=14.0, pipeline=True))
     held = _two_batches_leased(engine, outbox)
-    time.sleep(0.5)  # the first batch's full producer batches are acknowledged by now
+    # Full producer batches of 10 go out at once; the rest lingers 8 s.
+    wait_for(
+        lambda: _messages_in(kafka_bootstrap, topic, 3) > 0,
+        timeout=6,
+        what="part of the batches sent",
+    )
     first.signal(signal.SIGKILL)
     first.wait(timeout=10)
     assert {r.event_id for r in rows(engine, outbox) if r.status == "delivering"} == set(held)
@@ -316,7 +321,13 @@ def test_sigterm_with_two_batches_in_flight_settles_both_within_flush_timeout(
     add_events(engine, outbox, _two_batches_of_events(topic))
     relay = relay_process(_slow_relay_args(db_url, kafka_bootstrap, pipeline=True))
     held = _two_batches_leased(engine, outbox)
-    time.sleep(0.3)  # full producer batches are acknowledged by now; the rest lingers
+    # Full producer batches of 10 go out at once (acknowledged during the drain's
+    # flush at the latest); the rest lingers 8 s and is released unknown.
+    wait_for(
+        lambda: _messages_in(kafka_bootstrap, topic, 3) > 0,
+        timeout=6,
+        what="part of the batches sent",
+    )
 
     sent = time.monotonic()
     relay.signal(signal.SIGTERM)
