@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from support.databases import on_both_databases
+from support.procs import run_captured
 
 pytestmark = pytest.mark.integration
 
@@ -52,14 +52,11 @@ def test_a_missing_postgresql_skips_locally_and_fails_under_ci(
     env = {k: v for k, v in os.environ.items() if k != "OUTBOXKIT_TEST_PG_URL"}
     env.update(CI=ci, DOCKER_HOST="unix:///nonexistent/docker.sock")
     test = "tests/test_services.py::test_pg_url_is_a_fresh_postgresql_database_of_its_own"
-    out = subprocess.run(
+    out = run_captured(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", test],
-        cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
+        cwd=REPO,
         timeout=120,
-        check=False,
     )
     assert out.returncode == exit_code, out.stdout + out.stderr
     assert outcome in out.stdout

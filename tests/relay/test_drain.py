@@ -8,6 +8,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -79,6 +80,23 @@ def _assert_first_deliveries_in_id_order(
         per_key[r.message_key].append(first_offset[r.event_id])  # type: ignore[attr-defined]
     for key, positions in per_key.items():
         assert positions == sorted(positions), f"key {key!r}: first deliveries out of id order"
+
+
+def _sent_again(
+    bootstrap: str, topic: str, table_rows: list[sa.Row[Any]], *, held: set[str]
+) -> set[str]:
+    """After a takeover: every row's event is in the topic (nothing lost), only the
+    rows held at the kill were sent twice, and each key's first copies are in id
+    order. Returns the event ids sent more than once."""
+    messages = consume(bootstrap, topic, expected=len(table_rows))
+    copies: dict[str, int] = defaultdict(int)
+    for m in messages:
+        copies[m.headers["event_id"].decode()] += 1
+    assert set(copies) == {r.event_id for r in table_rows}, "nothing lost"
+    duplicated = {eid for eid, n in copies.items() if n > 1}
+    assert duplicated <= held, "duplicates only of rows held at the kill"
+    _assert_first_deliveries_in_id_order(messages, table_rows)
+    return duplicated
 
 
 def test_sigterm_drains_releases_with_refund_and_restart_finishes(
@@ -230,15 +248,8 @@ def test_sigkill_mid_batch_rows_reclaimed_after_lease_expiry_attempts_kept(
         r.id for r in in_flight.values()
     )
 
-    messages = consume(kafka_bootstrap, topic, expected=500)
-    copies: dict[str, int] = defaultdict(int)
-    for m in messages:
-        copies[m.headers["event_id"].decode()] += 1
-    assert set(copies) == {r.event_id for r in table}, "nothing lost"
-    duplicated = {eid for eid, n in copies.items() if n > 1}
-    assert duplicated <= set(in_flight), "duplicates only of rows in flight at the kill"
+    duplicated = _sent_again(kafka_bootstrap, topic, table, held=set(in_flight))
     assert duplicated, "the acknowledged part of the killed batch is sent again"
-    _assert_first_deliveries_in_id_order(messages, table)
 
 
 def _two_batches_of_events(topic: str) -> list[Event]:
@@ -300,13 +311,7 @@ def test_sigkill_with_two_batches_in_flight_loses_and_reorders_nothing(
     )
     reclaimed = second.events("lease-reclaimed")
     assert sum(e["rows"] for e in reclaimed) == 200
-    messages = consume(kafka_bootstrap, topic, expected=600)
-    copies: dict[str, int] = defaultdict(int)
-    for m in messages:
-        copies[m.headers["event_id"].decode()] += 1
-    assert set(copies) == {r.event_id for r in table}, "nothing lost"
-    assert {eid for eid, n in copies.items() if n > 1} <= set(held), "duplicates only of held rows"
-    _assert_first_deliveries_in_id_order(messages, table)
+    _sent_again(kafka_bootstrap, topic, table, held=set(held))
 
 
 def test_sigterm_with_two_batches_in_flight_settles_both_within_flush_timeout(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from support.procs import run_captured
 
 from outboxkit.consumer import Consumer, Message
 from outboxkit.consumer.settings import ConsumerSettings
@@ -45,15 +46,7 @@ def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
     env["PYTHONPATH"] = str(tmp_path)
-    return subprocess.run(
-        [sys.executable, "-m", "outboxkit", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
-    )
+    return run_captured([sys.executable, "-m", "outboxkit", *args], env=env, cwd=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -110,14 +103,8 @@ def test_schema_apply_without_the_extra_says_which_extra(tmp_path: Path) -> None
         "from outboxkit.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, "schema", "apply", "--db-url", PG_URL],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
+    out = run_captured(
+        [sys.executable, "-c", probe, "schema", "apply", "--db-url", PG_URL], env=env, cwd=tmp_path
     )
     assert out.returncode == 2, out.stderr
     assert "--db-url / OUTBOXKIT_DB_URL" in out.stderr
