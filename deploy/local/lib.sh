@@ -149,10 +149,11 @@ wait_for() {
 }
 
 # stop_pid PID TIMEOUT_S: SIGTERM, wait, then SIGKILL.
+# stop_pid PID GRACE_S [SIGNAL]: send SIGNAL (TERM), SIGKILL after GRACE_S.
 stop_pid() {
-    local pid="$1" timeout="$2" i
+    local pid="$1" timeout="$2" signal="${3:-TERM}" i
     pid_alive "$pid" || return 0
-    kill -TERM "$pid" 2>/dev/null || true
+    kill "-$signal" "$pid" 2>/dev/null || true
     for ((i = 0; i < timeout * 5; i++)); do
         pid_alive "$pid" || return 0
         sleep 0.2
@@ -176,12 +177,13 @@ kill_instance() {
     rm -f "$PID_FILE"
 }
 
-# stop_instance GRACE_S: SIGTERM this checkout's instance, SIGKILL after GRACE_S.
+# stop_instance GRACE_S [SIGNAL]: SIGNAL (TERM) to this checkout's instance,
+# SIGKILL after GRACE_S.
 stop_instance() {
     local pid
     if pid="$(read_pid)" && pid_alive "$pid"; then
         detail "$NAME: stopping pid $pid"
-        stop_pid "$pid" "$1"
+        stop_pid "$pid" "$1" "${2:-TERM}"
         log "$NAME stopped"
     fi
     rm -f "$PID_FILE"

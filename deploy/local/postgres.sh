@@ -126,19 +126,6 @@ SQL
     log "$NAME ready on 127.0.0.1:$PORT (pid $(read_pid))"
 }
 
-# SIGTERM is PostgreSQL's "smart" shutdown, which waits for every client to
-# disconnect; SIGINT is the "fast" one (roll back, disconnect, checkpoint).
-stop() {
-    local pid
-    if pid="$(read_pid)" && pid_alive "$pid"; then
-        detail "$NAME: stopping pid $pid"
-        kill -INT "$pid" 2>/dev/null || true
-        stop_pid "$pid" 60
-        log "$NAME stopped"
-    fi
-    rm -f "$PID_FILE"
-}
-
 # A crash of the whole server: the postmaster and every backend (its process
 # group), so a restart finds no backend still holding the shared memory.
 crash() {
@@ -152,7 +139,9 @@ crash() {
 }
 
 case "$CMD" in
-    stop) stop ;;
+    # SIGTERM is PostgreSQL's "smart" shutdown, which waits for every client to
+    # disconnect; SIGINT is the "fast" one (roll back, disconnect, checkpoint).
+    stop) stop_instance 60 INT ;;
     kill) crash ;;
     *) run_command 60 tcp_login_ok ;;
 esac
