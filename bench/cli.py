@@ -43,9 +43,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument(
+        "--database",
+        choices=("mariadb", "postgresql"),
+        default="mariadb",
+        help="which local database to run on when --db-url is not given: "
+        "$OUTBOXKIT_TEST_DB_URL (mariadb, the default) or $OUTBOXKIT_TEST_PG_URL (postgresql)",
+    )
+    p.add_argument(
         "--db-url",
-        default=os.environ.get("OUTBOXKIT_TEST_DB_URL"),
-        help="DB server (each run creates its own database); default $OUTBOXKIT_TEST_DB_URL",
+        help="DB server (each run creates its own database); default: see --database",
     )
     p.add_argument(
         "--kafka-bootstrap",
@@ -97,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in all_scenarios():
             print(f"{s.name:20} {s.title}")
         return 0
+    if not args.db_url:
+        args.db_url = os.environ.get(
+            "OUTBOXKIT_TEST_PG_URL" if args.database == "postgresql" else "OUTBOXKIT_TEST_DB_URL"
+        )
     if not args.db_url or not args.kafka_bootstrap:
         print('no services: run ./bench/run.sh, or eval "$(deploy/local/up.sh)" first')
         return 2

@@ -51,6 +51,10 @@ class Services:
             ) from None
 
 
+def is_postgresql(url: str) -> bool:
+    return sa.make_url(url).get_backend_name() == "postgresql"
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d_%H%M%S") + "_" + secrets.token_hex(2)
 
@@ -78,6 +82,11 @@ class BenchContext:
         return f"outboxkit_bench_{self.run_id}"
 
     @property
+    def postgresql(self) -> bool:
+        """The run's database is PostgreSQL (else MySQL/MariaDB)."""
+        return is_postgresql(self.services.db_url)
+
+    @property
     def log_dir(self) -> Path:
         """Logs of the processes under test (kept after the run, for a look when one fails)."""
         return self.results_dir / "logs" / self.run_id
@@ -88,9 +97,10 @@ class BenchContext:
 
     def __enter__(self) -> BenchContext:
         server = sa.make_url(self.services.db_url)
-        admin = sa.create_engine(server)
+        # AUTOCOMMIT: PostgreSQL creates and drops databases outside a transaction only.
+        admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
         try:
-            with admin.begin() as conn:
+            with admin.connect() as conn:
                 conn.execute(sa.text(f"CREATE DATABASE {self.database}"))
         finally:
             admin.dispose()
@@ -105,10 +115,12 @@ class BenchContext:
             return
         self._delete_topics()
         self._delete_redis_keys()
-        admin = sa.create_engine(sa.make_url(self.services.db_url))
+        admin = sa.create_engine(sa.make_url(self.services.db_url), isolation_level="AUTOCOMMIT")
+        # FORCE: a relay killed by a failed scenario may still hold a session.
+        force = " WITH (FORCE)" if self.postgresql else ""
         try:
-            with admin.begin() as conn:
-                conn.execute(sa.text(f"DROP DATABASE IF EXISTS {self.database}"))
+            with admin.connect() as conn:
+                conn.execute(sa.text(f"DROP DATABASE IF EXISTS {self.database}{force}"))
         finally:
             admin.dispose()
 
@@ -182,15 +194,26 @@ class BenchContext:
 
         with self.engine.connect() as conn:
             db_version = conn.execute(sa.text("SELECT VERSION()")).scalar_one()
-            db_vars = {
-                str(name): str(value)
-                for name, value in conn.execute(
-                    sa.text(
-                        "SHOW VARIABLES WHERE Variable_name IN ('innodb_buffer_pool_size',"
-                        " 'innodb_flush_log_at_trx_commit', 'sync_binlog', 'log_bin')"
+            if self.postgresql:
+                db_vars = {
+                    str(name): str(value)
+                    for name, value in conn.execute(
+                        sa.text(
+                            "SELECT name, setting FROM pg_settings WHERE name IN ("
+                            "'shared_buffers', 'synchronous_commit', 'fsync', 'wal_level')"
+                        )
                     )
-                )
-            }
+                }
+            else:
+                db_vars = {
+                    str(name): str(value)
+                    for name, value in conn.execute(
+                        sa.text(
+                            "SHOW VARIABLES WHERE Variable_name IN ('innodb_buffer_pool_size',"
+                            " 'innodb_flush_log_at_trx_commit', 'sync_binlog', 'log_bin')"
+                        )
+                    )
+                }
         return {
             "python": platform.python_version(),
             "confluent_kafka": _dist_version("confluent-kafka"),
@@ -198,6 +221,8 @@ class BenchContext:
             "sqlalchemy": sa.__version__,
             # Distribution versions: pymysql.__version__ is a MySQLdb-compatibility string.
             "pymysql": _dist_version("PyMySQL"),
+            "psycopg": _dist_version("psycopg"),
+            "database_kind": "postgresql" if self.postgresql else "mysql",
             "database": db_version,
             "database_settings": db_vars,
             "kafka": kafka_version(),

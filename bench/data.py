@@ -128,9 +128,27 @@ def copy_backlog(
             ),
             {"topic": topic, "rows": rows},
         )
-    with engine.connect() as conn:
-        conn.execute(sa.text(f"ANALYZE TABLE {dst}")).all()
+        if engine.dialect.name == "postgresql":
+            # Rows copied with their ids: move the id sequence past them, so rows
+            # a writer adds later get new ids.
+            conn.execute(
+                sa.text(
+                    f"SELECT setval(pg_get_serial_sequence('{dst}', 'id'), "
+                    f"(SELECT COALESCE(MAX(id), 0) + 1 FROM {dst}), false)"
+                )
+            )
+    analyze(engine, dst)
     return FillResult(rows, time.perf_counter() - start)
+
+
+def analyze(engine: sa.Engine, table: str) -> None:
+    """Fresh planner statistics for ``table`` (its index choices depend on them)."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(sa.text(f"ANALYZE {table}"))
+            conn.commit()
+        else:
+            conn.execute(sa.text(f"ANALYZE TABLE {table}")).all()
 
 
 def drop_table(engine: sa.Engine, table: str) -> None:

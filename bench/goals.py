@@ -76,7 +76,7 @@ GOALS = [
         lambda v: v >= 0.8,
     ),
     Goal(
-        "consumer with inbox on MariaDB (msgs/s)",
+        "consumer with the inbox (msgs/s)",
         ">= 5,000",
         lambda r: _fig(r, "consumer", "inbox_rate"),
         lambda v: v >= 5000,

@@ -40,6 +40,22 @@ def cpu_seconds(pid: int) -> float | None:
     return sum(int(x) for x in fields[11:15]) / _CLK_TCK
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """:func:`cpu_seconds` of ``pid`` plus that of its live children.
+
+    PostgreSQL serves each connection from a child process of the postmaster;
+    a child's CPU joins the postmaster's own count only once it has exited.
+    """
+    own = cpu_seconds(pid)
+    if own is None:
+        return None
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    with contextlib.suppress(OSError, ValueError):
+        for child in children.read_text().split():
+            own += cpu_seconds(int(child)) or 0.0
+    return own
+
+
 def peak_rss_mb(pid: int) -> float | None:
     """Peak resident set (``VmHWM``) of ``pid`` in MB (10^6 bytes), None if gone."""
     try:
@@ -212,9 +228,14 @@ class ServiceCpu:
     @classmethod
     def find(cls, engine: sa.Engine, bootstrap: str, redis_url: str | None = None) -> ServiceCpu:
         pids: dict[str, int] = {}
-        db = _mariadb_pid(engine)
-        if db:
-            pids["mariadb"] = db
+        if engine.dialect.name == "postgresql":
+            db = _postgres_pid(engine)
+            if db:
+                pids["postgresql"] = db
+        else:
+            db = _mariadb_pid(engine)
+            if db:
+                pids["mariadb"] = db
         kafka = _kafka_pid(bootstrap)
         if kafka:
             pids["kafka"] = kafka
@@ -224,13 +245,13 @@ class ServiceCpu:
         return cls(pids)
 
     def begin(self) -> None:
-        self.start = {k: cpu_seconds(p) or 0.0 for k, p in self.pids.items()}
+        self.start = {k: tree_cpu_seconds(p) or 0.0 for k, p in self.pids.items()}
         self.machine_start = machine_cpu_seconds()
 
     def used(self) -> dict[str, float]:
         out = {}
         for k, p in self.pids.items():
-            now = cpu_seconds(p)
+            now = tree_cpu_seconds(p)
             if now is not None:
                 out[k] = now - self.start.get(k, 0.0)
         return out
@@ -246,6 +267,16 @@ def _mariadb_pid(engine: sa.Engine) -> int | None:
     with contextlib.suppress(Exception), engine.connect() as conn:
         path = conn.execute(sa.text("SELECT @@pid_file")).scalar_one()
         return int(Path(str(path)).read_text().split()[0])
+    return None
+
+
+def _postgres_pid(engine: sa.Engine) -> int | None:
+    """The postmaster: the parent of this connection's backend process, if on this machine."""
+    with contextlib.suppress(Exception), engine.connect() as conn:
+        backend = int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+        parent = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if b"postgres" in Path(f"/proc/{parent}/cmdline").read_bytes():
+            return parent
     return None
 
 

@@ -123,6 +123,15 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
 
 DOCS_START = "<!-- bench:results:start -->"
 DOCS_END = "<!-- bench:results:end -->"
+#: A PostgreSQL run's tables go between these markers (MySQL/MariaDB runs: the ones above).
+PG_DOCS_START = "<!-- bench:results:postgresql:start -->"
+PG_DOCS_END = "<!-- bench:results:postgresql:end -->"
+
+
+def _markers(report: dict[str, Any]) -> tuple[str, str]:
+    if report["versions"].get("database_kind") == "postgresql":
+        return PG_DOCS_START, PG_DOCS_END
+    return DOCS_START, DOCS_END
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -159,16 +168,24 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"load average at start {m.get('loadavg_at_start')}; services co-located. "
         f"Python {v['python']}, confluent-kafka {v['confluent_kafka']} "
         f"(librdkafka {v['librdkafka']}), {v['database']}, Kafka {v['kafka']}, "
-        f"SQLAlchemy {v['sqlalchemy']}, PyMySQL {v['pymysql']}."
+        f"SQLAlchemy {v['sqlalchemy']}, {_driver(v)}."
     )
     return "\n".join(out) + "\n"
 
 
+def _driver(versions: dict[str, Any]) -> str:
+    if versions.get("database_kind") == "postgresql":
+        return f"psycopg {versions.get('psycopg')}"
+    return f"PyMySQL {versions['pymysql']}"
+
+
 def write_docs(path: Path, report: dict[str, Any]) -> None:
-    """Replace the generated section of ``path`` (between the markers) with this run."""
-    text = path.read_text() if path.exists() else f"# Performance\n\n{DOCS_START}\n{DOCS_END}\n"
-    if DOCS_START not in text or DOCS_END not in text:
-        text += f"\n{DOCS_START}\n{DOCS_END}\n"
-    pattern = re.compile(re.escape(DOCS_START) + r".*?" + re.escape(DOCS_END), re.S)
-    body = f"{DOCS_START}\n{markdown_report(report)}{DOCS_END}"
+    """Replace the generated section of ``path`` (between the markers of the run's
+    database) with this run."""
+    start, end = _markers(report)
+    text = path.read_text() if path.exists() else f"# Performance\n\n{start}\n{end}\n"
+    if start not in text or end not in text:
+        text += f"\n{start}\n{end}\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    body = f"{start}\n{markdown_report(report)}{end}"
     path.write_text(pattern.sub(lambda _m: body, text, count=1))

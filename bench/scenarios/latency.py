@@ -9,7 +9,9 @@ this machine's, so the difference is commit→ack without a consumer's delay in 
 The writer commits whatever is due at each step (one event per transaction at
 low rates, a few at 5,000/s), as many request threads of a service would.  Runs
 *without* wake-ups rely on the relay's poll interval; runs *with* them enable
-``outboxkit.wakeup`` on the writer's engine and give the relay Redis.
+``outboxkit.wakeup`` on the writer's engine and give the relay Redis; on
+PostgreSQL the writer's ``NOTIFY`` (sent at commit) wakes the relay, which
+listens unless wake-ups are off.
 
 The writer's own insert rate (one event per transaction, as fast as one thread
 goes) is measured without a relay and with one draining the same table.
@@ -44,6 +46,8 @@ _MAX_PER_COMMIT = 200
 
 def wakeups_available(ctx: BenchContext) -> str | None:
     """None if wake-ups can be measured, else why not."""
+    if ctx.postgresql:
+        return None  # NOTIFY: the writer sends it, the relay listens; no Redis involved
     if not ctx.services.redis_url:
         return "no Redis URL given"
     if importlib.util.find_spec("outboxkit.wakeup") is None:
@@ -59,8 +63,10 @@ def relay(ctx: BenchContext, table: str, label: str, *, wakeups: bool) -> Iterat
         table=table,
         node_id=f"bench-{label}",
         batch_size=batch_size(ctx.config),
-        redis_url=ctx.services.redis_url if wakeups else None,
+        # PostgreSQL: the relay listens for the writer's NOTIFY unless wake-ups are off.
+        redis_url=ctx.services.redis_url if wakeups and not ctx.postgresql else None,
         redis_prefix=ctx.redis_prefix,
+        extra={"OUTBOXKIT_WAKEUPS": "true" if wakeups else "false"},
     )
     proc = Proc.start("relay", ["relay"], settings, ctx.log_dir / label)
     try:
@@ -77,7 +83,7 @@ def relay(ctx: BenchContext, table: str, label: str, *, wakeups: bool) -> Iterat
 def writer_engine(ctx: BenchContext, *, wakeups: bool) -> Iterator[sa.Engine]:
     engine = sa.create_engine(ctx.db_url, pool_size=2)
     hook: Any = None
-    if wakeups:
+    if wakeups and not ctx.postgresql:  # on PostgreSQL enqueue always sends NOTIFY
         wakeup = importlib.import_module("outboxkit.wakeup")
         hook = wakeup.enable_wakeups(engine, ctx.services.redis_url, prefix=ctx.redis_prefix)
     try:

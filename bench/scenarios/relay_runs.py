@@ -28,6 +28,8 @@ def require_relay() -> None:
 
 
 def require_shard_leases(ctx: BenchContext) -> None:
+    if ctx.postgresql:
+        return  # relays share shards through session advisory locks, no Redis needed
     if not ctx.services.redis_url:
         raise Unavailable("several relays need Redis for shard leases: no Redis URL given")
     if importlib.util.find_spec("outboxkit.relay.leases") is None:
@@ -86,6 +88,11 @@ class DrainRun:
         return out
 
 
+def table_for(label: str) -> str:
+    """The outbox table a drain labelled ``label`` copies its backlog into."""
+    return f"bench_{label.replace('-', '_')}"
+
+
 def drain_backlog(
     ctx: BenchContext,
     *,
@@ -100,7 +107,7 @@ def drain_backlog(
     """Copy ``rows`` rows of ``source`` and drain them with ``relays`` relay processes."""
     cfg = ctx.config
     topic = ctx.topic(label)
-    table = f"bench_{label.replace('-', '_')}"
+    table = table_for(label)
     data.copy_backlog(ctx.engine, source, table, topic=topic, rows=rows, shards=cfg.shards)
     progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
     services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap, ctx.services.redis_url)
@@ -117,7 +124,8 @@ def drain_backlog(
                 node_id=f"{label}-{i}",
                 batch_size=batch or batch_size(cfg),
                 delete_on_deliver=delete_on_deliver,
-                redis_url=ctx.services.redis_url if relays > 1 else None,
+                # PostgreSQL: several relays own shards by advisory locks (no Redis).
+                redis_url=ctx.services.redis_url if relays > 1 and not ctx.postgresql else None,
                 redis_prefix=ctx.redis_prefix,
                 pipeline=pipeline,
             )

@@ -24,21 +24,24 @@ from bench.context import BenchContext
 from bench.report import ScenarioResult
 from bench.scenarios import Results
 from bench.scenarios.common import batch_size, template
-from bench.scenarios.relay_runs import drain_backlog, require_relay
+from bench.scenarios.relay_runs import drain_backlog, require_relay, table_for
 
 _HISTORY = re.compile(r"History list length (\d+)")
 
 
 class PurgeLag:
-    """Samples InnoDB's history list length (undo records not purged yet) in a thread.
+    """Samples the database's garbage not cleaned up yet, in a thread.
 
-    Every status change leaves a delete-marked ``(status, id)`` entry behind; if
-    purge fell behind, the claim's range scan would step over ever more of them,
-    so the largest value seen says whether that could explain a slower tail.
+    MySQL/MariaDB: InnoDB's history list length (undo records not purged yet).
+    PostgreSQL: the table's dead row versions (``n_dead_tup``, until autovacuum).
+    Every status change leaves a dead ``(status, id)`` index entry behind; if the
+    clean-up fell behind, the claim's range scan would step over ever more of
+    them, so the largest value seen says whether that could explain a slower tail.
     """
 
-    def __init__(self, engine: sa.Engine, interval: float = 5.0) -> None:
+    def __init__(self, engine: sa.Engine, table: str, interval: float = 5.0) -> None:
         self.engine = engine
+        self.table = table
         self.interval = interval
         self.largest = 0
         self._stop = threading.Event()
@@ -52,16 +55,28 @@ class PurgeLag:
         self._stop.set()
         self._thread.join(30)
 
+    @property
+    def label(self) -> str:
+        return "max dead rows" if self.engine.dialect.name == "postgresql" else "max history list"
+
+    def _sample(self) -> int:
+        with self.engine.connect() as conn:
+            if self.engine.dialect.name == "postgresql":
+                dead = conn.execute(
+                    sa.text("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = :t"),
+                    {"t": self.table},
+                ).scalar()
+                return int(dead or 0)
+            status = conn.execute(sa.text("SHOW ENGINE INNODB STATUS")).one()[-1]
+        m = _HISTORY.search(str(status))
+        return int(m.group(1)) if m else 0
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                with self.engine.connect() as conn:
-                    status = conn.execute(sa.text("SHOW ENGINE INNODB STATUS")).one()[-1]
+                self.largest = max(self.largest, self._sample())
             except sa.exc.DBAPIError:  # needs the PROCESS privilege; the figure is optional
                 return
-            m = _HISTORY.search(str(status))
-            if m:
-                self.largest = max(self.largest, int(m.group(1)))
             self._stop.wait(self.interval)
 
 
@@ -89,7 +104,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     res.notes.extend(out.notes)
     for delete in (False, True):
         label = "scale-delete" if delete else "scale"
-        with PurgeLag(ctx.engine) as lag:
+        with PurgeLag(ctx.engine, table_for(label)) as lag:
             out = drain_backlog(
                 ctx, source=source, rows=n, relays=1, label=label, delete_on_deliver=delete
             )
@@ -105,7 +120,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 "first 10%/s": first,
                 "last 10%/s": last,
                 "last vs first": last / first,
-                "max history list": lag.largest,
+                lag.label: lag.largest,
                 **out.cpu_row(),
             }
         )
