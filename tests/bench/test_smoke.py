@@ -144,3 +144,91 @@ def _assert_scale_out(saved: dict[str, Any], services: Services) -> None:
         assert row["relay cpu"] > 0 and row["machine cpu"] > 0, row
     for n in counts:
         assert throughput["figures"][f"relay_cpu_per_1k_{n}"] > 0
+
+
+#: The scenarios the PostgreSQL run measures (docs/performance.md shows them beside MariaDB's).
+PG_SCENARIOS = ["db-ceiling", "relay-throughput", "backlog-scaling", "latency", "consumer"]
+
+
+def test_smoke_run_on_postgresql_needs_no_redis(
+    pg_server_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The relay scenarios run on PostgreSQL without Redis: several relays share
+    shards by advisory locks and the latency run's wake-ups are the writer's NOTIFY."""
+    services = Services(db_url=pg_server_url, kafka_bootstrap=kafka_bootstrap, redis_url=None)
+    report = run(
+        BenchConfig.smoke(),
+        services,
+        scenarios=PG_SCENARIOS,
+        results_dir=tmp_path,
+        smoke=True,
+        quiet=True,
+    )
+
+    saved = json.loads(Path(report["path"]).read_text())
+    assert saved["versions"]["database_kind"] == "postgresql"
+    assert "PostgreSQL" in saved["versions"]["database"]
+    assert saved["versions"]["psycopg"]
+    assert list(saved["scenarios"]) == PG_SCENARIOS
+    for name, result in saved["scenarios"].items():
+        assert result["error"] is None, f"{name}: {result['error']}"
+        assert result["skipped"] is None, f"{name}: {result['skipped']}"
+        for figure, value in result["figures"].items():
+            assert math.isfinite(value) and value > 0, f"{name}.{figure} = {value}"
+
+    latency = saved["scenarios"]["latency"]
+    assert {r["wake-ups"] for r in latency["rows"]} == {False, True}
+    assert f"p99_ms_{BenchConfig.smoke().latency_rates[0]}_wakeups" in latency["figures"]
+    throughput = saved["scenarios"]["relay-throughput"]
+    default_rows = [r for r in throughput["rows"] if r["pipeline"] == "default"]
+    assert [r["relays"] for r in default_rows] == list(BenchConfig.smoke().relay_counts)
+    for row in throughput["rows"]:
+        # The postmaster and its backends: each connection is a process of its own.
+        assert row["postgresql cpu"] > 0, row
+    goals = {g["goal"]: g for g in saved["goals"]}
+    # The PostgreSQL issue's bounds (the 1,000/s latency one needs the full sizes).
+    for goal in ("relay vs DB ceiling (1 relay)", "1M backlog: last 10% vs first 10%"):
+        assert goals[goal]["measured"] is not None, goal
+
+
+@pytest.mark.unit
+def test_docs_keep_each_databases_run_between_its_own_markers(tmp_path: Path) -> None:
+    from bench.report import DOCS_END, DOCS_START, PG_DOCS_END, PG_DOCS_START, write_docs
+
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# P\n\nintro\n\n{DOCS_START}\nold mariadb\n{DOCS_END}\n\nmiddle\n")
+
+    def report(kind: str, run_id: str) -> dict[str, Any]:
+        return {
+            "run_id": run_id,
+            "started_at": "now",
+            "duration_s": 1.0,
+            "smoke": True,
+            "goals": [],
+            "scenarios": {},
+            "machine": {"cpu_count": 2, "processor": "x", "memory_gib": 1},
+            "versions": {
+                "database_kind": kind,
+                "outboxkit_commit": "c",
+                "python": "3",
+                "confluent_kafka": "2",
+                "librdkafka": "2",
+                "database": kind,
+                "kafka": "4",
+                "sqlalchemy": "2",
+                "pymysql": "1.1",
+                "psycopg": "3.2",
+            },
+        }
+
+    write_docs(doc, report("postgresql", "pg-run-1"))
+    write_docs(doc, report("postgresql", "pg-run-2"))
+    write_docs(doc, report("mysql", "my-run"))
+    text = doc.read_text()
+    assert "old mariadb" not in text and "pg-run-1" not in text
+    assert text.count(PG_DOCS_START) == 1 and text.count(DOCS_START) == 1
+    mariadb = text[text.index(DOCS_START) : text.index(DOCS_END)]
+    postgres = text[text.index(PG_DOCS_START) : text.index(PG_DOCS_END)]
+    assert "my-run" in mariadb and "PyMySQL 1.1" in mariadb
+    assert "pg-run-2" in postgres and "psycopg 3.2" in postgres
+    assert text.startswith("# P\n\nintro\n") and "middle" in text
