@@ -56,7 +56,8 @@ services_up() {
 
 run_pytest() {
     local rc=0
-    "$PY" -m pytest "$@" </dev/null || rc=$?
+    # The slowest tests are listed at the end, to keep the suite's time in view.
+    "$PY" -m pytest --durations=20 "$@" </dev/null || rc=$?
     if [[ $rc -eq 5 ]]; then
         echo "pytest collected no tests: treating as a failure" >&2
     fi
