@@ -39,6 +39,9 @@ class BenchConfig:
     #: Steady writer rates (events/s) of the latency scenario, and how long each lasts.
     latency_rates: tuple[int, ...] = (200, 1_000, 5_000)
     latency_seconds: float = 10.0
+    #: The latency scenario's runs with wake-ups, with the relay's pipeline off (0)
+    #: and on (1), in this order.
+    latency_pipeline_modes: tuple[int, ...] = (0, 1)
     #: How long the writer's own insert rate is measured, with and without a relay.
     writer_seconds: float = 5.0
     #: Messages read by each consumer variant.

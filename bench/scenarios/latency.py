@@ -56,7 +56,9 @@ def wakeups_available(ctx: BenchContext) -> str | None:
 
 
 @contextmanager
-def relay(ctx: BenchContext, table: str, label: str, *, wakeups: bool) -> Iterator[Proc]:
+def relay(
+    ctx: BenchContext, table: str, label: str, *, wakeups: bool, pipeline: bool = False
+) -> Iterator[Proc]:
     settings = relay_settings(
         db_url=ctx.db_url,
         bootstrap=ctx.services.kafka_bootstrap,
@@ -66,6 +68,7 @@ def relay(ctx: BenchContext, table: str, label: str, *, wakeups: bool) -> Iterat
         # PostgreSQL: the relay listens for the writer's NOTIFY unless wake-ups are off.
         redis_url=ctx.services.redis_url if wakeups and not ctx.postgresql else None,
         redis_prefix=ctx.redis_prefix,
+        pipeline=pipeline,
         extra={"OUTBOXKIT_WAKEUPS": "true" if wakeups else "false"},
     )
     proc = Proc.start("relay", ["relay"], settings, ctx.log_dir / label)
@@ -168,9 +171,9 @@ def ack_times(ctx: BenchContext, topic: str, expected: int) -> dict[str, float]:
     return acked
 
 
-def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool) -> Row:
+def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool, pipeline: bool = False) -> Row:
     cfg = ctx.config
-    label = f"lat{rate}{'w' if wakeups else 'p'}"
+    label = f"lat{rate}{'w' if wakeups else 'p'}{'p' if pipeline else ''}"
     table = f"bench_{label}"
     topic = ctx.topic(label)
     apply_schema(ctx.engine, table=table, shards=cfg.shards, inbox=None)
@@ -178,7 +181,7 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool) -> Row:
     try:
         with (
             writer_engine(ctx, wakeups=wakeups) as engine,
-            relay(ctx, table, label, wakeups=wakeups),
+            relay(ctx, table, label, wakeups=wakeups, pipeline=pipeline),
         ):
             committed, achieved = steady_writer(
                 engine, table, topic, rate, cfg.latency_seconds, cfg.keys, cfg.payload_bytes
@@ -195,6 +198,7 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool) -> Row:
     ctx.delete_topic(topic)
     return {
         "wake-ups": wakeups,
+        "pipeline": pipeline,
         "target/s": rate,
         "achieved/s": achieved,
         "events": len(lat),
@@ -241,11 +245,14 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         variants.append(True)
     else:
         res.notes.append(f"with wake-ups: not measured, {why_not}")
-    for wakeups in variants:
+    runs = [(False, False)]
+    if len(variants) > 1:
+        runs += [(True, bool(mode)) for mode in cfg.latency_pipeline_modes]
+    for wakeups, pipeline in runs:
         for rate in cfg.latency_rates:
-            row = latency_run(ctx, rate, wakeups=wakeups)
+            row = latency_run(ctx, rate, wakeups=wakeups, pipeline=pipeline)
             res.rows.append(row)
-            suffix = "_wakeups" if wakeups else "_poll"
+            suffix = ("_wakeups" if wakeups else "_poll") + ("_pipeline" if pipeline else "")
             res.figures[f"p99_ms_{rate}{suffix}"] = row["p99 ms"]
             res.figures[f"p50_ms_{rate}{suffix}"] = row["p50 ms"]
     writer = writer_rates(ctx, wakeups=variants[-1])
