@@ -19,13 +19,38 @@ from outboxkit.consumer import Consumer, Message
 
 EFFECTS = "chaos_effects"
 
-_INSERT = sa.text(
+_INSERT = (
     f"INSERT INTO {EFFECTS} (event_id, msg_key, node_id, kafka_partition, kafka_offset, at)"
-    " VALUES (:event_id, :key, :node, :partition, :offset, UTC_TIMESTAMP(6))"
+    " VALUES (:event_id, :key, :node, :partition, :offset, {now})"
 )
+#: The database's UTC clock, as the relay's records and the run's log lines use.
+_NOW = {"postgresql": "(now() AT TIME ZONE 'utc')"}
+_INSERTS = {
+    "postgresql": sa.text(_INSERT.format(now=_NOW["postgresql"])),
+    "mysql": sa.text(_INSERT.format(now="UTC_TIMESTAMP(6)")),
+}
 
 
 def create_effect_table(conn: sa.Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            sa.text(
+                f"CREATE TABLE IF NOT EXISTS {EFFECTS} ("
+                " id BIGSERIAL PRIMARY KEY,"
+                " event_id VARCHAR(128) NOT NULL, msg_key VARCHAR(64) NULL,"
+                " node_id VARCHAR(128) NOT NULL, kafka_partition INT NOT NULL,"
+                " kafka_offset BIGINT NOT NULL,"
+                " at TIMESTAMP(6) NOT NULL)"
+            )
+        )
+        conn.execute(sa.text(f"CREATE INDEX IF NOT EXISTS effects_event ON {EFFECTS} (event_id)"))
+        conn.execute(
+            sa.text(
+                f"CREATE INDEX IF NOT EXISTS effects_node ON {EFFECTS}"
+                " (node_id, kafka_partition, at)"
+            )
+        )
+        return
     conn.execute(
         sa.text(
             f"CREATE TABLE IF NOT EXISTS {EFFECTS} ("
@@ -47,8 +72,9 @@ class EffectConsumer(Consumer):
     def handle(self, message: Message) -> None:
         if self.slow_file and os.path.exists(self.slow_file):
             time.sleep(self.slow_s)
-        message.tx.execute(
-            _INSERT,
+        tx = message.tx
+        tx.execute(
+            _INSERTS["postgresql" if tx.dialect.name == "postgresql" else "mysql"],
             {
                 "event_id": message.event_id,
                 "key": message.key.decode() if message.key else None,

@@ -1,7 +1,8 @@
 """The run's own named service instances and the Toxiproxy in front of them.
 
-MariaDB, Kafka and Redis are named instances of ``deploy/local/*.sh`` on ports
-the OS hands out, so killing them disturbs nothing else on the machine. The
+The database (MariaDB or PostgreSQL), Kafka and Redis are named instances of
+``deploy/local/*.sh`` on ports the OS hands out, so killing them disturbs
+nothing else on the machine. The
 relays reach all three through Toxiproxy (network faults touch only them);
 the writer, the consumers and the checks connect directly. Kafka has a second
 listener whose advertised port is the proxy's, so a relay that bootstraps
@@ -27,6 +28,7 @@ from support.services import (
     STATE_DIR,
     KafkaInstance,
     MariaDBInstance,
+    PostgresInstance,
     RedisInstance,
     free_ports,
 )
@@ -123,19 +125,20 @@ class Toxiproxy:
 class Cluster:
     name: str
     logs: Path
-    db: MariaDBInstance
+    db: MariaDBInstance | PostgresInstance
     kafka: KafkaInstance
     redis: RedisInstance
     toxiproxy: Toxiproxy
     proxy_ports: dict[str, int]
 
     @classmethod
-    def plan(cls, name: str, logs: Path) -> Cluster:
+    def plan(cls, name: str, logs: Path, database: str = "mariadb") -> Cluster:
         (db, kafka, controller, proxied, rds, toxi, p_db, p_kafka, p_redis) = free_ports(9)
+        instance = PostgresInstance if database == "postgresql" else MariaDBInstance
         return cls(
             name=name,
             logs=logs,
-            db=MariaDBInstance(f"{name}-db", db),
+            db=instance(f"{name}-db", db),
             kafka=KafkaInstance(
                 f"{name}-kafka",
                 kafka,
@@ -154,9 +157,14 @@ class Cluster:
         return self.db.url
 
     @property
+    def postgresql(self) -> bool:
+        return isinstance(self.db, PostgresInstance)
+
+    @property
     def relay_db_url(self) -> str:
         pw = RELAY_DB_USER
-        return f"mysql+pymysql://{RELAY_DB_USER}:{pw}@127.0.0.1:{self.proxy_ports['db']}/outboxkit_test"
+        driver = "postgresql+psycopg" if self.postgresql else "mysql+pymysql"
+        return f"{driver}://{RELAY_DB_USER}:{pw}@127.0.0.1:{self.proxy_ports['db']}/outboxkit_test"
 
     @property
     def bootstrap(self) -> str:
@@ -201,16 +209,34 @@ class Cluster:
 
         engine = self.engine()
         with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    f"CREATE USER IF NOT EXISTS '{RELAY_DB_USER}'@'127.0.0.1' "
-                    f"IDENTIFIED BY '{RELAY_DB_USER}'"
+            if not self.postgresql:
+                conn.execute(
+                    sa.text(
+                        f"CREATE USER IF NOT EXISTS '{RELAY_DB_USER}'@'127.0.0.1' "
+                        f"IDENTIFIED BY '{RELAY_DB_USER}'"
+                    )
                 )
-            )
-            conn.execute(sa.text(f"GRANT ALL ON outboxkit_test.* TO '{RELAY_DB_USER}'@'127.0.0.1'"))
+                conn.execute(
+                    sa.text(f"GRANT ALL ON outboxkit_test.* TO '{RELAY_DB_USER}'@'127.0.0.1'")
+                )
             create_effect_table(conn)
         apply_schema(engine, shards=shards)
         engine.dispose()
+        if self.postgresql:
+            # outboxkit may not create roles; the instance's superuser does.
+            su = self.superuser_engine()
+            with su.begin() as conn:
+                conn.execute(
+                    sa.text(f"CREATE ROLE {RELAY_DB_USER} LOGIN PASSWORD '{RELAY_DB_USER}'")
+                )
+            su.dispose()
+            su = self.superuser_engine("outboxkit_test")
+            with su.begin() as conn:
+                for what in ("TABLES", "SEQUENCES", "FUNCTIONS"):
+                    conn.execute(
+                        sa.text(f"GRANT ALL ON ALL {what} IN SCHEMA public TO {RELAY_DB_USER}")
+                    )
+            su.dispose()
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
         futures = admin.create_topics(
             [
@@ -222,8 +248,27 @@ class Cluster:
             f.result(30)
         del admin  # its background threads would log every broker kill on stderr
 
-    def engine(self) -> sa.Engine:
-        return sa.create_engine(self.db_url, pool_pre_ping=True)
+    def engine(self, statement_timeout_s: float | None = None) -> sa.Engine:
+        """An engine on the run's database as its owner (not through the proxy).
+        ``statement_timeout_s``: give up on a read that hangs that long."""
+        connect_args: dict[str, object] = {}
+        if statement_timeout_s is not None:
+            if self.postgresql:
+                ms = int(statement_timeout_s * 1000)
+                connect_args = {"connect_timeout": 10, "options": f"-c statement_timeout={ms}"}
+            else:
+                connect_args = {"read_timeout": int(statement_timeout_s)}
+        return sa.create_engine(self.db_url, pool_pre_ping=True, connect_args=connect_args)
+
+    def superuser_engine(self, database: str = "postgres") -> sa.Engine:
+        """PostgreSQL's superuser through the instance's own unix socket (no password:
+        the socket is reachable by the server's user and root only)."""
+        assert isinstance(self.db, PostgresInstance)
+        socket_dir = self.db.state_dir / "run"
+        return sa.create_engine(
+            f"postgresql+psycopg://postgres@/{database}?host={socket_dir}&port={self.db.port}",
+            pool_pre_ping=True,
+        )
 
     def redis_client(self) -> redis_lib.Redis[bytes]:
         return redis_lib.Redis.from_url(self.redis.url, socket_timeout=5)

@@ -64,6 +64,11 @@ class RunConfig:
     consumer_concurrency: int = 2
     shards: int = 64
     settle_timeout_s: float = 600.0
+    #: "mariadb" or "postgresql": the run's own named database instance.
+    database: str = "mariadb"
+    #: How relays share shards: "redis" (shard leases, either database) or
+    #: "advisory" (PostgreSQL session advisory locks; the relays get no Redis).
+    ownership: str = "redis"
     keep: bool = False
     timings: Timings = field(default_factory=Timings)
 
@@ -145,8 +150,23 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     p.add_argument(
         "--faults", help="per-kind counts, e.g. redis-restart=10,relay-kill=5 (others unchanged)"
     )
+    p.add_argument(
+        "--database",
+        choices=("mariadb", "postgresql"),
+        default="mariadb",
+        help="the database the run starts its own instance of (default mariadb)",
+    )
+    p.add_argument(
+        "--ownership",
+        choices=("redis", "advisory"),
+        help="how relays share shards: Redis leases (default on MariaDB) or PostgreSQL "
+        "advisory locks (default on PostgreSQL; the relays then get no Redis)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the named instances' state")
     a = p.parse_args(argv)
+    ownership = a.ownership or ("advisory" if a.database == "postgresql" else "redis")
+    if ownership == "advisory" and a.database != "postgresql":
+        p.error("--ownership advisory needs --database postgresql")
     name = a.size or "full"
     values = _preset(name)
     for k in ("events", "keys", "relays", "consumers"):
@@ -168,5 +188,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         if unknown:
             p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
         faults = {k: n for k, n in faults.items() if k in keep}
+    if ownership == "advisory":
+        # The relays use no Redis then (nor does anything else): its faults would test nothing.
+        faults = {k: n for k, n in faults.items() if not k.startswith("redis-")}
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    values.update(database=a.database, ownership=ownership)
     return RunConfig(name=name, seed=seed, faults=faults, keep=a.keep, **values)  # type: ignore[arg-type]

@@ -167,6 +167,9 @@ class Injector:
             instance.resume()
 
     def _db_kill_connections(self, f: Fault, rec: FaultRecord) -> None:
+        if self.cluster.postgresql:
+            rec.detail["killed_connections"] = self._pg_terminate_relay_sessions()
+            return
         engine = self.cluster.engine()
         killed = 0
         try:
@@ -190,6 +193,28 @@ class Injector:
         finally:
             engine.dispose()
         rec.detail["killed_connections"] = killed
+
+    def _pg_terminate_relay_sessions(self) -> int:
+        """``pg_terminate_backend`` on every relay session, three times 0.5 s apart
+        (a relay reconnects in between), as the superuser (outboxkit may not)."""
+        engine = self.cluster.superuser_engine()
+        killed = 0
+        try:
+            for _ in range(3):
+                with engine.begin() as conn:
+                    killed += int(
+                        conn.execute(
+                            sa.text(
+                                "SELECT COUNT(*) FILTER (WHERE pg_terminate_backend(pid))"
+                                " FROM pg_stat_activity WHERE usename = :u"
+                            ),
+                            {"u": RELAY_DB_USER},
+                        ).scalar_one()
+                    )
+                time.sleep(0.5)
+        finally:
+            engine.dispose()
+        return killed
 
     def _db_restart(self, f: Fault, rec: FaultRecord) -> None:
         t0 = time.monotonic()

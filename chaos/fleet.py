@@ -54,8 +54,6 @@ class Fleet:
             "OUTBOXKIT_DB_URL": self.cluster.relay_db_url,
             "OUTBOXKIT_KAFKA_BOOTSTRAP": self.cluster.relay_bootstrap,
             "OUTBOXKIT_KAFKA_CONFIG": f"message.timeout.ms={int(t.message_timeout_s * 1000)}",
-            "OUTBOXKIT_REDIS_URL": self.cluster.relay_redis_url,
-            "OUTBOXKIT_REDIS_PREFIX": REDIS_PREFIX,
             "OUTBOXKIT_TABLE": TABLE,
             "OUTBOXKIT_NODE_ID": node_id,
             "OUTBOXKIT_SERVICE": "chaos-relay",
@@ -66,13 +64,23 @@ class Fleet:
             "OUTBOXKIT_LEASE_TTL": str(t.lease_ttl_s),
             "OUTBOXKIT_FLUSH_TIMEOUT": str(t.flush_timeout_s),
             "OUTBOXKIT_SHUTDOWN_TIMEOUT": "20",
-            "OUTBOXKIT_BACKOFF_BASE": "0.2",
-            "OUTBOXKIT_BACKOFF_CAP": "2",
+            "OUTBOXKIT_RETRY_BACKOFF_BASE": "0.2",
+            "OUTBOXKIT_RETRY_BACKOFF_CAP": "2",
             "OUTBOXKIT_MAX_ATTEMPTS": str(t.relay_max_attempts),
             "OUTBOXKIT_SHARD_LEASE_TTL": str(t.shard_lease_ttl_s),
             "OUTBOXKIT_SHARD_RENEW_INTERVAL": str(t.shard_renew_s),
             "OUTBOXKIT_CONNECT_TIMEOUT": "15",
             "OUTBOXKIT_METRICS_INTERVAL": "5",
+            # Advisory-lock ownership (PostgreSQL): the relays get no Redis at all, so
+            # they own shards by advisory locks and wake up on the writer's NOTIFY.
+            **(
+                {}
+                if self.cfg.ownership == "advisory"
+                else {
+                    "OUTBOXKIT_REDIS_URL": self.cluster.relay_redis_url,
+                    "OUTBOXKIT_REDIS_PREFIX": REDIS_PREFIX,
+                }
+            ),
         }
 
     def consumer_env(self, node_id: str, slot: str) -> dict[str, str]:

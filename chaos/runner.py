@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     say(
         f"run {run_id}: seed {cfg.seed} (replay: ./chaos/run.sh"
-        f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed})"
+        f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed}"
+        f" --database {cfg.database} --ownership {cfg.ownership})"
     )
     say(
         f"{cfg.events} events, {cfg.keys} keys, {cfg.relays} relays, {cfg.consumers} consumers, "
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet: Fleet | None = None
     try:
         say("starting MariaDB, Kafka, Redis and Toxiproxy (named instances)")
-        cluster = start_cluster(f"chaos{os.getpid()}", logs)
+        cluster = start_cluster(f"chaos{os.getpid()}", logs, cfg.database)
         cluster.prepare(TOPIC, cfg.partitions, cfg.shards)
         fleet = Fleet(cfg, cluster, TOPIC, logs)
         return Run(cfg, schedule, cluster, fleet, logs, run_id).go()
@@ -76,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop(cfg.keep)
 
 
-def start_cluster(name: str, logs: Path) -> Cluster:
+def start_cluster(name: str, logs: Path, database: str = "mariadb") -> Cluster:
     """Plan free ports and start the instances. A free port is only free until a
     service binds it: another process (another chaos run, a test) may take it
     meanwhile ("Address already in use"). Then the instances are stopped and
     started again on newly chosen ports, three times at most."""
 
     def attempt() -> Cluster:
-        cluster = Cluster.plan(name, logs)
+        cluster = Cluster.plan(name, logs, database)
         try:
             cluster.start()
         except BaseException as exc:
@@ -114,9 +115,7 @@ class Run:
         self.logs, self.run_id = logs, run_id
         self.injector = Injector(fleet, cluster)
         self.done: list[FaultRecord] = []
-        self.engine = sa.create_engine(
-            cluster.db_url, pool_pre_ping=True, connect_args={"read_timeout": 30}
-        )
+        self.engine = cluster.engine(statement_timeout_s=30)
 
     def go(self) -> int:
         started = time.time()
@@ -191,7 +190,11 @@ class Run:
         try:
             with self.engine.connect() as conn:
                 written, delivered = conn.execute(
-                    sa.text(f"SELECT COUNT(*), COALESCE(SUM(status = 'delivered'), 0) FROM {TABLE}")
+                    sa.text(
+                        "SELECT COUNT(*),"
+                        " COALESCE(SUM(CASE WHEN status = 'delivered' THEN 1 ELSE 0 END), 0)"
+                        f" FROM {TABLE}"
+                    )
                 ).one()
                 consumed = conn.execute(sa.text("SELECT COUNT(*) FROM chaos_effects")).scalar_one()
         except sa.exc.SQLAlchemyError:
@@ -315,7 +318,7 @@ class Run:
                         "n": p.node_id,
                         "p": partition,
                         "o": int(offset),
-                        "since": since[partition].rstrip("Z").replace("T", " "),
+                        "since": dt.datetime.strptime(since[partition], "%Y-%m-%dT%H:%M:%S.%fZ"),
                     },
                 ).scalar_one()
                 if hit:
@@ -488,7 +491,7 @@ def versions(engine: sa.Engine) -> dict[str, str]:
     except ImportError:
         pass
     with engine.connect() as conn:
-        out["mariadb"] = str(conn.execute(sa.text("SELECT VERSION()")).scalar_one())
+        out[engine.dialect.name] = str(conn.execute(sa.text("SELECT VERSION()")).scalar_one())
     out["kafka"] = "4.4.0 (deploy/local/kafka/pom.xml)"
     import subprocess
 
