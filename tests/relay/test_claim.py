@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,8 +28,8 @@ from outboxkit.relay.claim import (
     claim_batch,
     create_engine,
 )
-from outboxkit.relay.metrics import sample_ordering_blocked
-from outboxkit.schema import apply_schema, outbox_table, recovery_table, shard_for
+from outboxkit.relay.metrics import sample_backlog, sample_ordering_blocked
+from outboxkit.schema import Status, apply_schema, outbox_table, recovery_table, shard_for
 
 pytestmark = pytest.mark.integration
 
@@ -167,6 +168,37 @@ def test_a_claim_in_progress_does_not_hold_up_the_writers(
             assert len(other) == 6, "the other five, and the row written meanwhile"
     finally:
         relay_engine.dispose()
+
+
+def test_the_relay_engine_bounds_statements_by_the_lease_on_postgresql(pg_url: str) -> None:
+    """PostgreSQL: READ COMMITTED, and the server cancels a statement that outlives
+    a lease (``statement_timeout``), added to the options the URL already gives."""
+    url = sa.make_url(pg_url).update_query_dict({"options": "-c application_name=mine"})
+    settings = fast_settings(url.render_as_string(hide_password=False), "127.0.0.1:1")
+    relay_engine = create_engine(replace(settings, lease_ttl=1.2))
+    try:
+        with relay_engine.connect() as conn:
+            assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "2s"
+            assert conn.execute(sa.text("SHOW application_name")).scalar_one() == "mine"
+            level = conn.execute(sa.text("SHOW transaction_isolation")).scalar_one()
+            assert level == "read committed"
+            with pytest.raises(sa.exc.OperationalError, match="statement timeout"):
+                conn.execute(sa.text("SELECT pg_sleep(5)"))
+    finally:
+        relay_engine.dispose()
+
+
+@on_both_databases
+def test_backlog_age_is_measured_on_the_database_clock(engine: sa.Engine, outbox: str) -> None:
+    add_events(engine, outbox, [Event(topic="t", key="k", payload=b"x") for _ in range(3)])
+    t = outbox_table(outbox)
+    with engine.begin() as conn:  # the oldest waiting row was written 30 s ago
+        first = conn.execute(sa.select(sa.func.min(t.c.id))).scalar_one()
+        conn.execute(t.update().where(t.c.id == first).values(created_at=db_time(-30)))
+    with engine.connect() as conn:
+        counts, age = sample_backlog(conn, outbox)
+    assert counts[Status.PENDING] == 3
+    assert 29 < age < 90, age
 
 
 @on_both_databases
