@@ -18,8 +18,9 @@ reclaimed batch comes back whole instead of one row per key per claim.
 Shards: a row belongs to the shard stored in its ``shard`` column. A row whose
 stored shard is outside ``0..shard_count-1`` (written by another writer) belongs
 to the shard ``enqueue`` would have given it, ``CRC32(key, or event id) mod
-shard_count``, computed by the database: the shard of its key's other rows, so
-the same relay claims them all, in id order. Such rows are logged
+shard_count``, computed by the database (PostgreSQL: the ``outboxkit_crc32``
+function ``schema apply`` creates; see ``schema.crc32``): the shard of its
+key's other rows, so the same relay claims them all, in id order. Such rows are logged
 (``shard-out-of-range``) when claimed.
 
 Cost: one index-ordered sub-select per status over ``(status, id)``, each
@@ -41,7 +42,7 @@ the ``(status, id)`` scans, which then stop at ``id_upper``. Such a claim may
 come back empty; the relay then settles its batch and claims without it.
 
 Everything runs in one short READ COMMITTED transaction (no gap locks that
-would block writers' inserts).
+would block writers' inserts), on MySQL/MariaDB and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from sqlalchemy.engine import Connection, Engine
 from outboxkit.relay._dbtime import db_now_plus, micros
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.logs import log_event
+from outboxkit.schema.crc32 import key_crc32
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import Status, db_now, outbox_table
 
@@ -165,10 +167,10 @@ def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[boo
 
 def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int]:
     """The shard ``enqueue`` gives a row, computed by the database:
-    ``CRC32(message_key, or event_id when keyless) MOD shard_count`` (MySQL's CRC32
-    is zlib's CRC-32, as in :func:`outboxkit.schema.codec.shard_for`)."""
-    data = sa.func.coalesce(t.c.message_key, t.c.event_id)
-    return sa.func.mod(sa.func.crc32(data), shard_count)
+    ``CRC32(message_key, or event_id when keyless) MOD shard_count`` (zlib's CRC-32,
+    as in :func:`outboxkit.schema.codec.shard_for`: MySQL's ``CRC32()``,
+    PostgreSQL's ``outboxkit_crc32()``)."""
+    return sa.func.mod(key_crc32(t.c.message_key, t.c.event_id), shard_count)
 
 
 def _owned(t: sa.Table, shards: Collection[int], shard_count: int | None) -> sa.ColumnElement[bool]:
@@ -461,19 +463,35 @@ def _record_reclaims(
 
 
 def create_engine(settings: RelaySettings) -> Engine:
-    """The relay's engine: READ COMMITTED (no gap locks in the claim), and statement
-    timeouts no longer than a lease."""
+    """The relay's engine: READ COMMITTED (no gap locks in the claim), a connect
+    timeout, and statement timeouts no longer than a lease.
+
+    MySQL/MariaDB: the driver's ``read_timeout``/``write_timeout`` (client side:
+    they also end a wait on a hung server). PostgreSQL: the server's
+    ``statement_timeout`` for the relay's sessions (the server cancels the
+    statement; the client sets no read timeout of its own)."""
     assert settings.db_url is not None
     url = sa.make_url(settings.db_url)
     connect_args: dict[str, object] = {}
-    if url.get_backend_name() in ("mysql", "mariadb"):
-        # A statement that outlives a lease is pointless; a hung server must not
-        # hang the loop forever either.
-        timeout = max(1, math.ceil(settings.lease_ttl))
+    # A statement that outlives a lease is pointless; a hung server must not
+    # hang the loop forever either.
+    timeout = max(1, math.ceil(settings.lease_ttl))
+    connect_timeout = max(1, math.ceil(settings.connect_timeout))
+    backend = url.get_backend_name()
+    if backend in ("mysql", "mariadb"):
         connect_args = {
-            "connect_timeout": max(1, math.ceil(settings.connect_timeout)),
+            "connect_timeout": connect_timeout,
             "read_timeout": timeout,
             "write_timeout": timeout,
+        }
+    elif backend == "postgresql":
+        # Appended to any options the URL gives (``?options=...``).
+        options = url.query.get("options", "")
+        if not isinstance(options, str):
+            options = " ".join(options)
+        connect_args = {
+            "connect_timeout": connect_timeout,
+            "options": f"{options} -c statement_timeout={timeout}s".strip(),
         }
     return sa.create_engine(
         url,

@@ -345,47 +345,71 @@ def _write(
     if error is not None:
         params["error"] = error
     table = conn.dialect.identifier_preparer.quote(t.name)
-    return conn.execute(_per_row_update(table, fate, error is not None, refund), params).rowcount
+    postgresql = conn.dialect.name == "postgresql"
+    statement = _per_row_update(table, fate, error is not None, refund, postgresql)
+    return conn.execute(statement, params).rowcount
 
 
 @functools.lru_cache(maxsize=64)
-def _per_row_update(table: str, fate: Fate, has_error: bool, refund: bool) -> sa.TextClause:
+def _per_row_update(
+    table: str, fate: Fate, has_error: bool, refund: bool, postgresql: bool = False
+) -> sa.TextClause:
     """One UPDATE, built once per table and shape, for fates whose values differ per row.
 
     The per-row values (``[id, a, b]``: partition and offset of a delivered row,
     the backoff in microseconds of a retryable one) arrive as one JSON parameter
-    unpacked by ``JSON_TABLE`` (MySQL 8, MariaDB 10.6+), so the statement text is
-    the same every batch: no per-batch SQL to build, compile or parse. (It replaced
-    a literal ``CASE id WHEN ...`` of 500 arms that made every batch a new statement.)
+    unpacked by the database (MySQL 8 and MariaDB 10.6+: ``JSON_TABLE``;
+    PostgreSQL: ``jsonb_array_elements``), so the statement text is the same
+    every batch: no per-batch SQL to build, compile or parse. (It replaced a
+    literal ``CASE id WHEN ...`` of 500 arms that made every batch a new statement.)
     """
-    sets = ["t.updated_at = UTC_TIMESTAMP(6)", "t.lease_token = NULL", "t.lease_expires_at = NULL"]
+    if postgresql:
+        # UPDATE ... FROM: the SET targets are plain column names there.
+        now, col = "(CURRENT_TIMESTAMP AT TIME ZONE 'UTC')", ""
+        retry_at = f"{now} + j.a * INTERVAL '1 microsecond'"
+    else:
+        now, col = "UTC_TIMESTAMP(6)", "t."
+        retry_at = f"DATE_ADD({now}, INTERVAL j.a MICROSECOND)"
+    sets = [f"updated_at = {now}", "lease_token = NULL", "lease_expires_at = NULL"]
     if fate is Fate.DELIVERED:
         # lease_owner stays: it records which relay delivered the row.
         sets += [
-            f"t.status = '{Status.DELIVERED.value}'",
-            "t.delivered_at = UTC_TIMESTAMP(6)",
-            "t.kafka_partition = j.a",
-            "t.kafka_offset = j.b",
+            f"status = '{Status.DELIVERED.value}'",
+            f"delivered_at = {now}",
+            "kafka_partition = j.a",
+            "kafka_offset = j.b",
         ]
     elif fate is Fate.RETRYABLE:
         sets += [
-            f"t.status = '{Status.RETRYABLE.value}'",
-            "t.lease_owner = NULL",
-            "t.next_attempt_at = DATE_ADD(UTC_TIMESTAMP(6), INTERVAL j.a MICROSECOND)",
+            f"status = '{Status.RETRYABLE.value}'",
+            "lease_owner = NULL",
+            f"next_attempt_at = {retry_at}",
         ]
     else:
         raise ValueError(f"no per-row values for {fate}")
     if has_error:
-        sets.append("t.last_error = :error")
+        sets.append("last_error = :error")
     if refund:
-        sets.append("t.attempts = CASE WHEN t.attempts > 0 THEN t.attempts - 1 ELSE 0 END")
+        sets.append("attempts = CASE WHEN t.attempts > 0 THEN t.attempts - 1 ELSE 0 END")
+    assignments = ", ".join(col + s for s in sets)
+    guard = (
+        "t.lease_owner = :owner AND t.lease_token = :token"
+        f" AND t.status = '{Status.DELIVERING.value}'"
+    )
+    if postgresql:
+        return sa.text(
+            f"UPDATE {table} AS t SET {assignments}"
+            " FROM (SELECT CAST(e->>0 AS BIGINT) AS row_id, CAST(e->>1 AS BIGINT) AS a,"
+            " CAST(e->>2 AS BIGINT) AS b"
+            " FROM jsonb_array_elements(CAST(:per_row AS JSONB)) AS e) AS j"
+            f" WHERE t.id = j.row_id AND {guard}"
+        )
     return sa.text(
         f"UPDATE {table} AS t JOIN JSON_TABLE(:per_row, '$[*]' COLUMNS ("
         "row_id BIGINT PATH '$[0]', a BIGINT PATH '$[1]', b BIGINT PATH '$[2]')) AS j"
         " ON t.id = j.row_id"
-        f" SET {', '.join(sets)}"
-        f" WHERE t.lease_owner = :owner AND t.lease_token = :token"
-        f" AND t.status = '{Status.DELIVERING.value}'"
+        f" SET {assignments}"
+        f" WHERE {guard}"
     )
 
 

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
+from outboxkit.relay._dbtime import micros_between
 from outboxkit.schema.table import Status, db_now, outbox_table
 
 __all__ = [
@@ -139,9 +140,7 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
     if oldest is None:
         return counts, 0.0
     age = conn.execute(
-        sa.select(sa.func.timestampdiff(sa.text("MICROSECOND"), t.c.created_at, db_now())).where(
-            t.c.id == oldest
-        )
+        sa.select(micros_between(t.c.created_at, db_now())).where(t.c.id == oldest)
     ).scalar()
     return counts, max(0.0, float(age or 0) / 1_000_000)
 

@@ -62,8 +62,8 @@ from outboxkit.runtime import (
 )
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.settings import invalid, warn_renamed
-from outboxkit.schema.apply import read_shard_count
+from outboxkit.runtime.settings import RELAY_DATABASES, invalid, warn_renamed
+from outboxkit.schema.apply import read_shard_count, require_functions
 from outboxkit.wakeup import wakeup_channel
 
 __all__ = ["PUSH_JOB", "Relay"]
@@ -625,11 +625,12 @@ class Relay:
             else:  # no gap locks in the claim; see claim.py
                 self._engine = self._engine.execution_options(isolation_level="READ COMMITTED")
             self._open.append("database")
-            if self.engine.dialect.name not in ("mysql", "mariadb"):
+            if self.engine.dialect.name not in RELAY_DATABASES:
                 raise ConfigError(
                     invalid(
                         "db_url",
-                        f"the relay runs on MySQL/MariaDB only (got {self.engine.dialect.name})",
+                        "the relay runs on MySQL/MariaDB or PostgreSQL "
+                        f"(got {self.engine.dialect.name})",
                     )
                 )
             shard_count = self._read_shard_count()
@@ -673,6 +674,7 @@ class Relay:
 
         def read() -> int:
             with self.engine.connect() as conn:
+                require_functions(conn)
                 return read_shard_count(conn, self.settings.table)
 
         def sleep(seconds: float) -> None:

@@ -60,6 +60,8 @@ P = ParamSpec("P")
 
 #: MySQL/MariaDB errors after which the same batch may simply be tried again.
 _LOCK_WAIT_TIMEOUT, _DEADLOCK = 1205, 1213
+#: The same for PostgreSQL (SQLSTATE): deadlock_detected, lock_not_available.
+_PG_RETRYABLE = ("40P01", "55P03")
 _BATCH_RETRIES = 3
 #: How often a pause looks at ``stop()``.
 _STOP_POLL_S = 0.05
@@ -215,10 +217,11 @@ def run_retention(
 
     Meant to run in its own worker thread under the relay's supervisor, off the
     claim/publish path. The first run waits a random part of one interval, so
-    relays started together do not purge together; on MySQL/MariaDB a named
-    lock lets only one relay per table purge at a time (the others skip that
-    round). Returns as soon as ``stop()`` is true, including in the middle of a
-    run; an exception (database gone) propagates to the supervisor.
+    relays started together do not purge together; a named lock (MySQL/MariaDB
+    ``GET_LOCK``, PostgreSQL session advisory lock) lets only one relay per
+    table purge at a time (the others skip that round). Returns as soon as
+    ``stop()`` is true, including in the middle of a run; an exception
+    (database gone) propagates to the supervisor.
     """
     wait = random.uniform(0.0, interval_s)
     while not _pause(wait, stop):
@@ -246,9 +249,12 @@ def _cutoff(engine: Engine, older_than_s: float) -> dt.datetime:
 
 def _is_lock_conflict(exc: BaseException) -> bool:
     """A lock wait timeout or deadlock: the same batch may simply be tried again."""
-    if not isinstance(exc, sa.exc.OperationalError) or exc.orig is None or not exc.orig.args:
+    if not isinstance(exc, sa.exc.OperationalError) or exc.orig is None:
         return False
-    return exc.orig.args[0] in (_LOCK_WAIT_TIMEOUT, _DEADLOCK)
+    sqlstate = getattr(exc.orig, "sqlstate", None)  # psycopg
+    if sqlstate is not None:
+        return sqlstate in _PG_RETRYABLE
+    return bool(exc.orig.args) and exc.orig.args[0] in (_LOCK_WAIT_TIMEOUT, _DEADLOCK)
 
 
 def _log_batch_retry(state: tenacity.RetryCallState) -> None:
@@ -304,21 +310,31 @@ def _pause(seconds: float, stop: Callable[[], bool]) -> bool:
 
 @contextmanager
 def _retention_lock(engine: Engine, table: str) -> Iterator[bool]:
-    """Try a database-wide named lock per table; yields whether this process got it."""
+    """Try a database-wide named lock per table; yields whether this process got it.
+
+    MySQL/MariaDB: ``GET_LOCK``; PostgreSQL: a session advisory lock on the
+    name's hash. Either is held by this connection while the purge runs on
+    others, and released by the server if the process dies."""
     with engine.connect() as conn:
-        if conn.dialect.name not in ("mysql", "mariadb"):
+        dialect = conn.dialect.name
+        name = f"outboxkit_retention_{table}"
+        if dialect in ("mysql", "mariadb"):
+            if len(name) > 64:  # MySQL's limit on lock names
+                name = f"outboxkit_retention_{zlib.crc32(table.encode()):08x}"
+            take, give = "SELECT GET_LOCK(:n, 0)", "SELECT RELEASE_LOCK(:n)"
+        elif dialect == "postgresql":
+            take = "SELECT CAST(pg_try_advisory_lock(hashtext(:n)) AS INTEGER)"
+            give = "SELECT pg_advisory_unlock(hashtext(:n))"
+        else:
             yield True
             return
-        name = f"outboxkit_retention_{table}"
-        if len(name) > 64:  # MySQL's limit on lock names
-            name = f"outboxkit_retention_{zlib.crc32(table.encode()):08x}"
-        got = conn.execute(sa.text("SELECT GET_LOCK(:n, 0)"), {"n": name}).scalar()
+        got = conn.execute(sa.text(take), {"n": name}).scalar()
         conn.commit()
         try:
             yield got == 1
         finally:
             if got == 1:
-                conn.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": name})
+                conn.execute(sa.text(give), {"n": name})
                 conn.commit()
 
 

@@ -24,6 +24,7 @@ from outboxkit.runtime.settings import (
     positive,
     retry_backoff_problem,
     setting,
+    valid_relay_database_url,
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
@@ -91,6 +92,13 @@ class RelaySettings(RuntimeSettings):
     """Everything ``outboxkit relay`` can be told; see ``docs/relay.md``."""
 
     service: str = setting("outboxkit-relay", help="service name in logs, metrics, exit record")
+    db_url: str | None = setting(
+        None,
+        help="SQLAlchemy database URL: MySQL/MariaDB, e.g. "
+        "mysql+pymysql://user:password@host:3306/db, or PostgreSQL, e.g. "
+        "postgresql+psycopg://user:password@host:5432/db",
+        validate=valid_relay_database_url,
+    )
     table: str = setting(DEFAULT_TABLE, help="outbox table to relay", validate=identifier_problem)
     batch_size: int = setting(500, help="rows claimed per batch", validate=at_least_one)
     poll_interval: float = setting(

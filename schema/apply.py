@@ -5,7 +5,8 @@ PostgreSQL session advisory lock), waiting at most 60 s for it, so that several
 pods running ``outboxkit schema apply`` at once serialise: the first creates,
 the others find everything in place. On PostgreSQL the status ENUM is a type of
 its own (``outbox_status``, shared by every outbox table of the database),
-created before the first table that uses it.  An
+created before the first table that uses it, and so is the function
+``outboxkit_crc32(bytea)`` the relay's claim needs there (``schema.crc32``). An
 upgrade adds what is missing (columns, indexes) and, on MySQL/MariaDB, moves
 identifier columns to their byte-exact collation (``ALTER TABLE ... MODIFY``, one
 statement per table, reported one line per column). It never drops a column, an
@@ -25,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from outboxkit.errors import SchemaError, SchemaNotAppliedError
+from outboxkit.schema.crc32 import PG_CRC32_FUNCTION, has_pg_crc32, pg_crc32_ddl
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
     DEFAULT_SHARDS,
@@ -87,6 +89,7 @@ def apply_schema(
         for t in tables:
             _check_name_lengths(conn.dialect, t)
     with engine.connect() as conn, _schema_lock(conn):
+        _create_functions(conn, report)
         for t in tables:
             _create_or_upgrade(conn, t, report)
         report.shard_count = _ensure_meta_row(conn, table, shards, report)
@@ -137,6 +140,26 @@ def _create_types(conn: Connection, table: sa.Table, report: ApplyReport) -> Non
         if not conn.dialect.has_type(conn, str(enum_type.name)):  # type: ignore[attr-defined]
             enum_type.create(conn)
             report.actions.append(f"created type {enum_type.name}")
+
+
+def _create_functions(conn: Connection, report: ApplyReport) -> None:
+    """PostgreSQL: the CRC-32 function the relay's claim calls (see ``schema.crc32``);
+    created when missing (the schema lock makes the check-then-create safe)."""
+    if conn.dialect.name != "postgresql" or has_pg_crc32(conn):
+        return
+    conn.exec_driver_sql(pg_crc32_ddl())
+    conn.commit()
+    report.actions.append(f"created function {PG_CRC32_FUNCTION}(bytea)")
+
+
+def require_functions(conn: Connection) -> None:
+    """The functions the relay needs are there (PostgreSQL: ``outboxkit_crc32``),
+    else SchemaNotAppliedError: a schema applied by an older release lacks it."""
+    if conn.dialect.name == "postgresql" and not has_pg_crc32(conn):
+        raise SchemaNotAppliedError(
+            f"the function {PG_CRC32_FUNCTION}(bytea) is missing: run `outboxkit schema apply` "
+            "(this release adds it on PostgreSQL)"
+        )
 
 
 def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
@@ -297,6 +320,7 @@ def schema_sql(
         for enum_type in _enum_types(outbox_table(table)):
             create = str(CreateEnumType(enum_type).compile(dialect=dialect)).strip()
             parts.append(f"DO $$ BEGIN {create}; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        parts.append(pg_crc32_ddl())
     for t in tables:
         parts.append(str(CreateTable(t, if_not_exists=True).compile(dialect=dialect)).strip())
         # MySQL 8 has no CREATE INDEX IF NOT EXISTS; MariaDB, PostgreSQL and SQLite do.

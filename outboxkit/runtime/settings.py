@@ -411,12 +411,15 @@ def valid_database_url(value: str | None) -> str | None:
     return None
 
 
-#: Why the relay, the consumer inbox and ``outboxkit admin`` refuse a PostgreSQL URL.
+#: Why the consumer inbox and ``outboxkit admin`` refuse a PostgreSQL URL.
 POSTGRESQL_NOT_YET = (
-    "PostgreSQL is supported by `outboxkit schema apply` and the writer (enqueue) only; "
-    "the relay, the consumer inbox and `outboxkit admin` run on MySQL/MariaDB only for now "
+    "PostgreSQL is supported by `outboxkit schema apply`, the writer (enqueue) and the "
+    "relay; the consumer inbox and `outboxkit admin` run on MySQL/MariaDB only for now "
     "(see docs/postgresql.md)"
 )
+
+#: The databases the relay runs on (SQLAlchemy backend names).
+RELAY_DATABASES = ("mysql", "mariadb", "postgresql")
 
 
 def is_postgresql_url(value: str) -> bool:
@@ -438,6 +441,34 @@ def valid_mysql_database_url(value: str | None) -> str | None:
     if value is not None and is_postgresql_url(value):
         return POSTGRESQL_NOT_YET
     return valid_database_url(value)
+
+
+def valid_relay_database_url(value: str | None) -> str | None:
+    """:func:`valid_database_url` for the relay: MySQL/MariaDB or PostgreSQL.
+
+    Any other database (SQLite, ...) is refused by name: the claim needs
+    ``FOR UPDATE SKIP LOCKED`` and the server-clock arithmetic of those two.
+    """
+    if value is not None:
+        backend = _backend_name(value)
+        if backend is not None and backend not in RELAY_DATABASES:
+            return (
+                f"the relay runs on MySQL/MariaDB or PostgreSQL, not {backend} "
+                "(e.g. mysql+pymysql://user:pw@host:3306/db, "
+                "postgresql+psycopg://user:pw@host:5432/db)"
+            )
+    return valid_database_url(value)
+
+
+def _backend_name(value: str) -> str | None:
+    """The URL's database (``mysql``, ``postgresql``, ...), or None if it is not a URL."""
+    import sqlalchemy as sa
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return sa.make_url(value).get_backend_name()
+    except (ArgumentError, ValueError):
+        return None
 
 
 def valid_redis_url(value: str | None) -> str | None:

@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outboxkit.schema import outbox_table, shard_for
+from outboxkit.schema.table import db_now
 
 SHARDS = 8
 
@@ -33,7 +34,7 @@ def insert_foreign(
     if shard is None:
         shard = shard_for(key, eid if eid.isascii() else "x", SHARDS)
     t = outbox_table(table)
-    now = sa.func.utc_timestamp(6)
+    now = db_now()
     with engine.begin() as conn:
         result = conn.execute(
             t.insert().values(

@@ -26,6 +26,7 @@ from support.waiting import bound
 
 from outboxkit import Event, enqueue_many
 from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
+from outboxkit.relay._dbtime import db_now_plus
 from outboxkit.schema import outbox_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +93,12 @@ def add_events(
         with engine.begin() as conn:
             ids += enqueue_many(conn, events[i : i + chunk], table=table)
     return ids
+
+
+def db_time(seconds: float) -> sa.ColumnElement[Any]:
+    """The database clock ``seconds`` from now (negative: in the past), in SQL that
+    runs on MySQL/MariaDB and PostgreSQL: for tests that age rows or leases."""
+    return db_now_plus(sa.literal(round(seconds * 1_000_000), sa.BigInteger()))
 
 
 def rows(engine: sa.Engine, table: str) -> list[sa.Row[Any]]:

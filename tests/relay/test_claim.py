@@ -1,4 +1,8 @@
-"""The claim: cost, per-key hold-back, reclaims, and the shard-ownership contract."""
+"""The claim: cost, per-key hold-back, reclaims, and the shard-ownership contract.
+
+Tests marked ``on_both_databases`` run on MariaDB and on PostgreSQL; the cost
+checks read each database's own plan.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,26 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from foreign import insert_foreign
-from relay_support import EmbeddedRelay, add_events, fast_settings, rows, wait_for
+from relay_support import EmbeddedRelay, add_events, db_time, fast_settings, rows, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
-from outboxkit.relay.claim import Batch, candidates_query, claim_batch
-from outboxkit.relay.metrics import sample_ordering_blocked
-from outboxkit.schema import outbox_table, recovery_table, shard_for
+from outboxkit.relay.claim import (
+    Batch,
+    _claim_statements,
+    candidates,
+    candidates_query,
+    claim_batch,
+    create_engine,
+)
+from outboxkit.relay.metrics import sample_backlog, sample_ordering_blocked
+from outboxkit.schema import Status, apply_schema, outbox_table, recovery_table, shard_for
 
 pytestmark = pytest.mark.integration
 
@@ -63,6 +77,131 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
         assert reads < 1_000, reads
 
 
+def _pg_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of a PostgreSQL JSON plan that reads a relation or an index."""
+    found = [plan] if "Relation Name" in plan or "Index Name" in plan else []
+    for child in plan.get("Plans", []):
+        found += _pg_scans(child)
+    return found
+
+
+def test_claim_cost_does_not_grow_with_delivered_history_on_postgresql(pg_url: str) -> None:
+    """PostgreSQL's plan of the same claims: each status is an index scan of
+    ``(status, id)`` that reads the due rows and stops, never a scan of the table
+    (delivered rows, also of the same keys, are not read)."""
+    engine = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, shards=8)
+        outbox = "outbox_events"
+        # Delivered history on the same keys as the backlog, and on others.
+        add_events(
+            engine,
+            outbox,
+            [Event(topic="t", key=f"k{i % 500}", payload=b"x") for i in range(20_000)],
+        )
+        t = outbox_table(outbox)
+        with engine.begin() as conn:
+            conn.execute(t.update().values(status="delivered"))
+        add_events(
+            engine, outbox, [Event(topic="t", key=f"k{i % 50}", payload=b"x") for i in range(100)]
+        )
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text(f"VACUUM ANALYZE {outbox}"))
+        for query in (
+            candidates_query(outbox, ALL, 50),
+            candidates_query(outbox, ALL, 50, shard_count=8),
+            candidates_query(outbox, range(4), 50, ("p",), shard_count=8),
+        ):
+            sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+            with engine.connect() as conn:
+                (plan,) = conn.execute(
+                    sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)
+                ).scalar_one()
+            scans = _pg_scans(plan["Plan"])
+            assert not [s for s in scans if s["Node Type"] == "Seq Scan"], plan
+            # The three per-status scans (aliases outbox_events, outbox_events_1, ...);
+            # the per-key checks read the table as "earlier".
+            per_status = [s for s in scans if s.get("Alias", "").startswith(outbox)]
+            assert len(per_status) == 3, plan
+            assert all(s["Node Type"] in ("Index Scan", "Index Only Scan") for s in per_status)
+            assert all(s["Index Name"] == f"ix_{outbox}_status_id" for s in per_status), plan
+            # 20,000 delivered rows, 50 claimed: rows read (returned or filtered
+            # out) stay in the hundreds, by status scans and per-key checks alike.
+            read = sum(
+                (s.get("Actual Rows", 0) + s.get("Rows Removed by Filter", 0))
+                * s.get("Actual Loops", 1)
+                for s in scans
+            )
+            assert read < 1_000, (read, plan)
+    finally:
+        engine.dispose()
+
+
+@on_both_databases
+def test_a_claim_in_progress_does_not_hold_up_the_writers(
+    engine: sa.Engine, db_url: str, outbox: str
+) -> None:
+    """While a relay's claim transaction holds its rows (READ COMMITTED, ``SKIP
+    LOCKED``), a service's enqueue commits at once, and a second claim skips
+    the locked rows instead of waiting for them."""
+    add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"x") for i in range(10)])
+    relay_engine = create_engine(fast_settings(db_url, "127.0.0.1:1"))
+    committed = threading.Event()
+
+    def write() -> None:
+        add_events(engine, outbox, [Event(topic="t", key="new", payload=b"n")])
+        committed.set()
+
+    try:
+        with relay_engine.begin() as conn:
+            found = candidates(conn, outbox, shards=ALL, limit=5)
+            lock, _ = _claim_statements(outbox)
+            assert len(conn.execute(lock, {"ids": [i for i, _ in found]}).all()) == 5
+            writer = threading.Thread(target=write, daemon=True)
+            writer.start()
+            assert committed.wait(10), "the enqueue waited for the claim's transaction"
+            other = claim_batch(
+                relay_engine, outbox, owner="b", shards=ALL, limit=100, lease_ttl=30
+            )
+            assert other is not None
+            assert {r.id for r in other.rows}.isdisjoint(i for i, _ in found)
+            assert len(other) == 6, "the other five, and the row written meanwhile"
+    finally:
+        relay_engine.dispose()
+
+
+def test_the_relay_engine_bounds_statements_by_the_lease_on_postgresql(pg_url: str) -> None:
+    """PostgreSQL: READ COMMITTED, and the server cancels a statement that outlives
+    a lease (``statement_timeout``), added to the options the URL already gives."""
+    url = sa.make_url(pg_url).update_query_dict({"options": "-c application_name=mine"})
+    settings = fast_settings(url.render_as_string(hide_password=False), "127.0.0.1:1")
+    relay_engine = create_engine(replace(settings, lease_ttl=1.2))
+    try:
+        with relay_engine.connect() as conn:
+            assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "2s"
+            assert conn.execute(sa.text("SHOW application_name")).scalar_one() == "mine"
+            level = conn.execute(sa.text("SHOW transaction_isolation")).scalar_one()
+            assert level == "read committed"
+            with pytest.raises(sa.exc.OperationalError, match="statement timeout"):
+                conn.execute(sa.text("SELECT pg_sleep(5)"))
+    finally:
+        relay_engine.dispose()
+
+
+@on_both_databases
+def test_backlog_age_is_measured_on_the_database_clock(engine: sa.Engine, outbox: str) -> None:
+    add_events(engine, outbox, [Event(topic="t", key="k", payload=b"x") for _ in range(3)])
+    t = outbox_table(outbox)
+    with engine.begin() as conn:  # the oldest waiting row was written 30 s ago
+        first = conn.execute(sa.select(sa.func.min(t.c.id))).scalar_one()
+        conn.execute(t.update().where(t.c.id == first).values(created_at=db_time(-30)))
+    with engine.connect() as conn:
+        counts, age = sample_backlog(conn, outbox)
+    assert counts[Status.PENDING] == 3
+    assert 29 < age < 90, age
+
+
+@on_both_databases
 def test_later_rows_of_a_key_wait_for_a_retryable_row_until_it_is_due(
     engine: sa.Engine, outbox: str
 ) -> None:
@@ -72,11 +211,9 @@ def test_later_rows_of_a_key_wait_for_a_retryable_row_until_it_is_due(
     ids = [r.id for r in rows(engine, outbox)]
     with engine.begin() as conn:  # row 2 of key k failed retriably, due in 2 s
         conn.execute(
-            sa.text(
-                f"UPDATE {outbox} SET status='retryable', attempts=1, "
-                "next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL 2 SECOND WHERE id = :id"
-            ),
-            {"id": ids[1]},
+            t.update()
+            .where(t.c.id == ids[1])
+            .values(status="retryable", attempts=1, next_attempt_at=db_time(2))
         )
     first = claim_batch(engine, outbox, owner="r", shards=ALL, limit=100, lease_ttl=60)
     assert first is not None
@@ -91,6 +228,7 @@ def test_later_rows_of_a_key_wait_for_a_retryable_row_until_it_is_due(
     assert [r.attempts for r in second.rows] == [2, 1, 1]
 
 
+@on_both_databases
 def test_expired_lease_is_reclaimed_whole_and_recorded(engine: sa.Engine, outbox: str) -> None:
     add_events(engine, outbox, [Event(topic="t", key="k", payload=f"{i}") for i in range(20)])
     dead = claim_batch(engine, outbox, owner="dead", shards=ALL, limit=100, lease_ttl=0.3)
@@ -136,6 +274,7 @@ class RecordingOwnership:
         self.calls.append("close")
 
 
+@on_both_databases
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "no-pipeline"])
 def test_relay_claims_only_from_shards_its_ownership_allows(
     engine: sa.Engine,
@@ -186,6 +325,7 @@ def test_relay_claims_only_from_shards_its_ownership_allows(
     assert ownership.calls == ["start", "release_all", "close"]
 
 
+@on_both_databases
 def test_a_key_switching_topics_is_cut_at_the_switch(engine: sa.Engine, outbox: str) -> None:
     """Kafka orders nothing across topics: the row to the second topic waits until
     the rows before it are settled, while other keys still fill the batch."""
@@ -215,6 +355,7 @@ def test_a_key_switching_topics_is_cut_at_the_switch(engine: sa.Engine, outbox: 
     assert second is not None and [r.payload for r in second.rows] == [b"3"]
 
 
+@on_both_databases
 def test_a_paused_topics_row_left_delivering_holds_its_key_after_its_lease_expired(
     engine: sa.Engine, outbox: str
 ) -> None:
@@ -246,6 +387,7 @@ def test_a_paused_topics_row_left_delivering_holds_its_key_after_its_lease_expir
     assert probe.rows[0].reclaimed_from == "dead"
 
 
+@on_both_databases
 def test_a_row_with_a_shard_out_of_range_is_claimed_by_its_keys_shard_owner(
     engine: sa.Engine, outbox: str
 ) -> None:
@@ -271,6 +413,7 @@ def test_a_row_with_a_shard_out_of_range_is_claimed_by_its_keys_shard_owner(
     assert batch.shards == {home, keyless_home}
 
 
+@on_both_databases
 def test_a_delivering_row_without_a_lease_expiry_is_reclaimed_in_key_order(
     engine: sa.Engine, outbox: str
 ) -> None:
@@ -296,6 +439,7 @@ _STATES = [
 ]
 
 
+@on_both_databases
 def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
     engine: sa.Engine, outbox: str
 ) -> None:
@@ -328,12 +472,15 @@ def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
             for row_id, (_, state) in zip(ids, table, strict=True):
                 status, seconds = _STATES[state]
                 conn.execute(
-                    sa.text(
-                        f"UPDATE {outbox} SET status=:s, lease_token='x', lease_owner='o', "
-                        "next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL :n SECOND, "
-                        "lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL :n SECOND WHERE id=:id"
-                    ),
-                    {"s": status, "n": seconds, "id": row_id},
+                    t.update()
+                    .where(t.c.id == row_id)
+                    .values(
+                        status=status,
+                        lease_token="x",
+                        lease_owner="o",
+                        next_attempt_at=db_time(seconds),
+                        lease_expires_at=db_time(seconds),
+                    )
                 )
         id_upper = ids[0] - 1 + bound
         batch = claim_batch(

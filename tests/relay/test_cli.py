@@ -25,12 +25,14 @@ from relay_support import (
     status_counts,
     wait_for,
 )
+from support.databases import on_both_databases
 from support.services import free_port
 
 from outboxkit import Event
 from outboxkit.relay import RelaySettings
 from outboxkit.runtime import EXIT_CONFIG, EXIT_DEPENDENCY
 from outboxkit.runtime.settings import env_name, flag_name
+from outboxkit.schema import apply_schema
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -104,6 +106,44 @@ def test_missing_database_url_exits_2() -> None:
     assert "--db-url / OUTBOXKIT_DB_URL" in result.stderr
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("url", "backend"),
+    [("sqlite:///relay.db", "sqlite"), ("oracle://u:pw-never-shown@h/db", "oracle")],
+)
+def test_a_database_the_relay_cannot_run_on_exits_2_naming_it(url: str, backend: str) -> None:
+    result = _cli(
+        "--health-port", "0", env={"OUTBOXKIT_DB_URL": url, "OUTBOXKIT_KAFKA_BOOTSTRAP": "x:1"}
+    )
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    assert (
+        f"--db-url / OUTBOXKIT_DB_URL: the relay runs on MySQL/MariaDB or PostgreSQL, not {backend}"
+    ) in result.stderr
+    assert "health-server-started" not in result.stderr, "refused before starting anything"
+    assert "pw-never-shown" not in result.stderr
+
+
+@pytest.mark.integration
+def test_a_postgresql_schema_without_the_crc32_function_exits_3_saying_apply(
+    pg_url: str, kafka_bootstrap: str
+) -> None:
+    """A schema applied by a release before the PostgreSQL relay lacks the claim's
+    CRC-32 function: the relay says to run ``schema apply`` instead of failing claims."""
+    engine = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, shards=8)
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP FUNCTION outboxkit_crc32(bytea)"))
+    finally:
+        engine.dispose()
+    result = _cli(
+        "--health-port", "0", "--connect-timeout", "2",
+        env={"OUTBOXKIT_DB_URL": pg_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
+    )  # fmt: skip
+    assert result.returncode == EXIT_DEPENDENCY, result.stderr
+    assert "outboxkit_crc32(bytea) is missing: run `outboxkit schema apply`" in result.stderr
+
+
 @pytest.mark.integration
 def test_non_idempotent_producer_config_is_refused_with_exit_2(
     db_url: str, outbox: str, kafka_bootstrap: str
@@ -121,14 +161,16 @@ def test_non_idempotent_producer_config_is_refused_with_exit_2(
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_unreachable_database_or_kafka_at_start_exits_3(
     db_url: str, outbox: str, kafka_bootstrap: str
 ) -> None:
     closed = f"127.0.0.1:{free_port()}"
+    scheme = sa.make_url(db_url).drivername
     no_db = _cli(
         "--connect-timeout", "2", "--health-port", "0",
         env={
-            "OUTBOXKIT_DB_URL": f"mysql+pymysql://user:unused-pw@{closed}/db",
+            "OUTBOXKIT_DB_URL": f"{scheme}://user:unused-pw@{closed}/db",
             "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
         },
     )  # fmt: skip

@@ -1,4 +1,7 @@
-"""Drain of a relay process: SIGTERM, a second SIGTERM, and a crash (SIGKILL)."""
+"""Drain of a relay process: SIGTERM, a second SIGTERM, and a crash (SIGKILL).
+
+Every test runs on MariaDB and on PostgreSQL (``on_both_databases``).
+"""
 
 from __future__ import annotations
 
@@ -27,11 +30,12 @@ from relay_support import (
     status_counts,
     wait_for,
 )
+from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.schema import recovery_table
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 #: Rows sit in the producer for 8 s unless 10 of them fill a partition's
 #: batch: a claimed batch is then partly acknowledged at once, partly unknown

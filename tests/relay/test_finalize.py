@@ -1,4 +1,7 @@
-"""Outcomes of a batch: decisions (unit), row faults, paused topics, lease tokens."""
+"""Outcomes of a batch: decisions (unit), row faults, paused topics, lease tokens.
+
+The database-touching tests run on MariaDB and on PostgreSQL (``on_both_databases``).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ from relay_support import (
     EmbeddedRelay,
     add_events,
     consume,
+    db_time,
     fast_settings,
     http_get,
     rows,
     status_counts,
     wait_for,
 )
+from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay import Relay
@@ -85,6 +90,7 @@ def test_an_ack_after_a_failed_send_of_the_same_key_is_flagged() -> None:
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_an_ack_ahead_of_a_timed_out_row_is_reported_and_sent_again_after_it(
     engine: sa.Engine,
     db_url: str,
@@ -166,6 +172,7 @@ def test_failed_row_does_not_hold_its_key_and_attempts_bound_retries() -> None:
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_oversized_row_fails_with_reason_and_the_rest_is_delivered(
     engine: sa.Engine,
     db_url: str,
@@ -198,6 +205,7 @@ def test_oversized_row_fails_with_reason_and_the_rest_is_delivered(
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_unknown_topic_is_paused_without_burning_attempts_and_resumes_once_created(
     engine: sa.Engine,
     db_url: str,
@@ -247,6 +255,7 @@ def test_unknown_topic_is_paused_without_burning_attempts_and_resumes_once_creat
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_stale_relay_cannot_finalize_or_release_reclaimed_rows(
     engine: sa.Engine,
     db_url: str,
@@ -290,6 +299,7 @@ def test_stale_relay_cannot_finalize_or_release_reclaimed_rows(
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_concurrent_claimers_never_hold_the_same_row(engine: sa.Engine, outbox: str) -> None:
     import threading
 
@@ -330,6 +340,7 @@ def test_concurrent_claimers_never_hold_the_same_row(engine: sa.Engine, outbox: 
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_finalize_writes_one_statement_per_outcome_group(engine: sa.Engine, outbox: str) -> None:
     add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(300)])
     batch = claim_batch(engine, outbox, owner="o", shards=range(8), limit=300, lease_ttl=60)
@@ -359,6 +370,7 @@ def test_finalize_writes_one_statement_per_outcome_group(engine: sa.Engine, outb
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_delete_on_deliver_removes_acknowledged_rows_only(
     engine: sa.Engine,
     db_url: str,
@@ -409,6 +421,7 @@ def test_timeouts_after_an_authentication_failure_pause_instead_of_burning() -> 
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_a_paused_first_row_holds_its_key_back_in_other_topics_while_others_flow(
     engine: sa.Engine,
     db_url: str,
@@ -464,6 +477,7 @@ def _statements(engine: sa.Engine) -> tuple[list[str], Callable[[], None]]:
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_finalize_statements_are_the_same_text_every_batch(engine: sa.Engine, outbox: str) -> None:
     """No per-batch SQL (per-row values are parameters): SQLAlchemy compiles it once."""
     add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"p") for i in range(60)])
@@ -507,6 +521,7 @@ def test_finalize_statements_are_the_same_text_every_batch(engine: sa.Engine, ou
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_finalize_writes_the_rows_still_held_and_leaves_reclaimed_ones(
     engine: sa.Engine, outbox: str
 ) -> None:
@@ -531,6 +546,7 @@ def test_finalize_writes_the_rows_still_held_and_leaves_reclaimed_ones(
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_a_paused_topics_row_left_by_a_killed_relay_keeps_its_key_in_order(
     engine: sa.Engine,
     db_url: str,
@@ -566,7 +582,7 @@ def test_a_paused_topics_row_left_by_a_killed_relay_keeps_its_key_in_order(
                     attempts=1,
                     lease_owner="killed",
                     lease_token="0" * 32,
-                    lease_expires_at=sa.text("UTC_TIMESTAMP(6) - INTERVAL 1 SECOND"),
+                    lease_expires_at=db_time(-1),
                 )
             )
         time.sleep(1.5)  # many claims, all before the paused topic's next probe

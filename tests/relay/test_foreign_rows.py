@@ -27,6 +27,7 @@ from relay_support import (
     status_counts,
     wait_for,
 )
+from support.databases import on_both_databases
 
 from outboxkit.cli import main
 from outboxkit.relay import publish
@@ -287,6 +288,7 @@ def test_rows_with_a_shard_out_of_range_are_reported_and_delivered_in_key_order(
     )
 
 
+@on_both_databases
 def test_a_row_with_extreme_attempts_does_not_stop_the_claim(
     engine: sa.Engine,
     db_url: str,

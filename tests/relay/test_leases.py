@@ -18,6 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
+from support.databases import on_both_databases
 from support.services import RedisInstance, free_port
 from support.waiting import bound
 
@@ -378,6 +379,7 @@ def _delivering(engine: sa.Engine, owner: str, expires_in_s: float, count: int =
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_a_second_relay_without_redis_is_reported_once(
     engine: sa.Engine, outbox: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,7 +1,8 @@
 """Several relays on one table with Redis shard leases: order, fairness, failures.
 
-Real MariaDB, Kafka and Redis; relays run as ``outboxkit relay`` subprocesses
-(signals and kills are real) except where a test needs to look inside one.
+Real MariaDB (and PostgreSQL: ``on_both_databases``), Kafka and Redis; relays
+run as ``outboxkit relay`` subprocesses (signals and kills are real) except
+where a test needs to look inside one.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from relay_support import (
     add_events,
     cli_args,
     consume,
+    db_time,
     fast_settings,
     rows,
     status_counts,
     wait_for,
 )
+from support.databases import on_both_databases
 from support.ownership import assert_never_owned_twice as never_owned_twice
 
 from outboxkit import Event, enable_wakeups, enqueue
@@ -161,6 +164,7 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis[bytes]]:
     client.close()
 
 
+@on_both_databases
 def test_three_relays_deliver_every_row_in_key_order_with_a_fair_split(
     engine: sa.Engine,
     db_url: str,
@@ -207,6 +211,7 @@ def test_three_relays_deliver_every_row_in_key_order_with_a_fair_split(
     print(f"\n60,000 rows, 3 relays: {took:.1f} s; rows per relay {dict(delivered_by)}")
 
 
+@on_both_databases
 def test_rolling_restart_keeps_order_loses_nothing_and_burns_no_attempt(
     engine: sa.Engine,
     db_url: str,
@@ -264,6 +269,7 @@ def test_rolling_restart_keeps_order_loses_nothing_and_burns_no_attempt(
     print(f"\nrolling restart: shards handed over {[round(h, 2) for h in handovers]} s after exit")
 
 
+@on_both_databases
 def test_sigkill_shards_taken_over_within_ttl_plus_renew_period(
     engine: sa.Engine,
     db_url: str,
@@ -374,6 +380,7 @@ def test_redis_stopped_for_10_s_stops_claiming_then_resumes(
     assert {e["reason"] for e in lost} >= {"lease-unproven"}
 
 
+@on_both_databases
 def test_a_failing_first_row_holds_its_key_back_while_the_shard_flows(
     engine: sa.Engine,
     db_url: str,
@@ -460,7 +467,7 @@ def fail_again(conn: sa.Connection, t: sa.Table, row_id: int) -> None:
             status="retryable",
             attempts=1,
             last_error="injected: retriable broker error",
-            next_attempt_at=sa.text("UTC_TIMESTAMP(6) + INTERVAL 2 SECOND"),
+            next_attempt_at=db_time(2),
         )
     )
 

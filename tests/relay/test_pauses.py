@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from relay_support import EmbeddedRelay, add_events, fast_settings, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay.metrics import RelayMetrics
@@ -71,6 +72,7 @@ def test_gauge_matches_the_pause_state_after_every_step(
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_a_paused_topic_whose_rows_are_gone_is_resumed(
     engine: sa.Engine,
     db_url: str,

@@ -54,6 +54,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from relay_support import db_time
+from support.databases import on_both_databases
 
 import outboxkit
 from outboxkit.admin.requeue import Selection, requeue
@@ -363,7 +365,7 @@ class ProtocolModel(RuleBasedStateMachine):
             conn.execute(
                 self.t.update()
                 .where(self.t.c.lease_token == sim.batch.token)
-                .values(lease_expires_at=sa.func.utc_timestamp(6) - sa.text("INTERVAL 1 SECOND"))
+                .values(lease_expires_at=db_time(-1))
             )
         sim.expired = True
 
@@ -373,7 +375,7 @@ class ProtocolModel(RuleBasedStateMachine):
             conn.execute(
                 self.t.update()
                 .where(self.t.c.status == "retryable")
-                .values(next_attempt_at=sa.func.utc_timestamp(6) - sa.text("INTERVAL 1 SECOND"))
+                .values(next_attempt_at=db_time(-1))
             )
 
     @precondition(lambda self: bool(self.paused))
@@ -456,7 +458,7 @@ class ProtocolModel(RuleBasedStateMachine):
             conn.execute(
                 self.t.update()
                 .where(self.t.c.status == "delivering")
-                .values(lease_expires_at=sa.func.utc_timestamp(6) - sa.text("INTERVAL 1 SECOND"))
+                .values(lease_expires_at=db_time(-1))
             )
         for _ in range(4 * len(self.rows) + 10):
             self.time_passes()
@@ -486,6 +488,7 @@ def model_engine(engine: sa.Engine) -> Iterator[sa.Engine]:
     yield engine
 
 
+@on_both_databases
 def test_row_protocol_model(model_engine: sa.Engine) -> None:
     ProtocolModel.engine = model_engine
     budget = float(os.environ.get("OUTBOXKIT_MODEL_SECONDS", "0"))

@@ -1,4 +1,4 @@
-"""The relay loop end to end on real MariaDB and Kafka: happy path, ordering, outcomes."""
+"""The relay loop end to end on real MariaDB and PostgreSQL and Kafka: happy path, ordering."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from collections.abc import Callable
 import pytest
 import sqlalchemy as sa
 from relay_support import EmbeddedRelay, add_events, consume, fast_settings, rows, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["no-pipeline", "pipeline"])

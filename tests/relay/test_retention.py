@@ -6,12 +6,14 @@ from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
-from relay_support import EmbeddedRelay, add_events, fast_settings, rows, wait_for
+from relay_support import EmbeddedRelay, add_events, db_time, fast_settings, rows, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
+from outboxkit.relay.retention import _retention_lock
 from outboxkit.schema import outbox_table, recovery_table
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 def test_relay_retention_purges_only_old_delivered_rows_and_stops_on_drain(
@@ -39,10 +41,8 @@ def test_relay_retention_purges_only_old_delivered_rows_and_stops_on_drain(
                 .where(t.c.event_id.in_(event_ids))
                 .values(
                     status=status,
-                    delivered_at=sa.text(f"UTC_TIMESTAMP(6) - INTERVAL {age} DAY")
-                    if status == "delivered"
-                    else None,
-                    updated_at=sa.text(f"UTC_TIMESTAMP(6) - INTERVAL {age} DAY"),
+                    delivered_at=db_time(-age * 86400) if status == "delivered" else None,
+                    updated_at=db_time(-age * 86400),
                 )
             )
     relay = embedded(
@@ -56,3 +56,17 @@ def test_relay_retention_purges_only_old_delivered_rows_and_stops_on_drain(
         kinds = conn.execute(sa.select(recovery_table().c.kind)).scalars().all()
     assert "purge" in kinds
     assert not relay.relay._retention or not relay.relay._retention.is_alive()
+
+
+def test_one_relay_per_table_purges_at_a_time(engine: sa.Engine, outbox: str) -> None:
+    """The retention lock is the database's (a named lock, an advisory lock on
+    PostgreSQL): a second relay skips the round while the first holds it, and
+    gets it once it is given back."""
+    with _retention_lock(engine, outbox) as first:
+        assert first
+        with _retention_lock(engine, outbox) as second:
+            assert not second
+        with _retention_lock(engine, "other_table") as other:
+            assert other, "one lock per table"
+    with _retention_lock(engine, outbox) as again:
+        assert again

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import sqlalchemy as sa
 from relay_support import EmbeddedRelay, add_events, consume, fast_settings, rows, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay import Relay
@@ -16,7 +17,7 @@ from outboxkit.relay import relay as relay_module
 from outboxkit.relay.claim import Batch
 from outboxkit.runtime.testing import capture_json_logs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 def test_a_relay_that_wakes_after_its_batch_expired_sends_nothing(

@@ -8,13 +8,14 @@ from collections.abc import Callable
 import pytest
 import sqlalchemy as sa
 from relay_support import EmbeddedRelay, add_events, fast_settings, rows, status_counts, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay import Batch, Relay
 from outboxkit.runtime import EXIT_FAILURE
 from outboxkit.runtime.testing import capture_json_logs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 class Boom(RuntimeError):

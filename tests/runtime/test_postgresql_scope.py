@@ -1,6 +1,6 @@
 """What does not run on PostgreSQL yet says so at start: exit 2, naming the setting.
 
-Schema apply and the writer support PostgreSQL (docs/postgresql.md); the relay,
+Schema apply, the writer and the relay support PostgreSQL (docs/postgresql.md);
 the consumer inbox and ``outboxkit admin`` are MySQL/MariaDB-only for now. Given
 a ``postgresql`` URL they must refuse before doing anything (no health server,
 no connection), with a message that names ``--db-url / OUTBOXKIT_DB_URL``, points
@@ -52,12 +52,11 @@ def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     "args",
     [
-        ["relay", "--kafka-bootstrap", "127.0.0.1:1", "--health-port", "0"],
         ["consume", "pgscope_consumer:Noop", "--kafka-bootstrap", "127.0.0.1:1", "--inbox"],
         ["admin", "status"],
         ["admin", "purge", "--older-than", "7d"],
     ],
-    ids=["relay", "consume", "admin-status", "admin-purge"],
+    ids=["consume", "admin-status", "admin-purge"],
 )
 def test_a_postgresql_url_is_refused_at_start_with_exit_2(args: list[str], tmp_path: Path) -> None:
     out = _cli([*args, "--db-url", PG_URL], tmp_path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -364,6 +365,9 @@ def test_printed_postgresql_ddl_runs_twice(pg_url: str) -> None:
         assert {str(i.name) for i in outbox_table("printed_outbox").indexes} <= {
             i["name"] for i in insp.get_indexes("printed_outbox")
         }
+        with engine.connect() as conn:  # the claim's CRC-32 function, as zlib's
+            crc = conn.execute(sa.text("SELECT outboxkit_crc32(CAST('key-1' AS bytea))"))
+            assert crc.scalar_one() == zlib.crc32(b"key-1")
     finally:
         engine.dispose()
 
