@@ -32,6 +32,7 @@ from sqlalchemy.engine import Engine
 
 from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, finalize
+from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
@@ -231,13 +232,15 @@ def close_resources(relay: Relay) -> None:
         publisher = relay._publisher
         budget = min(_CLOSE_BUDGET, max(0.0, relay.lifecycle.remaining() - 1.0))
         _step("kafka-producer", lambda: _log_unsent(publisher.close(budget)))
-    # Then Redis: the shard leases (the rows are settled, our copies are
-    # flushed or purged), then the wake-up subscription.
+    # Then the shard ownership (Redis leases or the advisory-lock session: the
+    # rows are settled, our copies are flushed or purged), then the wake-ups.
     if "shard-ownership" in relay._open and relay._ownership is not None:
         _step("shard-ownership", relay._ownership.release_all)
         _step("shard-ownership", relay._ownership.close)
     if "redis-wakeups" in relay._open and isinstance(relay._waker, RedisWaker):
         _step("redis-wakeups", relay._waker.close)
+    if "pg-wakeups" in relay._open and isinstance(relay._waker, PgNotifyWaker):
+        _step("pg-wakeups", relay._waker.close)
     # Retention needs only the database: it stops within one batch once
     # draining; wait for it (within the budget) before the pool goes away.
     join_retention(relay)

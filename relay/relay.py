@@ -49,7 +49,7 @@ from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Rep
 from outboxkit.relay.retention import start_retention
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import ShardOwnership, claiming, default_ownership
-from outboxkit.relay.wakeup import PollWaker, RedisWaker, Waker
+from outboxkit.relay.wakeup import PollWaker, Waker, default_waker
 from outboxkit.runtime import (
     EXIT_CONFIG,
     EXIT_DEPENDENCY,
@@ -64,7 +64,6 @@ from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.settings import RELAY_DATABASES, invalid, warn_renamed
 from outboxkit.schema.apply import read_shard_count, require_functions
-from outboxkit.wakeup import wakeup_channel
 
 __all__ = ["PUSH_JOB", "Relay"]
 
@@ -644,10 +643,9 @@ class Relay:
                 )
             self._ownership.start(self._inflight_shards)
             self._open.append("shard-ownership")
-            if self._own_waker and s.redis_url and s.wakeups:
-                channel = wakeup_channel(s.table, s.redis_prefix)
-                self._waker = RedisWaker(s.redis_url, channel, self.lifecycle, logger=log)
-                self._open.append("redis-wakeups")
+            if self._own_waker:  # NOTIFY on PostgreSQL, Redis hints on MySQL, or polling
+                self._waker, opened = default_waker(s, self.lifecycle, logger=log)
+                self._open.extend([opened] if opened else [])
         except ConfigError as exc:
             return drain.failed_start(self, "config", EXIT_CONFIG, exc)
         except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:

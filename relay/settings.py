@@ -19,6 +19,7 @@ from outboxkit.runtime.settings import (
     at_least_one,
     at_most,
     invalid,
+    is_postgresql_url,
     missing,
     non_negative,
     positive,
@@ -28,9 +29,11 @@ from outboxkit.runtime.settings import (
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
-__all__ = ["COMPRESSION_CODECS", "MAX_PAUSE_S", "RelaySettings"]
+__all__ = ["COMPRESSION_CODECS", "MAX_PAUSE_S", "SHARD_OWNERSHIPS", "RelaySettings"]
 
 COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+#: How shards are shared between relays (docs/scaling.md, docs/postgresql.md).
+SHARD_OWNERSHIPS = ("auto", "redis", "advisory", "all")
 
 #: Longest pause between purge batches: a longer one holds a purge for hours.
 MAX_PAUSE_S = 60.0
@@ -208,8 +211,15 @@ class RelaySettings(RuntimeSettings):
     )
     wakeups: bool = setting(
         True,
-        help="with --redis-url: claim as soon as a writer's wake-up hint arrives instead of "
-        "waiting for --poll-interval",
+        help="claim as soon as a writer's wake-up arrives instead of waiting for "
+        "--poll-interval: NOTIFY on PostgreSQL, Redis hints with --redis-url on MySQL/MariaDB",
+    )
+    shard_ownership: str = setting(
+        "auto",
+        help="how relays share the shards: redis (leases, needs --redis-url), advisory "
+        "(PostgreSQL session advisory locks), all (this relay claims every shard); auto = "
+        "redis with --redis-url, else advisory on PostgreSQL, else all",
+        choices=SHARD_OWNERSHIPS,
     )
     #: Former keyword names of ``retry_backoff_base``/``retry_backoff_cap``, still
     #: taken by the constructor (not readable as attributes: read the new names).
@@ -223,6 +233,23 @@ class RelaySettings(RuntimeSettings):
         ):
             if value is not None:
                 object.__setattr__(self, new, value)
+
+    def effective_shard_ownership(self) -> str:
+        """``redis``, ``advisory`` or ``all``: what ``--shard-ownership`` means here."""
+        if self.shard_ownership != "auto":
+            return self.shard_ownership
+        if self.redis_url:
+            return "redis"
+        return "advisory" if self.db_url and is_postgresql_url(self.db_url) else "all"
+
+    def wakeup_source(self) -> str:
+        """``notify`` (PostgreSQL, even with --redis-url: sent at commit, never for a
+        rollback), ``redis`` (hints, MySQL/MariaDB with --redis-url) or ``poll``."""
+        if not self.wakeups:
+            return "poll"
+        if self.db_url and is_postgresql_url(self.db_url):
+            return "notify"
+        return "redis" if self.redis_url else "poll"
 
     def message_timeout_ms(self) -> int:
         """The producer's message timeout (``message.timeout.ms`` or its alias
@@ -244,6 +271,7 @@ class RelaySettings(RuntimeSettings):
             problems.append(missing("db_url", ": required by the relay"))
         if not self.kafka_bootstrap and "bootstrap.servers" not in self.kafka_config:
             problems.append(missing("kafka_bootstrap", ": required by the relay"))
+        problems.extend(self._ownership_problems())
         problems.extend(guarded_problems(self.kafka_config, RELAY_GUARDED))
         rejected = librdkafka_problem(self.kafka_config, "producer")
         if rejected:
@@ -297,3 +325,22 @@ class RelaySettings(RuntimeSettings):
                 )
             )
         return problems
+
+    def _ownership_problems(self) -> list[str]:
+        if self.shard_ownership == "redis" and not self.redis_url:
+            return [
+                invalid("shard_ownership", "redis leases need --redis-url / OUTBOXKIT_REDIS_URL")
+            ]
+        if (
+            self.shard_ownership == "advisory"
+            and self.db_url
+            and not is_postgresql_url(self.db_url)
+        ):
+            return [
+                invalid(
+                    "shard_ownership",
+                    "advisory locks need PostgreSQL (the database is not); use redis "
+                    "(with --redis-url) or all",
+                )
+            ]
+        return []

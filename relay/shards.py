@@ -3,9 +3,11 @@
 Per-key order needs one claimer per shard at a time: every row of a key lands
 in the same shard (``schema.codec.shard_for``), so a relay that owns a shard is
 the only one that can deliver that key. :class:`ShardOwnership` is the seam:
-without Redis, :class:`AllShards` owns every shard (one relay per table; two
-such relays never double-claim a row, but give up per-key order). A Redis-lease
-implementation plugs in through the same protocol.
+:class:`AllShards` owns every shard (one relay per table; two such relays never
+double-claim a row, but give up per-key order). Redis leases
+(:mod:`outboxkit.relay.leases`) and, on PostgreSQL, session advisory locks
+(:mod:`outboxkit.relay.pg_shards`) plug in through the same protocol;
+``--shard-ownership`` picks one (:func:`default_ownership`).
 
 The wakers (:class:`Waker`, :class:`PollWaker`) live in
 :mod:`outboxkit.relay.wakeup`; they are re-exported here for older imports.
@@ -114,10 +116,26 @@ def default_ownership(
     registry: CollectorRegistry,
     logger: logging.Logger,
 ) -> tuple[ShardOwnership, ForeignRelayMonitor | None]:
-    """Redis shard leases when ``redis_url`` is set; else every shard, and a watch
-    for a second relay on the table (which would give up per-key order): the
+    """What ``--shard-ownership`` asks for (:meth:`RelaySettings.effective_shard_ownership`):
+    Redis shard leases, PostgreSQL advisory locks, or every shard and a watch for
+    a second relay on the table (which would give up per-key order). Returns the
     ownership, and the monitor to check with each backlog sample."""
-    if not s.redis_url:
+    kind = s.effective_shard_ownership()
+    if kind == "advisory" and s.db_url:
+        from outboxkit.relay.pg_shards import PgAdvisoryShards  # psycopg only on PostgreSQL
+
+        ownership = PgAdvisoryShards(
+            s.db_url,
+            table=s.table,
+            node_id=s.node_id,
+            shard_count=shard_count,
+            connect_timeout=s.connect_timeout,
+            registry=registry,
+            owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
+            logger=logger,
+        )
+        return ownership, None
+    if kind != "redis" or not s.redis_url:
         return AllShards(shard_count), ForeignRelayMonitor(s.table, s.node_id, logger)
     leases = RedisShardLeases(
         s.redis_url,

@@ -9,7 +9,9 @@
 coalesces into one early return. When Redis drops, the thread reconnects on
 its own (with backoff) and wakes the loop once after reconnecting, since hints
 sent meanwhile were lost; until then the relay simply polls. Without Redis the
-relay uses :class:`PollWaker`.
+relay uses :class:`PollWaker`. On PostgreSQL the relay listens for the writer's
+``NOTIFY`` instead (:class:`~outboxkit.relay.pg_wakeup.PgNotifyWaker`, also when
+``--redis-url`` is set); :func:`default_waker` makes the choice.
 
 It returns at once when the process starts draining: the relay calls
 :meth:`RedisWaker.wake` when the drain begins, and a ``Lifecycle`` or
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import redis
 from redis.backoff import NoBackoff
@@ -29,8 +31,12 @@ from redis.retry import Retry
 
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import Episode, redact_url
+from outboxkit.wakeup import wakeup_channel
 
-__all__ = ["PollWaker", "RedisWaker", "Waker"]
+if TYPE_CHECKING:
+    from outboxkit.relay.settings import RelaySettings
+
+__all__ = ["PollWaker", "RedisWaker", "Waker", "default_waker"]
 
 _log = logging.getLogger("outboxkit.relay.wakeup")
 
@@ -201,3 +207,27 @@ class RedisWaker(_DrainAware):
         self._subscribed.set()
         self._backoff = _RECONNECT_MIN_S
         self._down.end(channel=self.channel)
+
+
+def default_waker(
+    s: RelaySettings, lifecycle: Lifecycle, *, logger: logging.Logger
+) -> tuple[Waker, str | None]:
+    """The waker ``s`` asks for (:meth:`RelaySettings.wakeup_source`), started, and
+    the name of the resource to close at exit (None for polling)."""
+    source = s.wakeup_source()
+    if source == "notify" and s.db_url:
+        from outboxkit.relay.pg_wakeup import PgNotifyWaker
+
+        waker = PgNotifyWaker(
+            s.db_url,
+            s.table,
+            lifecycle,
+            node_id=s.node_id,
+            connect_timeout=s.connect_timeout,
+            logger=logger,
+        )
+        return waker, "pg-wakeups"
+    if source == "redis" and s.redis_url:
+        channel = wakeup_channel(s.table, s.redis_prefix)
+        return RedisWaker(s.redis_url, channel, lifecycle, logger=logger), "redis-wakeups"
+    return PollWaker(), None

@@ -1,0 +1,443 @@
+"""Shard ownership by PostgreSQL session advisory locks: no Redis needed.
+
+:class:`PgAdvisoryShards` implements :class:`~outboxkit.relay.shards.ShardOwnership`
+with one dedicated database session per relay (autocommit, outside the pool):
+
+* **Lock keys.** Shard ``s`` of table ``T`` is the two-key advisory lock
+  ``(k, s)`` with ``k = crc32("outboxkit-shards:" + T)`` read as a signed 32-bit
+  integer (:func:`lock_keys`). Membership is the *shared* lock ``(k, -1)``.
+  Two-key locks are their own key space in PostgreSQL (``objsubid = 2`` in
+  ``pg_locks``), apart from the one-key (bigint) lock that ``schema apply``
+  takes, and advisory locks are per database. Two tables whose names share a
+  CRC-32 would share shard locks: each shard still has one owner, only the split
+  is uneven; rename one table if that ever shows in the logs.
+* **Live members** are the sessions holding the shared member lock, read from
+  ``pg_locks`` every ``tick_interval``; identified by their server pid. Every
+  relay computes the same split over them (:func:`~outboxkit.relay.assignment.assign_shards`),
+  so nobody coordinates.
+* **Acquire** targets with ``pg_try_advisory_lock``: a shard still locked by its
+  previous owner is tried again at the next (fast) tick.
+* **Hand-over.** A shard no longer targeted stops being given to ``claiming()``
+  blocks at once; it is unlocked only when no open block holds it and it is not
+  in ``inflight_shards()`` (its rows are settled), exactly as with Redis leases.
+* **Death.** The server drops every lock of a session when it ends (crash,
+  ``pg_terminate_backend``, failover), so a dead relay's shards are free at
+  once and the survivors take them at their next tick. The relay notices its
+  own session's death as soon as the server's goodbye reaches the socket (the
+  thread waits on it between ticks) and :meth:`claimable` is empty from then
+  on; it reconnects with backoff, joins again and gets its share back. Rows it
+  had leased stay protected by their lease tokens, and the claim's per-key rule
+  holds back later rows of a key whose earlier row is still leased.
+* **Network partition.** TCP keepalives (about 10 s) end the client side; the
+  server keeps the session, and so the locks, until *its* keepalive settings
+  notice (``tcp_keepalives_idle`` etc.): the shards stall, never double-owned.
+
+Session advisory locks need a real server session: PgBouncer in transaction
+pooling mode breaks them (docs/postgresql.md).
+
+Log events: ``rebalance``, ``shard-acquired``, ``shard-released`` (reason
+``handover`` or ``drain``), ``shard-lost`` (reason ``session-lost``),
+``shard-session-lost`` / ``shard-session-restored``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from outboxkit.relay.assignment import assign_shards
+from outboxkit.relay.pg_session import (
+    ReconnectLoop,
+    connect,
+    describe_error,
+    log_closing_failure,
+    masked_url,
+)
+from outboxkit.runtime.errors import ConfigError
+from outboxkit.runtime.logs import Episode, log_event
+from outboxkit.schema.table import validate_identifier
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["MEMBER_KEY", "AdvisoryShardMetrics", "PgAdvisoryShards", "lock_keys"]
+
+_log = logging.getLogger("outboxkit.relay.leases")
+
+#: Second key of the shared membership lock (shards are >= 0).
+MEMBER_KEY = -1
+#: How often the idle thread looks at its stop flag and its session's socket.
+_IDLE_SLICE_S = 0.05
+
+_MEMBERS_SQL = """
+SELECT pid FROM pg_locks
+WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+  AND classid::bigint = %(classid)s AND objid::bigint = %(objid)s
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
+_TRY_LOCK_SQL = "SELECT s, pg_try_advisory_lock(%(k)s, s) FROM unnest(%(shards)s::int[]) AS s"
+
+
+def lock_keys(table: str, shard: int) -> tuple[int, int]:
+    """The two 32-bit keys of shard ``shard``'s advisory lock for ``table``."""
+    crc = zlib.crc32(f"outboxkit-shards:{validate_identifier(table)}".encode("ascii"))
+    return crc - (1 << 32) if crc >= 1 << 31 else crc, shard
+
+
+class AdvisoryShardMetrics:
+    """The shard-ownership metrics, under the same names as with Redis leases."""
+
+    def __init__(self, registry: CollectorRegistry, *, owned_gauge: bool = True) -> None:
+        self.owned: Gauge | None = None
+        if owned_gauge:
+            self.owned = Gauge(
+                "outbox_shards_owned",
+                "Shards whose advisory lock this relay's session holds",
+                registry=registry,
+            )
+        self.acquired = Counter(
+            "outbox_shard_lease_acquired",
+            "Shards acquired (pg_try_advisory_lock succeeded)",
+            registry=registry,
+        )
+        self.lost = Counter(
+            "outbox_shard_lease_lost",
+            "Shards lost because the relay's database session ended",
+            registry=registry,
+        )
+        self.handovers = Counter(
+            "outbox_shard_handovers",
+            "Shards released to another relay after their in-flight rows were finished",
+            registry=registry,
+        )
+        self.rebalances = Counter(
+            "outbox_rebalances",
+            "Changes of the live relay set that changed this relay's target shards",
+            registry=registry,
+        )
+
+
+class PgAdvisoryShards:
+    """Shard ownership through session advisory locks; see the module docstring.
+
+    The caller claims inside :meth:`claiming` and registers the claimed rows in
+    ``inflight_shards()`` before the block ends.
+    """
+
+    def __init__(
+        self,
+        db_url: str,
+        *,
+        table: str,
+        node_id: str,
+        shard_count: int,
+        tick_interval: float = 1.0,
+        connect_timeout: float = 5.0,
+        reconnect_min: float = 0.1,
+        registry: CollectorRegistry | None = None,
+        owned_gauge: bool = True,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.table = validate_identifier(table)
+        if shard_count < 1:
+            raise ConfigError(f"shard_count must be >= 1 (got {shard_count})")
+        if not node_id:
+            raise ConfigError("node_id must not be empty")
+        if not tick_interval > 0:
+            raise ConfigError(f"tick_interval must be > 0 (got {tick_interval})")
+        self.db_url = db_url
+        self.node_id = node_id
+        self.shard_count = shard_count
+        self.tick_interval = tick_interval
+        self.connect_timeout = connect_timeout
+        self.log = logger or _log
+        self.metrics = AdvisoryShardMetrics(
+            registry or CollectorRegistry(), owned_gauge=owned_gauge
+        )
+        self._key, _ = lock_keys(table, 0)
+
+        self._lock = threading.Lock()
+        #: shard -> monotonic time it stopped being a target (None: a target).
+        self._held: dict[int, float | None] = {}
+        #: Shards held by open claiming() blocks (one count per block).
+        self._claiming: dict[int, int] = {}
+        self._alive = False
+        self._leaving = False
+        self._pid: int | None = None
+        self._members: tuple[int, ...] = ()
+        self._targets: frozenset[int] = frozenset()
+        self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
+        self._stop = threading.Event()
+        self._first_round = threading.Event()
+        self._loop = ReconnectLoop(
+            self._session,
+            stop=self._stop,
+            down=Episode(self.log, "shard-session-lost", "shard-session-restored"),
+            fields=lambda: {
+                "table": self.table,
+                "database": masked_url(self.db_url),
+                "note": "no shard is claimed until the session is back",
+            },
+            min_s=reconnect_min,
+        )
+        self._thread: threading.Thread | None = None
+
+    # -- ShardOwnership ------------------------------------------------------
+
+    def start(self, inflight_shards: Callable[[], frozenset[int]]) -> None:
+        """Join and take a first share (waiting up to ``connect_timeout`` for it),
+        then keep following the member set in a background thread."""
+        self._inflight = inflight_shards
+        self._thread = threading.Thread(
+            target=self._loop.run, name=f"outboxkit-shard-locks-{self.table}", daemon=True
+        )
+        self._thread.start()
+        self._first_round.wait(self.connect_timeout)
+
+    def claimable(self) -> frozenset[int]:
+        """Shards a claim could use now (introspection; claims use :meth:`claiming`)."""
+        with self._lock:
+            return self._claimable_locked()
+
+    def _claimable_locked(self) -> frozenset[int]:
+        if self._leaving or not self._alive:
+            return frozenset()
+        return frozenset(s for s, surplus in self._held.items() if surplus is None)
+
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[frozenset[int]]:
+        """Claim from the yielded shards inside this block; register the claimed
+        rows in ``inflight_shards()`` before it ends. None of these shards is
+        unlocked while the block is open (a dead session loses them regardless)."""
+        with self._lock:
+            shards = self._claimable_locked()
+            for s in shards:
+                self._claiming[s] = self._claiming.get(s, 0) + 1
+        try:
+            yield shards
+        finally:
+            with self._lock:
+                for s in shards:
+                    n = self._claiming.pop(s) - 1
+                    if n:
+                        self._claiming[s] = n
+
+    def release_all(self) -> None:
+        """Leave: stop claiming, unlock every shard and the membership (the others
+        rebalance at their next tick), end the session."""
+        with self._lock:
+            self._leaving = True
+        self._stop_thread()
+
+    def close(self) -> None:
+        self.release_all()
+
+    # -- introspection (tests, health details) ---------------------------------
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process of the ownership session (None while down)."""
+        return self._pid
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Server pids of the live relays' ownership sessions."""
+        return self._members
+
+    @property
+    def targets(self) -> frozenset[int]:
+        return self._targets
+
+    def held(self) -> frozenset[int]:
+        """Shards whose lock this relay holds (claimable or being handed over)."""
+        with self._lock:
+            return frozenset(self._held) if self._alive else frozenset()
+
+    # -- the session thread ----------------------------------------------------
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.connect_timeout + 2)
+        self._thread = None
+
+    def _session(self) -> None:
+        """One database session: join, then tick until stopped; raise when it fails."""
+        conn = connect(
+            self.db_url,
+            application_name=f"outboxkit-shards:{self.node_id}",
+            connect_timeout=self.connect_timeout,
+        )
+        try:
+            if self._stop.is_set():
+                return
+            conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", (self._key, MEMBER_KEY))
+            self._pid = conn.info.backend_pid
+            with self._lock:
+                self._alive = True
+            self._loop.up(table=self.table, pid=self._pid)
+            while not self._stop.is_set():
+                self._tick(conn)
+                self._first_round.set()
+                self._idle(conn, self._next_delay())
+            if self._leaving:
+                self._leave(conn)
+        finally:
+            self._session_ended()
+            try:
+                conn.close()
+            except Exception as exc:  # closing a dead session may fail too
+                log_closing_failure(self.log, "shard ownership", exc)
+
+    def _session_ended(self) -> None:
+        """Whatever the reason, the locks are gone (or going) with the session:
+        nothing is claimable from this moment."""
+        with self._lock:
+            self._alive = False
+            lost = sorted(self._held)
+            self._held.clear()
+        self._pid = None
+        self._members = ()
+        if lost and not self._leaving:
+            self.metrics.lost.inc(len(lost))
+            for shard in lost:
+                log_event(
+                    self.log, "shard-lost", level=logging.WARNING, table=self.table,
+                    shard=shard, reason="session-lost",
+                )  # fmt: skip
+        self._set_owned_gauge()
+
+    def _idle(self, conn: psycopg.Connection, seconds: float) -> None:
+        """Wait ``seconds`` (or until stopped) watching the session's socket: the
+        server's goodbye (terminate, shutdown) makes it readable, and the query
+        that follows raises at once."""
+        deadline = time.monotonic() + seconds
+        fd = conn.fileno()
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            readable, _, _ = select.select([fd], [], [], min(left, _IDLE_SLICE_S))
+            if readable:
+                conn.execute("SELECT 1")
+
+    def _next_delay(self) -> float:
+        with self._lock:
+            busy = any(v is not None for v in self._held.values()) or not (
+                self._targets <= self._held.keys()
+            )
+        return self.tick_interval / 4 if busy else self.tick_interval
+
+    def _tick(self, conn: psycopg.Connection) -> None:
+        self._follow_members(conn)
+        self._hand_over(conn)
+        self._acquire_targets(conn)
+        self._set_owned_gauge()
+
+    def _follow_members(self, conn: psycopg.Connection) -> None:
+        objid = MEMBER_KEY & 0xFFFFFFFF
+        rows = conn.execute(_MEMBERS_SQL, {"classid": self._key & 0xFFFFFFFF, "objid": objid})
+        members = tuple(sorted(int(r[0]) for r in rows))
+        if members == self._members:
+            return
+        me = str(self._pid)
+        targets = assign_shards(self.shard_count, (str(m) for m in members)).get(me, frozenset())
+        self._members = members
+        with self._lock:
+            before = self._targets
+            self._targets = targets
+            held = frozenset(self._held)
+        if targets != before:
+            self.metrics.rebalances.inc()
+            log_event(
+                self.log,
+                "rebalance",
+                table=self.table,
+                members=list(members),
+                live=len(members),
+                target=len(targets),
+                held=len(held),
+                to_acquire=len(targets - held),
+                to_hand_over=len(held - targets),
+            )
+
+    def _hand_over(self, conn: psycopg.Connection) -> None:
+        with self._lock:
+            now = time.monotonic()
+            for shard, surplus in self._held.items():
+                if shard not in self._targets and surplus is None:
+                    self._held[shard] = now
+                elif shard in self._targets and surplus is not None:
+                    self._held[shard] = None  # the split changed back before we let go
+            candidates = {
+                s for s, v in self._held.items() if v is not None and s not in self._claiming
+            }
+        if not candidates:
+            return
+        # A block that ended registered its rows first; a block opened from now on
+        # cannot be given these shards (they are marked).
+        inflight = self._inflight()
+        with self._lock:
+            ready = sorted(
+                s
+                for s in candidates
+                if self._held.get(s) is not None and s not in self._claiming and s not in inflight
+            )
+        for shard in ready:
+            conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
+            with self._lock:
+                self._held.pop(shard, None)
+            self.metrics.handovers.inc()
+            log_event(self.log, "shard-released", table=self.table, shard=shard, reason="handover")
+
+    def _acquire_targets(self, conn: psycopg.Connection) -> None:
+        with self._lock:
+            wanted = sorted(self._targets - self._held.keys())
+        if not wanted:
+            return
+        rows = conn.execute(_TRY_LOCK_SQL, {"k": self._key, "shards": wanted}).fetchall()
+        got = sorted(int(s) for s, ok in rows if ok)
+        with self._lock:
+            for shard in got:
+                self._held[shard] = None
+        for shard in got:
+            self.metrics.acquired.inc()
+            log_event(self.log, "shard-acquired", table=self.table, shard=shard)
+
+    def _leave(self, conn: psycopg.Connection) -> None:
+        """Drain: unlock everything now rather than when the session closes, so the
+        others can take the shards at their next tick."""
+        with self._lock:
+            self._alive = False
+            held = sorted(self._held)
+            self._held.clear()
+        try:
+            conn.execute("SELECT pg_advisory_unlock_all()")
+        except Exception as exc:  # the session is ending anyway: the server frees them
+            log_event(
+                self.log,
+                "shard-release-failed",
+                level=logging.WARNING,
+                table=self.table,
+                shards=held,
+                error=describe_error(exc),
+                note="the locks end with the session",
+            )
+            return
+        for shard in held:
+            log_event(self.log, "shard-released", table=self.table, shard=shard, reason="drain")
+
+    def _set_owned_gauge(self) -> None:
+        if self.metrics.owned is None:
+            return
+        with self._lock:
+            self.metrics.owned.set(len(self._held) if self._alive else 0)

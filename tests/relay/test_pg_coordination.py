@@ -1,0 +1,207 @@
+"""The relay's PostgreSQL coordination end to end, on real PostgreSQL and Kafka:
+``NOTIFY`` wake-ups and shard ownership by session advisory locks.
+
+The relay-level tests need the relay's PostgreSQL SQL (claim, finalize,
+release); the wiring tests at the top need only the database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from relay_support import EmbeddedRelay, add_events, consume, fast_settings, wait_for
+
+from outboxkit import Event
+from outboxkit.relay.pg_shards import PgAdvisoryShards
+from outboxkit.relay.pg_wakeup import PgNotifyWaker
+from outboxkit.relay.shards import default_ownership
+from outboxkit.relay.wakeup import default_waker
+from outboxkit.runtime.lifecycle import Lifecycle
+from outboxkit.schema import apply_schema
+
+pytestmark = pytest.mark.integration
+
+TABLE = "outbox_events"
+SHARDS = 8
+#: Long enough that only a wake-up explains a delivery well before it.
+LONG_POLL_S = 20.0
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(pg_url)
+    apply_schema(engine, shards=SHARDS)
+    yield engine
+    engine.dispose()
+
+
+def _ownership(relay: EmbeddedRelay) -> PgAdvisoryShards:
+    ownership = relay.relay._ownership
+    assert isinstance(ownership, PgAdvisoryShards), type(ownership)
+    return ownership
+
+
+def _split(relays: list[EmbeddedRelay]) -> bool:
+    owned = [_ownership(r).claimable() for r in relays]
+    union = frozenset().union(*owned)
+    return sum(len(o) for o in owned) == SHARDS == len(union) and all(owned)
+
+
+def _first_delivery_order(messages: list[object]) -> dict[bytes | None, list[int]]:
+    seen: set[str] = set()
+    order: dict[bytes | None, list[int]] = defaultdict(list)
+    for m in messages:
+        event_id = m.headers["event_id"].decode()  # type: ignore[attr-defined]
+        if event_id in seen:
+            continue  # a duplicate (at least once) may follow later
+        seen.add(event_id)
+        order[m.key].append(json.loads(m.value)["n"])  # type: ignore[attr-defined]
+    return order
+
+
+# -- wiring (database only) ------------------------------------------------------
+
+
+def test_postgresql_without_redis_gets_advisory_locks_and_notify(
+    pg_engine: sa.Engine, pg_url: str, kafka_bootstrap: str
+) -> None:
+    s = fast_settings(pg_url, kafka_bootstrap)
+    assert s.effective_shard_ownership() == "advisory"
+    ownership, monitor = default_ownership(
+        s, SHARDS, registry=CollectorRegistry(), logger=logging.getLogger("t")
+    )
+    assert isinstance(ownership, PgAdvisoryShards) and monitor is None
+    try:
+        ownership.start(frozenset)
+        wait_for(lambda: len(ownership.claimable()) == SHARDS, timeout=10, what="all shards")
+    finally:
+        ownership.release_all()
+        ownership.close()
+    lifecycle = Lifecycle(service="t", node_id="n", shutdown_timeout=5.0)
+    waker, opened = default_waker(s, lifecycle, logger=logging.getLogger("t"))
+    try:
+        assert isinstance(waker, PgNotifyWaker) and opened == "pg-wakeups"
+        wait_for(waker.listening.is_set, timeout=10, what="LISTEN")
+    finally:
+        waker.close()
+
+
+# -- the relay (needs the relay's PostgreSQL SQL) ----------------------------------
+
+
+def test_a_committed_event_is_delivered_long_before_the_poll_interval(
+    pg_engine: sa.Engine,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    relay = embedded(fast_settings(pg_url, kafka_bootstrap, poll_interval=LONG_POLL_S))
+    waker = relay.relay._waker
+    assert isinstance(waker, PgNotifyWaker)
+    wait_for(waker.listening.is_set, timeout=10, what="the relay listening")
+    time.sleep(0.5)  # let the claim that follows LISTEN find nothing and wait
+    committed = time.monotonic()
+    add_events(pg_engine, TABLE, [Event(topic=topic, key="k", payload={"n": 0})])
+    wait_for(
+        lambda: relay.metric("outbox_rows_delivered_total") >= 1,
+        timeout=LONG_POLL_S,
+        interval=0.01,
+        what="the delivery",
+    )
+    took = time.monotonic() - committed
+    assert took < LONG_POLL_S / 4, f"delivered {took:.2f} s after the commit: no wake-up"
+    assert waker.hints >= 1
+    assert relay.stop() == 0
+
+
+def test_two_relays_split_the_shards_and_deliver_every_event_in_key_order(
+    pg_engine: sa.Engine,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=3)
+    events = [Event(topic=topic, key=f"key-{i % 40}", payload={"n": i}) for i in range(2000)]
+    add_events(pg_engine, TABLE, events[:1000])
+    a = embedded(fast_settings(pg_url, kafka_bootstrap, batch_size=100))
+    b = embedded(fast_settings(pg_url, kafka_bootstrap, batch_size=100))
+    wait_for(lambda: _split([a, b]), timeout=15, what="a disjoint split over both relays")
+    add_events(pg_engine, TABLE, events[1000:])
+    wait_for(
+        lambda: (
+            a.metric("outbox_rows_delivered_total") + b.metric("outbox_rows_delivered_total")
+            >= 2000
+        ),
+        timeout=60,
+        what="every delivery",
+    )
+    assert a.metric("outbox_rows_delivered_total") > 0 < b.metric("outbox_rows_delivered_total")
+    assert a.stop() == 0 and b.stop() == 0
+    messages = consume(kafka_bootstrap, topic, expected=2000)
+    order = _first_delivery_order(messages)
+    assert sum(len(v) for v in order.values()) == 2000
+    for key, ns in order.items():
+        assert ns == sorted(ns), f"{key!r} out of order"
+
+
+def test_a_draining_relay_hands_its_shards_over(
+    pg_engine: sa.Engine,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    a = embedded(fast_settings(pg_url, kafka_bootstrap))
+    b = embedded(fast_settings(pg_url, kafka_bootstrap))
+    wait_for(lambda: _split([a, b]), timeout=15, what="a split")
+    assert a.stop() == 0
+    wait_for(lambda: len(_ownership(b).claimable()) == SHARDS, timeout=10, what="b owns all")
+    add_events(
+        pg_engine, TABLE, [Event(topic=topic, key=f"k{i}", payload={"n": i}) for i in range(50)]
+    )
+    wait_for(lambda: b.metric("outbox_rows_delivered_total") >= 50, timeout=30, what="b delivers")
+    assert b.stop() == 0
+
+
+def test_a_relay_whose_session_dies_stops_claiming_then_comes_back(
+    pg_engine: sa.Engine,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    a = embedded(fast_settings(pg_url, kafka_bootstrap))
+    b = embedded(fast_settings(pg_url, kafka_bootstrap))
+    wait_for(lambda: _split([a, b]), timeout=15, what="a split")
+    pid = _ownership(a).backend_pid
+    with pg_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+    wait_for(
+        lambda: _ownership(a).claimable() == frozenset(), timeout=1, interval=0.005, what="a stops"
+    )
+    add_events(
+        pg_engine, TABLE, [Event(topic=topic, key=f"k{i}", payload={"n": i}) for i in range(200)]
+    )
+    wait_for(lambda: _split([a, b]), timeout=20, what="a back with a new session")
+    assert _ownership(a).backend_pid != pid
+    wait_for(
+        lambda: (
+            a.metric("outbox_rows_delivered_total") + b.metric("outbox_rows_delivered_total") >= 200
+        ),
+        timeout=30,
+        what="every delivery",
+    )
+    assert a.stop() == 0 and b.stop() == 0
+    assert len(_first_delivery_order(consume(kafka_bootstrap, topic, expected=200))) == 200

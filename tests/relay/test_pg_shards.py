@@ -1,0 +1,259 @@
+"""Shard ownership by session advisory locks against a real PostgreSQL: a fair
+and disjoint split over live relays, hand-over to a joiner only once a shard has
+no rows in flight, takeover when a session dies, release on drain.
+
+Who holds a shard is read from the server (``pg_locks``), not only from the
+relays' own view: the lock is the ownership.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from support.waiting import bound, wait_for
+
+from outboxkit.errors import ConfigError
+from outboxkit.relay.pg_shards import PgAdvisoryShards, lock_keys
+from outboxkit.schema.apply import _LOCK_NAME
+
+pytestmark = pytest.mark.integration
+
+TABLE = "outbox_events"
+SHARDS = 8
+#: Short ticks keep the suite quick.
+TICK_S = 0.1
+
+ShardsFactory = Callable[..., PgAdvisoryShards]
+
+
+class Inflight:
+    """The relay's view of shards holding rows it is delivering (a test double)."""
+
+    def __init__(self) -> None:
+        self.shards: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self.shards)
+
+    def set(self, shards: set[int]) -> None:
+        with self._lock:
+            self.shards = set(shards)
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(pg_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def make_shards(pg_url: str) -> Iterator[ShardsFactory]:
+    made: list[PgAdvisoryShards] = []
+
+    def make(
+        node_id: str,
+        *,
+        inflight: Inflight | None = None,
+        shard_count: int = SHARDS,
+        table: str = TABLE,
+        start: bool = True,
+        **kwargs: object,
+    ) -> PgAdvisoryShards:
+        shards = PgAdvisoryShards(
+            pg_url,
+            table=table,
+            node_id=node_id,
+            shard_count=shard_count,
+            **{"tick_interval": TICK_S, "registry": CollectorRegistry(), **kwargs},  # type: ignore[arg-type]
+        )
+        made.append(shards)
+        if start:
+            shards.start(inflight or Inflight())
+        return shards
+
+    yield make
+    for shards in made:
+        shards.close()
+
+
+def server_owners(engine: sa.Engine, table: str = TABLE) -> dict[int, int]:
+    """shard -> pid of the session that holds its advisory lock, from pg_locks."""
+    key1, _ = lock_keys(table, 0)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT objid::bigint, pid FROM pg_locks WHERE locktype = 'advisory' "
+                "AND objsubid = 2 AND granted AND classid::bigint = :k1 "
+                "AND objid::bigint < 2147483648 "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ),
+            {"k1": key1 & 0xFFFFFFFF},
+        )
+        return {int(shard): int(pid) for shard, pid in rows}
+
+
+def settled(relays: list[PgAdvisoryShards], shard_count: int = SHARDS) -> bool:
+    """Every shard claimable by exactly one relay, each within +-1 of a fair share."""
+    owned = [r.claimable() for r in relays]
+    sizes = [len(o) for o in owned]
+    union = frozenset().union(*owned)
+    return (
+        sum(sizes) == shard_count == len(union)
+        and max(sizes) - min(sizes) <= 1
+        and min(sizes) >= shard_count // len(relays)
+    )
+
+
+def assert_matches_server(engine: sa.Engine, relays: list[PgAdvisoryShards]) -> None:
+    owners = server_owners(engine)
+    for r in relays:
+        pid = r.backend_pid
+        assert pid is not None
+        held_on_server = frozenset(s for s, p in owners.items() if p == pid)
+        assert r.claimable() <= held_on_server, (r.node_id, r.claimable(), held_on_server)
+
+
+@pytest.mark.parametrize("n_relays", [1, 2, 3])
+@pytest.mark.parametrize("shard_count", [1, 7, 8])
+def test_relays_split_the_shards_fairly_and_disjointly(
+    pg_engine: sa.Engine, make_shards: ShardsFactory, n_relays: int, shard_count: int
+) -> None:
+    relays = [make_shards(f"relay-{i}", shard_count=shard_count) for i in range(n_relays)]
+    wait_for(lambda: settled(relays, shard_count), timeout=10, what="a fair split")
+    assert_matches_server(pg_engine, relays)
+
+
+def test_a_joining_relay_gets_its_share_after_handover(
+    pg_engine: sa.Engine, make_shards: ShardsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    ra, rb = CollectorRegistry(), CollectorRegistry()
+    a, b = make_shards("relay-a", registry=ra), make_shards("relay-b", registry=rb)
+    wait_for(lambda: settled([a, b]), timeout=10, what="two relays")
+    c = make_shards("relay-c")
+    wait_for(lambda: settled([a, b, c]), timeout=10, what="three relays")
+    assert_matches_server(pg_engine, [a, b, c])
+    events = [getattr(r, "outboxkit_event", None) for r in caplog.records]
+    assert "shard-released" in events and "rebalance" in events
+    handed = [r.get_sample_value("outbox_shard_handovers_total") or 0 for r in (ra, rb)]
+    assert sum(handed) >= 2, handed
+
+
+def test_a_shard_with_rows_in_flight_is_not_handed_over_until_they_settle(
+    pg_engine: sa.Engine, make_shards: ShardsFactory
+) -> None:
+    inflight = Inflight()
+    a = make_shards("relay-a", inflight=inflight)
+    wait_for(lambda: len(a.claimable()) == SHARDS, timeout=10, what="a alone owns all")
+    inflight.set(set(range(SHARDS)))
+    b = make_shards("relay-b")
+    # b becomes a member and a stops claiming its surplus at once, but keeps the locks.
+    wait_for(lambda: len(a.claimable()) == SHARDS // 2, timeout=10, what="a's surplus marked")
+    deadline = time.monotonic() + 1.0  # ten ticks
+    while time.monotonic() < deadline:
+        assert b.claimable() == frozenset(), "a shard with rows in flight was handed over"
+        assert len(server_owners(pg_engine)) == SHARDS
+        time.sleep(TICK_S / 2)
+    surplus = a.held() - a.claimable()
+    keep = sorted(surplus)[0]
+    inflight.set({keep})  # all but one settle
+    wait_for(lambda: len(b.claimable()) == SHARDS // 2 - 1, timeout=10, what="partial handover")
+    assert keep in a.held() and keep not in b.claimable()
+    inflight.set(set())
+    wait_for(lambda: settled([a, b]), timeout=10, what="the rest handed over")
+    assert_matches_server(pg_engine, [a, b])
+
+
+def test_a_claiming_block_keeps_its_shards(
+    pg_engine: sa.Engine, make_shards: ShardsFactory
+) -> None:
+    a = make_shards("relay-a")
+    wait_for(lambda: len(a.claimable()) == SHARDS, timeout=10, what="a alone owns all")
+    with a.claiming() as shards:
+        assert shards == frozenset(range(SHARDS))
+        b = make_shards("relay-b")
+        wait_for(lambda: len(a.claimable()) == SHARDS // 2, timeout=10, what="surplus marked")
+        time.sleep(5 * TICK_S)
+        assert b.claimable() == frozenset() and len(server_owners(pg_engine)) == SHARDS
+    wait_for(lambda: settled([a, b]), timeout=10, what="handover after the block")
+
+
+def test_a_dead_session_stops_claiming_at_once_and_its_shards_move(
+    pg_engine: sa.Engine, make_shards: ShardsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    # A long first reconnect delay, so the takeover is observed before a comes back.
+    # A long tick: only the watch on the socket can notice the death this fast.
+    a = make_shards("relay-a", reconnect_min=3.0, tick_interval=5.0)
+    b = make_shards("relay-b")
+    wait_for(lambda: settled([a, b]), timeout=10, what="two relays")
+    pid = a.backend_pid
+    with pg_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+    killed = time.monotonic()
+    wait_for(lambda: a.claimable() == frozenset(), timeout=1, interval=0.005, what="a stops")
+    stopped_after = time.monotonic() - killed
+    assert stopped_after < bound(0.5), f"a still claimed {stopped_after:.3f} s after its death"
+    wait_for(lambda: len(b.claimable()) == SHARDS, timeout=10, what="b takes over")
+    assert a.claimable() == frozenset()
+    events = [getattr(r, "outboxkit_event", None) for r in caplog.records]
+    assert "shard-session-lost" in events
+    # a comes back with a new session and gets its share again.
+    wait_for(lambda: a.backend_pid not in (None, pid), timeout=15, what="a reconnects")
+    wait_for(lambda: settled([a, b]), timeout=15, what="split again")
+    assert_matches_server(pg_engine, [a, b])
+    assert "shard-session-restored" in [getattr(r, "outboxkit_event", None) for r in caplog.records]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert ":outboxkit@" not in text
+
+
+def test_release_all_frees_every_lock(pg_engine: sa.Engine, make_shards: ShardsFactory) -> None:
+    a, b = make_shards("relay-a"), make_shards("relay-b")
+    wait_for(lambda: settled([a, b]), timeout=10, what="two relays")
+    pid = a.backend_pid
+    a.release_all()
+    assert a.claimable() == frozenset()
+    assert pid not in server_owners(pg_engine).values()
+    wait_for(lambda: len(b.claimable()) == SHARDS, timeout=10, what="b takes all")
+
+
+def test_owned_gauge_counts_shards_held(make_shards: ShardsFactory) -> None:
+    registry = CollectorRegistry()
+    a = make_shards("relay-a", registry=registry)
+    wait_for(
+        lambda: registry.get_sample_value("outbox_shards_owned") == SHARDS,
+        timeout=10,
+        what="the gauge",
+    )
+    a.release_all()
+    assert registry.get_sample_value("outbox_shards_owned") == 0
+
+
+def test_tables_do_not_share_locks(pg_engine: sa.Engine, make_shards: ShardsFactory) -> None:
+    a = make_shards("relay-a", table="outbox_a")
+    b = make_shards("relay-b", table="outbox_b")
+    wait_for(lambda: len(a.claimable()) == len(b.claimable()) == SHARDS, timeout=10, what="both")
+
+
+def test_keys_do_not_meet_the_schema_lock() -> None:
+    # schema apply locks one bigint key (objsubid 1); shard locks use two int4 keys
+    # (objsubid 2): different key spaces in pg_locks, whatever the values.
+    key1, key2 = lock_keys(TABLE, 3)
+    assert key2 == 3 and -(2**31) <= key1 < 2**31
+    assert lock_keys(TABLE, 3) == lock_keys(TABLE, 3)
+    assert lock_keys("outbox_a", 0)[0] != lock_keys("outbox_b", 0)[0]
+    assert _LOCK_NAME  # the schema lock's name, locked as pg_advisory_lock(hashtext(name))
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError):
+        PgAdvisoryShards("postgresql+psycopg://u@h/db", table=TABLE, node_id="n", shard_count=0)
