@@ -411,10 +411,10 @@ def valid_database_url(value: str | None) -> str | None:
     return None
 
 
-#: Why the relay, the consumer inbox and ``outboxkit admin`` refuse a PostgreSQL URL.
+#: Why the relay refuses a PostgreSQL URL.
 POSTGRESQL_NOT_YET = (
-    "PostgreSQL is supported by `outboxkit schema apply` and the writer (enqueue) only; "
-    "the relay, the consumer inbox and `outboxkit admin` run on MySQL/MariaDB only for now "
+    "PostgreSQL is supported by `outboxkit schema apply`, the writer (enqueue), the "
+    "consumer inbox and `outboxkit admin`; the relay runs on MySQL/MariaDB only for now "
     "(see docs/postgresql.md)"
 )
 
@@ -438,6 +438,41 @@ def valid_mysql_database_url(value: str | None) -> str | None:
     if value is not None and is_postgresql_url(value):
         return POSTGRESQL_NOT_YET
     return valid_database_url(value)
+
+
+#: The databases the consumer inbox and ``outboxkit admin`` run on (SQLAlchemy
+#: backend names; SQLite serves ``schema apply`` and the writer only).
+SERVER_DATABASES = ("mysql", "mariadb", "postgresql")
+
+
+def unsupported_database(backend: str, component: str) -> str | None:
+    """Why ``component`` cannot use a ``backend`` database, or None when it can."""
+    if backend in SERVER_DATABASES:
+        return None
+    return f"{component} runs on MySQL/MariaDB or PostgreSQL (got {backend})"
+
+
+def database_backend(value: str) -> str | None:
+    """The backend a SQLAlchemy URL names (``mysql``, ``postgresql``...); None if no URL."""
+    import sqlalchemy as sa
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return sa.make_url(value).get_backend_name()
+    except (ArgumentError, ValueError):
+        return None
+
+
+def valid_server_database_url(value: str | None) -> str | None:
+    """:func:`valid_database_url` for ``outboxkit admin``: MySQL/MariaDB or PostgreSQL.
+
+    Another database (SQLite) is refused by name before anything connects.
+    """
+    problem = valid_database_url(value)
+    if problem is not None or value is None:
+        return problem
+    backend = database_backend(value)
+    return unsupported_database(backend, "outboxkit admin") if backend else None
 
 
 def valid_redis_url(value: str | None) -> str | None:

@@ -35,7 +35,8 @@ def _insert(engine: sa.Engine, table: str, n: int, *, text: str, status: str) ->
         # PostgreSQL text cannot hold NUL, so no writer can put one there.
         text = text.replace("\x00", "")
     event_id = f"ev{n}-{text}"[:64]
-    now, soon = db_time(engine), db_time(engine, 60)
+    now = db_time(engine)
+    expires = db_time(engine, 60) if status == "delivering" else "NULL"
     with engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -43,7 +44,7 @@ def _insert(engine: sa.Engine, table: str, n: int, *, text: str, status: str) ->
                 " status, attempts, next_attempt_at, created_at, updated_at, last_error,"
                 " lease_owner, lease_token, lease_expires_at) VALUES (:e, :t, :k, :p, :h, 0,"
                 f" :s, 3, {now}, {now}, {now}, :err, :o,"
-                f" :tok, CASE WHEN :s = 'delivering' THEN {soon} END)"
+                f" :tok, {expires})"
             ),
             {
                 "e": event_id,
