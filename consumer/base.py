@@ -59,10 +59,10 @@ from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import ServiceRuntime
 from outboxkit.runtime.settings import (
-    POSTGRESQL_NOT_YET,
     describe,
     invalid,
     missing,
+    unsupported_database,
     warn_renamed,
     where,
 )
@@ -216,8 +216,13 @@ class Consumer:
             problems.append(missing("kafka_bootstrap"))
         if s.inbox and engine is None and not s.db_url:
             problems.append(invalid("inbox", f"needs {where('db_url')}"))
-        if s.inbox and engine is not None and engine.dialect.name == "postgresql":
-            problems.append(f"invalid engine=: {POSTGRESQL_NOT_YET}")
+        unsupported = (
+            unsupported_database(engine.dialect.name, "the consumer inbox")
+            if s.inbox and engine is not None
+            else None
+        )
+        if unsupported:
+            problems.append(f"invalid engine=: {unsupported}")
         if engine is not None and (self._async is None) != isinstance(engine, Engine):
             problems.append(
                 "invalid engine=: an async def handle needs an AsyncEngine, a sync one an Engine"

@@ -4,7 +4,9 @@ The tree, rooted in :class:`~outboxkit.errors.OutboxError`::
 
     OutboxError
     ├── TransientError          retried in place with backoff
-    │   └── RetryableError      (alias, reads better in handlers)
+    │   ├── RetryableError      (alias, reads better in handlers)
+    │   └── InboxTransactionAborted  the handler caught a database error and
+    │                           PostgreSQL aborted the inbox transaction
     └── PermanentError          dead-lettered at once
         └── InvalidMessageError the message cannot be decoded (bad JSON, no value,
                                 header names that are not UTF-8)
@@ -36,12 +38,18 @@ from outboxkit.runtime.errors import is_infrastructure_error
 
 __all__ = [
     "Classification",
+    "InboxTransactionAborted",
     "InvalidMessageError",
     "RetryableError",
     "classify",
 ]
 
 RetryableError = TransientError
+
+
+class InboxTransactionAborted(TransientError):
+    """The database aborted the message's inbox transaction after an error the
+    handler caught and went past; nothing was committed (``consumer/inbox.py``)."""
 
 
 class InvalidMessageError(PermanentError, ValueError):

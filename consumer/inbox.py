@@ -3,10 +3,30 @@
 For each message, one transaction:
 
 1. ``INSERT`` ``(group_id, identity)`` into the inbox table. The primary key
-   makes a second consumer of the same event wait for the first one's
-   transaction, then fail with a duplicate key;
+   makes a second consumer of the same event (the old and the new owner of a
+   partition after a rebalance) wait for the first one's transaction: if it
+   commits, the second sees a duplicate and skips the message; if it rolls
+   back, the second inserts and handles it. MySQL/MariaDB report the duplicate
+   as a key error (the statement fails, the transaction is rolled back here);
+   PostgreSQL's ``INSERT ... ON CONFLICT DO NOTHING`` inserts nothing instead
+   of failing, since there an error would abort the whole transaction and log
+   an error on the server for every redelivery;
 2. run the handler with ``message.tx`` bound to this transaction;
 3. ``COMMIT``.
+
+PostgreSQL aborts a transaction at its first error, and its ``COMMIT`` then
+rolls back without an error. A handler that catches a database error and
+returns would have its message counted as handled with neither its writes nor
+the inbox row stored; so before committing, an aborted transaction is rolled
+back and raised as :class:`InboxTransactionAborted` (transient: retried, then
+dead-lettered). A handler that must go on after a failed statement runs it in
+a savepoint, ``with message.tx.begin_nested(): ...``.
+
+The isolation level is the engine's (MySQL/MariaDB: REPEATABLE READ,
+PostgreSQL: READ COMMITTED by default). Under PostgreSQL's REPEATABLE READ or
+SERIALIZABLE, the insert that waited for a first consumer that committed fails
+with a serialization error instead of inserting nothing; it is treated the
+same way, as a duplicate once the row is seen.
 
 A crash anywhere before the commit leaves neither the effects nor the inbox
 row; a crash after it leaves both, and the redelivered message is then a
@@ -37,13 +57,15 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
+from outboxkit.consumer.errors import InboxTransactionAborted
 from outboxkit.consumer.message import EVENT_ID_HEADER, Message
 from outboxkit.errors import TransientError
 from outboxkit.schema.table import MAX_INBOX_ID_LENGTH, db_now, inbox_table
 
-__all__ = ["Inbox", "inbox_group_key", "inbox_key"]
+__all__ = ["Inbox", "check_not_aborted", "inbox_group_key", "inbox_key"]
 
 _IDLE_RECHECK = 10.0
 #: ``(event_id, topic, kafka_partition, kafka_offset)`` of an inbox row.
@@ -107,6 +129,34 @@ def _v1_fallback_of_another_record(row: _InboxRow, message: Message) -> bool:
     return row.event_id == spelled and not same_record
 
 
+#: libpq's ``PQTRANS_INERROR``: in a transaction that failed (psycopg 3 and 2 alike).
+_PQTRANS_INERROR = 3
+#: SQLSTATE ``serialization_failure``.
+_SERIALIZATION_FAILURE = "40001"
+
+
+def check_not_aborted(conn: sa.Connection) -> None:
+    """Raise :class:`InboxTransactionAborted` if PostgreSQL gave up on ``conn``'s transaction.
+
+    Its ``COMMIT`` would roll back without a word (see the module docstring).
+    MySQL/MariaDB roll back only the failed statement, so nothing is checked there.
+    """
+    if conn.dialect.name != "postgresql":
+        return
+    info = getattr(conn.connection.driver_connection, "info", None)
+    status = getattr(info, "transaction_status", None)
+    if status is not None and int(status) == _PQTRANS_INERROR:
+        raise InboxTransactionAborted(
+            "the inbox transaction was aborted by a database error the handler caught: "
+            "nothing was committed (on PostgreSQL, run a statement that may fail in a "
+            "savepoint: with message.tx.begin_nested(): ...)"
+        )
+
+
+def _is_serialization_failure(exc: sa.exc.DBAPIError) -> bool:
+    return getattr(exc.orig, "sqlstate", None) == _SERIALIZATION_FAILURE
+
+
 def _plain(raw: bytes) -> str | None:
     """``raw`` as text when it can be stored and compared as is, else None."""
     try:
@@ -134,6 +184,13 @@ class Inbox:
         self._group_key = inbox_group_key(group_id)
         self.table = inbox_table(table)
         self._insert = self.table.insert().values(processed_at=db_now())
+        # RETURNING says whether a row went in (the driver's rowcount may be -1).
+        self._insert_pg = (
+            postgresql.insert(self.table)
+            .values(processed_at=db_now())
+            .on_conflict_do_nothing()
+            .returning(self.table.c.group_id)
+        )
         self._held = _Held()
 
     def run(self, message: Message, handler: Callable[[Message], None]) -> bool:
@@ -168,6 +225,7 @@ class Inbox:
             return True
         try:
             handler(message.with_tx(conn))
+            check_not_aborted(conn)
         except BaseException:
             conn.rollback()
             raise
@@ -183,29 +241,38 @@ class Inbox:
         ``AsyncConnection.run_sync``.
         """
         key = inbox_key(message)
+        postgres = conn.dialect.name == "postgresql"
         while True:
             tx = conn.begin()
             if key.startswith(RESERVED_PREFIX) and self._seen_as_v1_fallback(conn, message):
                 tx.rollback()
                 return True
+            row = {
+                "group_id": self._group_key,
+                "event_id": key,
+                "topic": message.topic,
+                "kafka_partition": message.partition,
+                "kafka_offset": message.offset,
+            }
             try:
-                conn.execute(
-                    self._insert,
-                    {
-                        "group_id": self._group_key,
-                        "event_id": key,
-                        "topic": message.topic,
-                        "kafka_partition": message.partition,
-                        "kafka_offset": message.offset,
-                    },
-                )
+                if postgres:
+                    inserted = conn.execute(self._insert_pg, row).first() is not None
+                else:
+                    conn.execute(self._insert, row)
+                    inserted = True
             except sa.exc.IntegrityError:
+                inserted = False
+            except sa.exc.OperationalError as exc:
+                if not _is_serialization_failure(exc):
+                    raise
+                inserted = False
+            if not inserted:
                 tx.rollback()
-                row = self._seen(conn, key)
-                if row is not None and _v1_fallback_of_another_record(row, message):
-                    self._rekey_v1_row(conn, row)
+                seen = self._seen(conn, key)
+                if seen is not None and _v1_fallback_of_another_record(seen, message):
+                    self._rekey_v1_row(conn, seen)
                     continue  # the row no longer clashes
-                if row is not None:
+                if seen is not None:
                     return True
                 # The row that clashed was rolled back meanwhile: try again later.
                 raise TransientError(

@@ -20,7 +20,12 @@ opened it), also for an engine passed in.
 
 The engine is the ``AsyncEngine`` passed as ``engine=``, or one built from
 ``db_url`` with the driver swapped for its asyncio twin
-(``mysql+pymysql`` → ``mysql+asyncmy``, the ``outboxkit[async]`` extra).
+(``mysql+pymysql`` → ``mysql+asyncmy``, the ``outboxkit[async]`` extra). A
+``postgresql+psycopg`` URL stays as it is: psycopg 3 is an asyncio driver too
+(``postgresql`` and ``postgresql+psycopg2`` become ``postgresql+psycopg``).
+The PostgreSQL rules of the sync inbox (``ON CONFLICT DO NOTHING``, a
+transaction the handler let abort is rolled back and retried, never reported
+as handled) hold here too: both run the same code.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from outboxkit.consumer.inbox import _IDLE_RECHECK, Inbox
+from outboxkit.consumer.inbox import _IDLE_RECHECK, Inbox, check_not_aborted
 from outboxkit.consumer.message import Message
 from outboxkit.runtime.errors import (
     ConfigError,
@@ -64,7 +69,8 @@ _ASYNC_DRIVERS = {
 
 
 def async_db_url(db_url: str) -> sa.URL:
-    """``db_url`` with an asyncio driver: a sync MySQL/MariaDB URL gets ``asyncmy``."""
+    """``db_url`` with an asyncio driver: a sync MySQL/MariaDB URL gets ``asyncmy``,
+    a PostgreSQL one ``psycopg`` (3)."""
     url = sa.make_url(db_url)
     driver = _ASYNC_DRIVERS.get(url.drivername)
     return url.set(drivername=driver) if driver else url
@@ -124,7 +130,8 @@ class AsyncInbox:
             except (sa.exc.ArgumentError, sa.exc.InvalidRequestError, ImportError) as exc:
                 raise ConfigError(
                     "invalid --db-url / OUTBOXKIT_DB_URL for an async handler "
-                    f"(an asyncio driver is needed, e.g. mysql+asyncmy from outboxkit[async]): "
+                    "(an asyncio driver is needed, e.g. mysql+asyncmy from outboxkit[async] "
+                    f"or postgresql+psycopg from outboxkit[postgres]): "
                     f"{type(exc).__name__}: {redact(str(exc))}"
                 ) from None
         assert isinstance(engine, AsyncEngine)
@@ -181,6 +188,8 @@ class AsyncInbox:
                 return True
             try:
                 await handle(message.with_tx(conn))
+                assert conn.sync_connection is not None
+                check_not_aborted(conn.sync_connection)
             except BaseException:
                 await conn.rollback()
                 raise

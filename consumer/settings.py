@@ -15,11 +15,14 @@ from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
     at_most,
+    database_backend,
     invalid,
     non_negative,
     positive,
     retry_backoff_problem,
     setting,
+    unsupported_database,
+    valid_database_url,
 )
 from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
 
@@ -131,6 +134,15 @@ class ConsumerSettings(RuntimeSettings):
         help="seconds between librdkafka statistics (consumer lag metric); 0 = off; at most 1 day",
         validate=_kafka_interval_or_off,
     )
+    # Only the inbox uses the database: which ones it runs on is checked in
+    # validate(), with --inbox, so a consumer without it never minds the URL's kind.
+    db_url: str | None = setting(
+        None,
+        help="SQLAlchemy database URL of the inbox, e.g. "
+        "mysql+pymysql://user:password@host:3306/db or "
+        "postgresql+psycopg://user:password@host:5432/db",
+        validate=valid_database_url,
+    )
     inbox: bool = setting(
         False, help="run each handler in a DB transaction that records the event in the inbox"
     )
@@ -171,6 +183,10 @@ class ConsumerSettings(RuntimeSettings):
                     f"({self.shutdown_timeout:g})",
                 )
             )
+        backend = database_backend(self.db_url) if self.inbox and self.db_url else None
+        unsupported = unsupported_database(backend, "the consumer inbox") if backend else None
+        if unsupported:
+            problems.append(invalid("db_url", unsupported))
         backoff = retry_backoff_problem(self.retry_backoff_base, self.retry_backoff_cap)
         if backoff:
             problems.append(backoff)

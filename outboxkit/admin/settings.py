@@ -7,8 +7,8 @@ import dataclasses
 from outboxkit.runtime.settings import (
     log_format_setting,
     setting,
-    valid_mysql_database_url,
     valid_redis_url,
+    valid_server_database_url,
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
@@ -20,9 +20,9 @@ class AdminSettings:
     """Where the outbox lives. Same names as the relay's, so one environment serves both."""
 
     db_url: str = setting(
-        help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db "
-        "(MySQL/MariaDB)",
-        validate=valid_mysql_database_url,
+        help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db or "
+        "postgresql+psycopg://user:password@host:5432/db",
+        validate=valid_server_database_url,
     )
     table: str = setting(DEFAULT_TABLE, help="outbox table name", validate=identifier_problem)
     redis_url: str | None = setting(

@@ -411,57 +411,21 @@ def valid_database_url(value: str | None) -> str | None:
     return None
 
 
-#: Why the consumer inbox and ``outboxkit admin`` refuse a PostgreSQL URL.
-POSTGRESQL_NOT_YET = (
-    "PostgreSQL is supported by `outboxkit schema apply`, the writer (enqueue) and the "
-    "relay; the consumer inbox and `outboxkit admin` run on MySQL/MariaDB only for now "
-    "(see docs/postgresql.md)"
-)
-
-#: The databases the relay runs on (SQLAlchemy backend names).
-RELAY_DATABASES = ("mysql", "mariadb", "postgresql")
+#: The databases the relay, the consumer inbox and ``outboxkit admin`` run on
+#: (SQLAlchemy backend names). SQLite serves ``schema apply`` and the writer only:
+#: the claim needs ``FOR UPDATE SKIP LOCKED`` and server-clock arithmetic.
+SERVER_DATABASES = ("mysql", "mariadb", "postgresql")
+#: The relay's databases (the same as every server component's).
+RELAY_DATABASES = SERVER_DATABASES
 
 
 def is_postgresql_url(value: str) -> bool:
     """Does this SQLAlchemy URL name PostgreSQL (any driver)? False if it is not a URL."""
-    import sqlalchemy as sa
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        return sa.make_url(value).get_backend_name() == "postgresql"
-    except (ArgumentError, ValueError):
-        return False
+    return database_backend(value) == "postgresql"
 
 
-def valid_mysql_database_url(value: str | None) -> str | None:
-    """:func:`valid_database_url` for the services that run on MySQL/MariaDB only.
-
-    A PostgreSQL URL is refused by name, before its driver is even looked for.
-    """
-    if value is not None and is_postgresql_url(value):
-        return POSTGRESQL_NOT_YET
-    return valid_database_url(value)
-
-
-def valid_relay_database_url(value: str | None) -> str | None:
-    """:func:`valid_database_url` for the relay: MySQL/MariaDB or PostgreSQL.
-
-    Any other database (SQLite, ...) is refused by name: the claim needs
-    ``FOR UPDATE SKIP LOCKED`` and the server-clock arithmetic of those two.
-    """
-    if value is not None:
-        backend = _backend_name(value)
-        if backend is not None and backend not in RELAY_DATABASES:
-            return (
-                f"the relay runs on MySQL/MariaDB or PostgreSQL, not {backend} "
-                "(e.g. mysql+pymysql://user:pw@host:3306/db, "
-                "postgresql+psycopg://user:pw@host:5432/db)"
-            )
-    return valid_database_url(value)
-
-
-def _backend_name(value: str) -> str | None:
-    """The URL's database (``mysql``, ``postgresql``, ...), or None if it is not a URL."""
+def database_backend(value: str) -> str | None:
+    """The backend a SQLAlchemy URL names (``mysql``, ``postgresql``...); None if no URL."""
     import sqlalchemy as sa
     from sqlalchemy.exc import ArgumentError
 
@@ -469,6 +433,37 @@ def _backend_name(value: str) -> str | None:
         return sa.make_url(value).get_backend_name()
     except (ArgumentError, ValueError):
         return None
+
+
+def unsupported_database(backend: str, component: str) -> str | None:
+    """Why ``component`` cannot use a ``backend`` database, or None when it can."""
+    if backend in SERVER_DATABASES:
+        return None
+    return (
+        f"{component} runs on MySQL/MariaDB or PostgreSQL, not {backend} "
+        "(e.g. mysql+pymysql://user:pw@host:3306/db, postgresql+psycopg://user:pw@host:5432/db)"
+    )
+
+
+def _valid_server_database_url(value: str | None, component: str) -> str | None:
+    """:func:`valid_database_url` for a server component: another database (SQLite)
+    is refused by name, before its driver is even looked for."""
+    if value is not None:
+        backend = database_backend(value)
+        if backend is not None:
+            problem = unsupported_database(backend, component)
+            if problem is not None:
+                return problem
+    return valid_database_url(value)
+
+
+def valid_relay_database_url(value: str | None) -> str | None:
+    return _valid_server_database_url(value, "the relay")
+
+
+def valid_server_database_url(value: str | None) -> str | None:
+    """For ``outboxkit admin``."""
+    return _valid_server_database_url(value, "outboxkit admin")
 
 
 def valid_redis_url(value: str | None) -> str | None:
@@ -964,8 +959,8 @@ class RuntimeSettings:
     db_url: str | None = setting(
         None,
         help="SQLAlchemy database URL, e.g. mysql+pymysql://user:password@host:3306/db "
-        "(MySQL/MariaDB)",
-        validate=valid_mysql_database_url,
+        "or postgresql+psycopg://user:password@host:5432/db",
+        validate=valid_database_url,
     )
     redis_url: str | None = setting(
         None,

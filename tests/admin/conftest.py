@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import pytest
 import sqlalchemy as sa
+from support.dbsql import db_time
 
 from outboxkit import Event, enqueue_many
 from outboxkit.cli import main
@@ -64,7 +65,7 @@ def make_rows(engine: sa.Engine, outbox: str) -> MakeRows:
                 table=outbox,
             )
             ids = list(conn.execute(sa.select(t.c.id).where(t.c.event_id.in_(event_ids))).scalars())
-            then = sa.text(f"UTC_TIMESTAMP(6) - INTERVAL {int(age_s * 1_000_000)} MICROSECOND")
+            then = db_time(conn, -age_s)
             changes: dict[str, Any] = {
                 "status": status,
                 "created_at": then,
@@ -76,9 +77,7 @@ def make_rows(engine: sa.Engine, outbox: str) -> MakeRows:
                 changes.update(
                     lease_owner="relay-a",
                     lease_token=secrets.token_hex(16),
-                    lease_expires_at=sa.text(
-                        f"UTC_TIMESTAMP(6) + INTERVAL {int(lease_s * 1_000_000)} MICROSECOND"
-                    ),
+                    lease_expires_at=db_time(conn, lease_s),
                     attempts=1,
                 )
             if status in ("failed", "retryable"):

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
 
 from outboxkit.schema import record_recovery
 
@@ -50,6 +51,7 @@ BAD_INPUT = [
 ]
 
 
+@on_both_databases
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
 def test_bad_input_exits_2_with_a_clear_message(admin: Any, args: list[str], message: str) -> None:
     res = admin(*args)
@@ -65,10 +67,11 @@ def test_missing_db_url_exits_2(admin: Any, monkeypatch: pytest.MonkeyPatch) -> 
     assert "missing --db-url / OUTBOXKIT_DB_URL" in res.err
 
 
-def test_unreachable_database_exits_3_without_the_password(admin: Any) -> None:
-    res = admin("status", db="mysql+pymysql://ops:Hunter2-pw@127.0.0.1:1/outbox")
-    assert res.code == 3
-    assert "mysql+pymysql://ops:***@127.0.0.1:1/outbox" in res.err
+@pytest.mark.parametrize("scheme", ["mysql+pymysql", "postgresql+psycopg"])
+def test_unreachable_database_exits_3_without_the_password(admin: Any, scheme: str) -> None:
+    res = admin("status", db=f"{scheme}://ops:Hunter2-pw@127.0.0.1:1/outbox")
+    assert res.code == 3, res.err
+    assert f"{scheme}://ops:***@127.0.0.1:1/outbox" in res.err
     assert "Hunter2-pw" not in res.out + res.err
 
 
@@ -136,6 +139,7 @@ def fake_relay() -> Iterator[str]:
     server.server_close()
 
 
+@on_both_databases
 def test_status_reports_counts_ages_leases_paused_topics_and_shard_owners(
     make_rows: Any, admin: Any, fake_relay: str, redis_url: str, redis_prefix: str
 ) -> None:
@@ -217,6 +221,7 @@ def test_status_reports_counts_ages_leases_paused_topics_and_shard_owners(
         assert line in res.out, res.out
 
 
+@on_both_databases
 def test_failed_lists_pages_and_hides_payloads(make_rows: Any, admin: Any) -> None:
     ids = make_rows(5, status="failed", key="order-7")
     res = admin("failed", "--limit", "2")
@@ -231,6 +236,7 @@ def test_failed_lists_pages_and_hides_payloads(make_rows: Any, admin: Any) -> No
     assert shown["rows"][0]["payload"] == {"text": '{"n":0}'}
 
 
+@on_both_databases
 def test_show_prints_every_column_and_the_payload_only_when_asked(
     engine: sa.Engine, make_rows: Any, read_rows: Any, admin: Any
 ) -> None:
@@ -258,12 +264,14 @@ def test_show_prints_every_column_and_the_payload_only_when_asked(
     assert data["payload"] == {"text": '{"n":0}'}
     with engine.begin() as conn:
         conn.execute(
-            sa.text("UPDATE outbox_events SET payload = X'FF00' WHERE id = :i"), {"i": row_id}
+            sa.text("UPDATE outbox_events SET payload = :p WHERE id = :i"),
+            {"p": b"\xff\x00", "i": row_id},
         )
     data = json.loads(admin("show", event_id, "--json", "--show-payload").out)
     assert data["payload"] == {"base64": "/wA="}
 
 
+@on_both_databases
 def test_recovery_shows_reclaims_requeues_and_purges(
     engine: sa.Engine, make_rows: Any, admin: Any
 ) -> None:
@@ -314,3 +322,13 @@ def test_log_format_is_an_admin_setting_and_the_root_logger_is_left_as_found(
     bad = admin("status", "--log-format", "xml")
     assert bad.code == 2
     assert "--log-format" in bad.err
+
+
+@pytest.mark.unit
+def test_a_database_admin_does_not_run_on_exits_2(cli: Any, tmp_path: Path) -> None:
+    res = cli(["admin", "status", "--db-url", f"sqlite:///{tmp_path}/outbox.db"])
+    assert res.code == 2, (res.out, res.err)
+    assert "--db-url / OUTBOXKIT_DB_URL" in res.err
+    assert "MySQL/MariaDB or PostgreSQL" in res.err and "sqlite" in res.err
+    assert "Traceback" not in res.err
+    assert not (tmp_path / "outbox.db").exists()  # refused before connecting

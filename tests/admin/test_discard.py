@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
 
 from outboxkit.schema import outbox_table, recovery_table
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 def recovery_events(engine: sa.Engine, kind: str = "discard") -> list[dict[str, Any]]:

@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
 
 from outboxkit import enqueue
 from outboxkit.admin import purge, purge_delivered, run_retention
 from outboxkit.schema import outbox_table, recovery_table
+from outboxkit.schema.table import db_now
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 ReadRows = Callable[..., dict[int, sa.Row[Any]]]
 DAY = 86400.0
@@ -36,9 +38,7 @@ def make_mixed_table(make_rows: Any, old: int) -> tuple[list[int], list[int]]:
         kept += make_rows(3, status=status, age_s=10 * DAY)
     kept += make_rows(2, status="delivering", age_s=10 * DAY, lease_s=-DAY)
     # delivered long ago per created_at, but only just now per delivered_at
-    kept += make_rows(
-        2, status="delivered", age_s=10 * DAY, delivered_at=sa.text("UTC_TIMESTAMP(6)")
-    )
+    kept += make_rows(2, status="delivered", age_s=10 * DAY, delivered_at=db_now())
     return old_ids, kept
 
 

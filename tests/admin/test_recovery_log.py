@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.databases import on_both_databases
 
 from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.finalize import _record_acked_ahead, decide
@@ -36,6 +37,7 @@ def _claimed(row_id: int) -> ClaimedRow:
     )
 
 
+@on_both_databases
 def test_an_out_of_order_record_of_200_rows_round_trips_as_json(
     engine: sa.Engine, outbox: str, admin: Any
 ) -> None:
@@ -103,6 +105,7 @@ def test_any_detail_becomes_valid_json_within_the_bound(
         assert parsed["truncated"] is True
 
 
+@on_both_databases
 def test_an_oversized_detail_is_stored_whole_and_valid(
     engine: sa.Engine, outbox: str, admin: Any
 ) -> None:

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
+from support.dbsql import db_time
 
 from outboxkit.admin import Selection, requeue
 from outboxkit.schema import outbox_table, recovery_table
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 ReadRows = Callable[..., dict[int, sa.Row[Any]]]
 
@@ -28,7 +30,7 @@ def recovery_events(engine: sa.Engine, kind: str = "requeue") -> list[dict[str, 
 
 def db_now(engine: sa.Engine) -> Any:
     with engine.connect() as conn:
-        return conn.execute(sa.text("SELECT UTC_TIMESTAMP(6)")).scalar_one()
+        return conn.execute(sa.select(db_time(conn))).scalar_one()
 
 
 def test_requeue_all_failed_resets_rows_and_records_it(
@@ -219,7 +221,7 @@ def test_a_row_claimed_while_requeue_runs_stays_with_the_relay(
                     status="delivering",
                     lease_owner="relay-b",
                     lease_token="b" * 32,
-                    lease_expires_at=sa.text("UTC_TIMESTAMP(6) + INTERVAL 30 SECOND"),
+                    lease_expires_at=db_time(conn, 30),
                 )
             )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
 from support.waiting import bound, wait_for
 
 from outboxkit.admin import read_shards
@@ -11,6 +12,7 @@ from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_admin_status_shows_the_owners_the_leases_wrote(
     engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str
 ) -> None:

@@ -24,6 +24,8 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from kafkahelp import committed, produce, read_all, wait_for
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from support.databases import on_both_databases
+from support.dbsql import kill_connection
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message
 from outboxkit.consumer.asyncio_handler import HandlerCancelled, LoopThread
@@ -177,6 +179,10 @@ def test_an_engine_of_the_wrong_kind_is_refused_at_construction() -> None:
 @pytest.mark.unit
 def test_the_inbox_url_gets_the_asyncio_driver() -> None:
     assert async_db_url("mysql+pymysql://u:p@h/db").drivername == "mysql+asyncmy"
+    # psycopg 3 is an asyncio driver too: create_async_engine takes the same URL.
+    assert async_db_url("postgresql+psycopg://u:p@h/db").drivername == "postgresql+psycopg"
+    assert async_db_url("postgresql://u:p@h/db").drivername == "postgresql+psycopg"
+    assert async_db_url("postgresql+psycopg2://u:p@h/db").drivername == "postgresql+psycopg"
     assert async_db_url("mysql://u:p@h/db").drivername == "mysql+asyncmy"
     assert async_db_url("mysql+asyncmy://u:p@h/db").drivername == "mysql+asyncmy"
     assert async_db_url("mysql+pymysql://u:p@h/db").password == "p"
@@ -235,6 +241,7 @@ def _count(engine: sa.Engine, table: str) -> int:
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_a_handler_cancelled_at_the_drain_deadline_rolls_back_is_unknown_and_redelivered(
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
@@ -294,7 +301,9 @@ class RecordsConnection(Consumer):
         self.connections: list[int] = []
 
     async def handle(self, message: Message) -> None:
-        result = await message.async_tx.exec_driver_sql("SELECT CONNECTION_ID()")
+        postgres = message.async_tx.dialect.name == "postgresql"
+        query = "SELECT pg_backend_pid()" if postgres else "SELECT CONNECTION_ID()"
+        result = await message.async_tx.exec_driver_sql(query)
         self.connections.append(int(result.scalar_one()))
         await message.async_tx.execute(
             effects.insert().values(
@@ -307,6 +316,7 @@ class RecordsConnection(Consumer):
 
 
 @pytest.mark.integration
+@on_both_databases
 def test_a_lost_async_inbox_connection_is_retried_and_replaced_never_dead_lettered(
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
@@ -328,7 +338,7 @@ def test_a_lost_async_inbox_connection_is_retried_and_replaced_never_dead_letter
         wait_for(lambda: len(consumer.connections) == 1, 20, what="the first message")
         # The server drops the worker's held connection between two messages.
         with engine.connect() as admin:
-            admin.exec_driver_sql(f"KILL {consumer.connections[0]}")
+            kill_connection(admin, consumer.connections[0])
         produce(kafka_bootstrap, topic, [(b"k", b"b", "e-2")])
         wait_for(
             lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2}, 30, what="2 committed"

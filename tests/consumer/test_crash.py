@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from consumer_apps import effects
 from kafkahelp import FAST_GROUP, committed, make_events, offsets_all_below, produce, wait_for
 from procs import ConsumerProcess
+from support.databases import on_both_databases
 
 from outboxkit.schema import apply_schema
 
@@ -44,6 +45,7 @@ def _count(engine: sa.Engine) -> int:
         return int(conn.execute(sa.select(sa.func.count()).select_from(effects)).scalar_one())
 
 
+@on_both_databases
 @pytest.mark.parametrize("app", APPS, ids=["sync", "async"])
 def test_sigkill_at_a_random_point_loses_nothing_and_the_inbox_applies_each_event_once(
     app: str,

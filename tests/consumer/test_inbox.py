@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +14,13 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from kafkahelp import committed, produce, wait_for
+from support.databases import on_both_databases
+from support.dbsql import connection_id, kill_connection
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
 from outboxkit.consumer.inbox import Inbox, inbox_group_key, inbox_key
 from outboxkit.schema import apply_schema
+from outboxkit.schema.table import db_now, inbox_table
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +77,7 @@ def _rows(engine: sa.Engine, query: str) -> list[Any]:
         return list(conn.execute(sa.text(query)))
 
 
+@on_both_databases
 @pytest.mark.parametrize(
     "consumer_class", [WriteThenMaybeFail, AsyncWriteThenMaybeFail], ids=["sync", "async"]
 )
@@ -136,6 +142,7 @@ def test_tx_without_the_inbox_is_a_clear_error() -> None:
         _ = message.tx
 
 
+@on_both_databases
 def test_a_worker_keeps_its_connection_and_hands_it_back_after_a_failure(
     engine: sa.Engine,
 ) -> None:
@@ -165,9 +172,9 @@ def test_a_worker_keeps_its_connection_and_hands_it_back_after_a_failure(
     with engine.connect() as admin:
         held = inbox._held.conn
         assert held is not None
-        conn_id = held.exec_driver_sql("SELECT CONNECTION_ID()").scalar()
+        conn_id = connection_id(held)
         held.rollback()
-        admin.exec_driver_sql(f"KILL {conn_id}")
+        kill_connection(admin, conn_id)
     with pytest.raises(sa.exc.OperationalError):
         inbox.run(msg(3), handler)
     assert inbox.run(msg(3), handler) is False
@@ -241,6 +248,7 @@ def _deliveries(draw: st.DrawFn) -> list[tuple[Coordinates, bytes | None]]:
     return [records[i] for i in order]
 
 
+@on_both_databases
 @hypothesis_settings(
     max_examples=60,
     deadline=None,
@@ -281,10 +289,14 @@ def test_a_record_handled_before_the_upgrade_is_still_a_duplicate(engine: sa.Eng
     apply_schema(engine, shards=8)
     with engine.begin() as conn:
         conn.execute(
-            sa.text(
-                "INSERT INTO outbox_inbox VALUES ('billing', 'orders/0/3', 'orders', 0, 3, "
-                "UTC_TIMESTAMP(6))"
-            )
+            inbox_table().insert().values(processed_at=db_now()),
+            {
+                "group_id": "billing",
+                "event_id": "orders/0/3",
+                "topic": "orders",
+                "kafka_partition": 0,
+                "kafka_offset": 3,
+            },
         )
     inbox = Inbox(engine, group_id="billing", table="outbox_inbox")
     handled: list[Message] = []
@@ -317,6 +329,7 @@ class Recorder(Consumer):
         self.handled.append((message.topic, message.offset))
 
 
+@on_both_databases
 def test_events_that_only_look_alike_are_each_handled_once_on_kafka(
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
@@ -387,3 +400,146 @@ def test_inbox_keys_are_equal_only_for_the_same_event_and_always_storable(
         assert len(key) <= 255 and "\x00" not in key
         key.encode("utf-8")  # storable: no lone surrogates
     assert (inbox_group_key(group) == inbox_group_key(group + "x")) is False
+
+
+# -- concurrency and transaction rules on each database ----------------------------------
+
+
+def _inbox_inserts_waiting(engine: sa.Engine) -> int:
+    """Sessions of this test's database in the middle of an inbox INSERT.
+
+    A one-row INSERT that is still running is one that waits for a row lock. (Not
+    ``information_schema.innodb_trx``: MariaDB refreshes it only after 100 ms
+    without a read, so polling it can keep seeing the past.)
+    """
+    if engine.dialect.name == "postgresql":
+        query = (
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO outbox_inbox%%'"
+        )
+    else:
+        query = (
+            "SELECT COUNT(*) FROM information_schema.processlist "
+            "WHERE db = DATABASE() AND info LIKE 'INSERT INTO outbox_inbox%%'"
+        )
+    with engine.connect() as conn:
+        return int(conn.exec_driver_sql(query).scalar_one())
+
+
+def _write_effect(message: Message, pid: int) -> None:
+    message.tx.execute(
+        effects.insert().values(
+            event_id=message.identity[:64],
+            kafka_partition=message.partition,
+            kafka_offset=message.offset,
+            pid=pid,
+        )
+    )
+
+
+@on_both_databases
+@pytest.mark.parametrize("first_outcome", ["commits", "fails"])
+def test_two_consumers_racing_one_message_apply_it_once(
+    db_url: str, engine: sa.Engine, first_outcome: str
+) -> None:
+    """After a rebalance, the old and the new owner may handle the same record at once.
+
+    The second one's inbox insert waits for the first one's transaction: it skips the
+    message if the first commits, and handles it if the first rolls back. Never both.
+    """
+    apply_schema(engine, shards=8)
+    effects.metadata.create_all(engine)
+    # Two consumer processes: two engines, two pools, two sessions.
+    other_engine = sa.create_engine(db_url)
+    first = Inbox(engine, group_id="billing", table="outbox_inbox")
+    second = Inbox(other_engine, group_id="billing", table="outbox_inbox")
+    message = Message(
+        topic="orders",
+        partition=0,
+        offset=7,
+        key=b"k",
+        value=b"v",
+        headers=[("event_id", b"ev-race")],
+    )
+    inside, go = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def slow_handler(m: Message) -> None:
+        _write_effect(m, 1)
+        inside.set()
+        assert go.wait(30)
+        if first_outcome == "fails":
+            raise RuntimeError("the first owner's handler failed after writing")
+
+    def run(name: str, inbox: Inbox, handler: Callable[[Message], None]) -> None:
+        try:
+            results[name] = inbox.run(message, handler)
+        except Exception as exc:
+            results[name] = exc
+        finally:
+            inbox.release()
+
+    a = threading.Thread(target=run, args=("first", first, slow_handler))
+    b = threading.Thread(target=run, args=("second", second, lambda m: _write_effect(m, 2)))
+    try:
+        a.start()
+        assert inside.wait(20)
+        b.start()
+        wait_for(
+            lambda: _inbox_inserts_waiting(engine) == 1, 20, what="the second waits on the row"
+        )
+        assert "second" not in results
+    finally:
+        go.set()
+        a.join(30)
+        b.join(30)
+        other_engine.dispose()
+    pids = [r[0] for r in _rows(engine, "SELECT pid FROM effects")]
+    inbox_rows = _rows(engine, "SELECT event_id FROM outbox_inbox")
+    if first_outcome == "commits":
+        assert results == {"first": False, "second": True}
+        assert pids == [1]
+    else:
+        assert isinstance(results["first"], RuntimeError)
+        assert results["second"] is False
+        assert pids == [2]
+    assert [r[0] for r in inbox_rows] == ["ev-race"]
+
+
+def test_on_postgresql_a_handler_that_swallows_a_database_error_commits_nothing(
+    pg_url: str,
+) -> None:
+    """PostgreSQL aborts the whole transaction on an error; its COMMIT then rolls back
+    without a word. A handler that catches the error and returns must not have its
+    message counted as handled with neither its effects nor its inbox row stored."""
+    engine = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, shards=8)
+        effects.metadata.create_all(engine)
+        inbox = Inbox(engine, group_id="billing", table="outbox_inbox")
+
+        def swallows(m: Message) -> None:
+            _write_effect(m, 1)
+            # A handler that goes on after a database error.
+            with contextlib.suppress(sa.exc.DBAPIError):
+                m.tx.exec_driver_sql("SELECT 1 / 0")
+
+        def savepoint(m: Message) -> None:
+            _write_effect(m, 2)
+            # Rolled back to the savepoint: the transaction goes on.
+            with contextlib.suppress(sa.exc.DBAPIError), m.tx.begin_nested():
+                m.tx.exec_driver_sql("SELECT 1 / 0")
+
+        message = Message(topic="orders", partition=0, offset=1, key=None, value=b"v")
+        try:
+            with pytest.raises(RetryableError, match="transaction was aborted"):
+                inbox.run(message, swallows)
+            assert _rows(engine, "SELECT pid FROM effects") == []
+            assert inbox.run(message, savepoint) is False  # not a duplicate: handled now
+            assert inbox.run(message, swallows) is True
+        finally:
+            inbox.release()
+        assert [r[0] for r in _rows(engine, "SELECT pid FROM effects")] == [2]
+        assert len(_rows(engine, "SELECT event_id FROM outbox_inbox")) == 1
+    finally:
+        engine.dispose()

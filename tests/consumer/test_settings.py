@@ -208,3 +208,75 @@ def test_consumer_start_line_masks_key_material(
     assert [r["setting"] for r in proc.events("secret-too-short")] == [
         "--db-url / OUTBOXKIT_DB_URL (URL password)"
     ]
+
+
+# -- which databases the inbox runs on ---------------------------------------------------
+
+_PG_URL = "postgresql+psycopg://app:pg-secret@127.0.0.1:1/shop"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [_PG_URL, "postgresql://app:pw@db/shop", "mysql+pymysql://app:pw@db/shop"],
+)
+def test_the_inbox_takes_a_mysql_or_postgresql_url(url: str) -> None:
+    loaded = load(ConsumerSettings, environ={"OUTBOXKIT_DB_URL": url, "OUTBOXKIT_INBOX": "true"})
+    assert loaded.db_url == url and loaded.inbox
+
+
+def test_the_inbox_refuses_another_database_naming_the_setting() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(
+            ConsumerSettings,
+            environ={"OUTBOXKIT_DB_URL": "sqlite:///inbox.db", "OUTBOXKIT_INBOX": "true"},
+        )
+    message = str(info.value)
+    assert "--db-url / OUTBOXKIT_DB_URL" in message
+    assert "MySQL/MariaDB or PostgreSQL" in message and "sqlite" in message
+    # Without the inbox the consumer does not use the database: nothing to refuse.
+    load(ConsumerSettings, environ={"OUTBOXKIT_DB_URL": "sqlite:///inbox.db"})
+
+
+def test_the_console_refuses_an_sqlite_inbox_with_exit_2(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "outboxkit", "consume", "consumer_apps:Sleepy",
+            "--kafka-bootstrap", "127.0.0.1:1", "--group-id", "g", "--topics", "t",
+            "--health-port", "0", "--inbox", "--db-url", f"sqlite:///{tmp_path}/inbox.db",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "health-server-started" not in done.stderr
+    assert "--db-url / OUTBOXKIT_DB_URL" in done.stderr
+    assert "MySQL/MariaDB or PostgreSQL" in done.stderr
+
+
+def test_an_embedded_consumer_takes_a_postgresql_inbox_engine_and_refuses_sqlite() -> None:
+    import sqlalchemy as sa
+
+    from outboxkit.consumer import Consumer, Message
+
+    class Noop(Consumer):
+        topics = ("t",)
+        group_id = "g"
+
+        def handle(self, message: Message) -> None:
+            pass
+
+    settings = ConsumerSettings(kafka_bootstrap="127.0.0.1:1", inbox=True, health_port=0)
+    postgres, sqlite = sa.create_engine(_PG_URL), sa.create_engine("sqlite://")
+    try:
+        Noop(settings, engine=postgres)  # nothing connects before run()
+        with pytest.raises(ConfigError, match=r"engine=.*MySQL/MariaDB or PostgreSQL.*sqlite"):
+            Noop(settings, engine=sqlite)
+        Noop(ConsumerSettings(kafka_bootstrap="127.0.0.1:1", health_port=0), engine=sqlite)
+    finally:
+        postgres.dispose()
+        sqlite.dispose()
