@@ -82,6 +82,20 @@ class Check:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
+def writer_done(cfg: RunConfig, exit_code: int | None, done: dict[str, Any] | None) -> Check:
+    """The writer committed every event of the run (else the other checks would
+    pass on what little it wrote)."""
+    written = int(done["written"]) if done else 0
+    ok = exit_code == 0 and written == cfg.events
+    return Check(
+        "writer committed every event",
+        ok,
+        f"writer exited {exit_code}, committed {written} of {cfg.events}",
+        [] if ok else ["see writer.log"],
+        figures={"written": written},
+    )
+
+
 def run_checks(cfg: RunConfig, obs: Observed) -> list[Check]:
     return [
         nothing_lost(obs),

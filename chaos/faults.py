@@ -95,7 +95,28 @@ class Injector:
 
     def _note_lease_ends(self, proc: Proc, why: str) -> None:
         """A killed or frozen relay renews nothing: its leases end at Redis's
-        ``TIME + PTTL``, which it cannot log itself."""
+        ``TIME + PTTL``, which it cannot log itself.
+
+        Advisory locks: a killed relay's session ends with it, and the server
+        drops its locks then (after the kill, before anyone else can take them),
+        so every shard it held ends at the kill. A frozen relay keeps its session
+        and so its locks: nothing ends."""
+        if self.fleet.cfg.ownership == "advisory":
+            if why == "killed":
+                at = proc.stopped_at or time.time()
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at))
+                ts = f"{stamp}.{int(at % 1 * 1000):03d}Z"
+                self.lease_ends.extend(
+                    {
+                        "event": "shard-lost",
+                        "node_id": proc.node_id,
+                        "shard": shard,
+                        "ts": ts,
+                        "reason": "session-ended-killed",
+                    }
+                    for shard in range(self.fleet.cfg.shards)
+                )
+            return
         client = self.cluster.redis_client()
         try:
             keys = [lease_key(REDIS_PREFIX, TABLE, s) for s in range(self.fleet.cfg.shards)]

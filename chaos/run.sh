@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The chaos suite's one command:  ./chaos/run.sh [--smoke|--medium] [--seed N]
 #                                   [--events N] [--keys N] [--duration S] [--keep]
+#                                   [--database mariadb|postgresql] [--ownership redis|advisory]
 # Default: the full run (1,000,000 events, 10,000 keys, 3 relays, 2 consumers,
-# >= 200 faults, about 30 minutes). Starts its own named MariaDB, Kafka, Redis
+# >= 200 faults, about 30 minutes). Starts its own named MariaDB (or PostgreSQL), Kafka, Redis
 # and Toxiproxy instances on free ports and removes them afterwards.
 # Exit 0 when every check passed; 1 when one failed (evidence printed).
 set -euo pipefail

@@ -26,7 +26,15 @@ from typing import Any
 import sqlalchemy as sa
 import tenacity
 
-from chaos.checks import Check, KafkaCopy, Observed, Row, faults_before, run_checks
+from chaos.checks import (
+    Check,
+    KafkaCopy,
+    Observed,
+    Row,
+    faults_before,
+    run_checks,
+    writer_done,
+)
 from chaos.cluster import Cluster
 from chaos.config import RunConfig, parse_args
 from chaos.faults import FaultRecord, Injector
@@ -165,7 +173,10 @@ class Run:
         say("stopping relays and consumers (SIGTERM; these drains are checked too)")
         self.fleet.stop_all()
         obs = self._observe()
-        checks = run_checks(self.cfg, obs)
+        checks = [
+            writer_done(self.cfg, writer.exit_code, wrote[-1] if wrote else None),
+            *run_checks(self.cfg, obs),
+        ]
         summary = self._summary(checks, obs, started, settled, writer)
         return self._verdict(checks, summary)
 

@@ -42,12 +42,15 @@ def commit(engine: sa.Engine, batch: list[Event]) -> str:
 def main(argv: list[str]) -> int:
     db_url, topic, total_s, keys_s, seconds_s, seed_s = argv
     total, keys, seconds, seed = int(total_s), int(keys_s), float(seconds_s), int(seed_s)
-    engine = sa.create_engine(
-        db_url,
-        pool_pre_ping=True,
-        pool_size=1,
-        connect_args={"read_timeout": 10, "write_timeout": 10},
-    )
+    # A statement the database does not answer gives up after 10 s (then retried).
+    if sa.make_url(db_url).get_backend_name() == "postgresql":
+        timeouts: dict[str, object] = {
+            "connect_timeout": 10,
+            "options": "-c statement_timeout=10000",
+        }
+    else:
+        timeouts = {"read_timeout": 10, "write_timeout": 10}
+    engine = sa.create_engine(db_url, pool_pre_ping=True, pool_size=1, connect_args=timeouts)
     rate = total / seconds
     started = time.monotonic()
     retrying = Retrying(

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.fault]
 REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("CHAOS_SEED", "11"))
 CHECKS = {
+    "writer committed every event",
     "nothing lost",
     "per-key order",
     "duplicates accounted for",
