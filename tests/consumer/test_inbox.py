@@ -17,7 +17,14 @@ from kafkahelp import committed, produce, wait_for
 from support.databases import on_both_databases
 from support.dbsql import connection_id, kill_connection
 
-from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
+from outboxkit.consumer import (
+    Consumer,
+    ConsumerSettings,
+    InboxTransactionAborted,
+    Message,
+    RetryableError,
+)
+from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.inbox import Inbox, inbox_group_key, inbox_key
 from outboxkit.schema import apply_schema
 from outboxkit.schema.table import db_now, inbox_table
@@ -532,8 +539,10 @@ def test_on_postgresql_a_handler_that_swallows_a_database_error_commits_nothing(
 
         message = Message(topic="orders", partition=0, offset=1, key=None, value=b"v")
         try:
-            with pytest.raises(RetryableError, match="transaction was aborted"):
+            with pytest.raises(InboxTransactionAborted, match="transaction was aborted") as info:
                 inbox.run(message, swallows)
+            # Retried with backoff, then dead-lettered: never counted as handled.
+            assert classify(info.value) is Classification.TRANSIENT
             assert _rows(engine, "SELECT pid FROM effects") == []
             assert inbox.run(message, savepoint) is False  # not a duplicate: handled now
             assert inbox.run(message, swallows) is True
