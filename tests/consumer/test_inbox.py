@@ -445,20 +445,24 @@ def _write_effect(message: Message, pid: int) -> None:
 
 
 @on_both_databases
+@pytest.mark.parametrize("isolation", ["default", "SERIALIZABLE"])
 @pytest.mark.parametrize("first_outcome", ["commits", "fails"])
 def test_two_consumers_racing_one_message_apply_it_once(
-    db_url: str, engine: sa.Engine, first_outcome: str
+    db_url: str, engine: sa.Engine, first_outcome: str, isolation: str
 ) -> None:
     """After a rebalance, the old and the new owner may handle the same record at once.
 
     The second one's inbox insert waits for the first one's transaction: it skips the
     message if the first commits, and handles it if the first rolls back. Never both.
+    Also with the service's engines at SERIALIZABLE (on PostgreSQL the waiting insert
+    then fails with a serialization error instead of inserting nothing).
     """
     apply_schema(engine, shards=8)
     effects.metadata.create_all(engine)
     # Two consumer processes: two engines, two pools, two sessions.
-    other_engine = sa.create_engine(db_url)
-    first = Inbox(engine, group_id="billing", table="outbox_inbox")
+    options = {} if isolation == "default" else {"isolation_level": isolation}
+    other_engine = sa.create_engine(db_url, **options)
+    first = Inbox(engine.execution_options(**options), group_id="billing", table="outbox_inbox")
     second = Inbox(other_engine, group_id="billing", table="outbox_inbox")
     message = Message(
         topic="orders",
