@@ -5,7 +5,12 @@ See ``docs/consumer.md``.
 
 from outboxkit.consumer.base import Consumer
 from outboxkit.consumer.dlq import DeadLetterUnavailable
-from outboxkit.consumer.errors import Classification, InvalidMessageError, RetryableError
+from outboxkit.consumer.errors import (
+    Classification,
+    InboxTransactionAborted,
+    InvalidMessageError,
+    RetryableError,
+)
 from outboxkit.consumer.message import EVENT_ID_HEADER, Message
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.errors import PermanentError, TransientError
@@ -16,6 +21,7 @@ __all__ = [
     "Consumer",
     "ConsumerSettings",
     "DeadLetterUnavailable",
+    "InboxTransactionAborted",
     "InvalidMessageError",
     "Message",
     "PermanentError",

@@ -17,7 +17,14 @@ from kafkahelp import committed, produce, wait_for
 from support.databases import on_both_databases
 from support.dbsql import connection_id, kill_connection
 
-from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
+from outboxkit.consumer import (
+    Consumer,
+    ConsumerSettings,
+    InboxTransactionAborted,
+    Message,
+    RetryableError,
+)
+from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.inbox import Inbox, inbox_group_key, inbox_key
 from outboxkit.schema import apply_schema
 from outboxkit.schema.table import db_now, inbox_table
@@ -438,20 +445,24 @@ def _write_effect(message: Message, pid: int) -> None:
 
 
 @on_both_databases
+@pytest.mark.parametrize("isolation", ["default", "SERIALIZABLE"])
 @pytest.mark.parametrize("first_outcome", ["commits", "fails"])
 def test_two_consumers_racing_one_message_apply_it_once(
-    db_url: str, engine: sa.Engine, first_outcome: str
+    db_url: str, engine: sa.Engine, first_outcome: str, isolation: str
 ) -> None:
     """After a rebalance, the old and the new owner may handle the same record at once.
 
     The second one's inbox insert waits for the first one's transaction: it skips the
     message if the first commits, and handles it if the first rolls back. Never both.
+    Also with the service's engines at SERIALIZABLE (on PostgreSQL the waiting insert
+    then fails with a serialization error instead of inserting nothing).
     """
     apply_schema(engine, shards=8)
     effects.metadata.create_all(engine)
     # Two consumer processes: two engines, two pools, two sessions.
-    other_engine = sa.create_engine(db_url)
-    first = Inbox(engine, group_id="billing", table="outbox_inbox")
+    options = {} if isolation == "default" else {"isolation_level": isolation}
+    other_engine = sa.create_engine(db_url, **options)
+    first = Inbox(engine.execution_options(**options), group_id="billing", table="outbox_inbox")
     second = Inbox(other_engine, group_id="billing", table="outbox_inbox")
     message = Message(
         topic="orders",
@@ -532,8 +543,10 @@ def test_on_postgresql_a_handler_that_swallows_a_database_error_commits_nothing(
 
         message = Message(topic="orders", partition=0, offset=1, key=None, value=b"v")
         try:
-            with pytest.raises(RetryableError, match="transaction was aborted"):
+            with pytest.raises(InboxTransactionAborted, match="transaction was aborted") as info:
                 inbox.run(message, swallows)
+            # Retried with backoff, then dead-lettered: never counted as handled.
+            assert classify(info.value) is Classification.TRANSIENT
             assert _rows(engine, "SELECT pid FROM effects") == []
             assert inbox.run(message, savepoint) is False  # not a duplicate: handled now
             assert inbox.run(message, swallows) is True
