@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from relay_support import EmbeddedRelay, add_events, consume, fast_settings, wait_for
 
 from outboxkit import Event
+from outboxkit.relay.leases import RedisShardLeases
 from outboxkit.relay.pg_shards import PgAdvisoryShards
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.relay.shards import default_ownership
@@ -89,6 +90,25 @@ def test_postgresql_without_redis_gets_advisory_locks_and_notify(
     try:
         assert isinstance(waker, PgNotifyWaker) and opened == "pg-wakeups"
         wait_for(waker.listening.is_set, timeout=10, what="LISTEN")
+    finally:
+        waker.close()
+
+
+def test_postgresql_with_redis_gets_redis_leases_and_still_notify(
+    pg_engine: sa.Engine, pg_url: str, kafka_bootstrap: str, redis_url: str, redis_prefix: str
+) -> None:
+    s = fast_settings(pg_url, kafka_bootstrap, redis_url=redis_url, redis_prefix=redis_prefix)
+    ownership, monitor = default_ownership(
+        s, SHARDS, registry=CollectorRegistry(), logger=logging.getLogger("t")
+    )
+    try:
+        assert isinstance(ownership, RedisShardLeases) and monitor is None
+    finally:
+        ownership.close()
+    lifecycle = Lifecycle(service="t", node_id="n", shutdown_timeout=5.0)
+    waker, opened = default_waker(s, lifecycle, logger=logging.getLogger("t"))
+    try:  # NOTIFY is sent at commit by enqueue itself: preferred over Redis hints
+        assert isinstance(waker, PgNotifyWaker) and opened == "pg-wakeups"
     finally:
         waker.close()
 
