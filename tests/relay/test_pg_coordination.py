@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from relay_support import EmbeddedRelay, add_events, consume, fast_settings, wait_for
+from relay_support import FAST, EmbeddedRelay, add_events, consume, fast_settings, wait_for
 
 from outboxkit import Event
+from outboxkit.relay import RelaySettings
 from outboxkit.relay.leases import RedisShardLeases
 from outboxkit.relay.pg_shards import PgAdvisoryShards
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
@@ -225,3 +226,23 @@ def test_a_relay_whose_session_dies_stops_claiming_then_comes_back(
     )
     assert a.stop() == 0 and b.stop() == 0
     assert len(_first_delivery_order(consume(kafka_bootstrap, topic, expected=200))) == 200
+
+
+def test_an_embedded_relay_given_only_a_postgresql_engine_coordinates_the_same_way(
+    pg_engine: sa.Engine,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    settings = RelaySettings(  # no db_url: the engine is all the relay gets
+        kafka_bootstrap=kafka_bootstrap, kafka_config={"message.timeout.ms": "2000"}, **FAST
+    )
+    relay = embedded(settings, engine=pg_engine)
+    assert len(_ownership(relay).claimable()) == SHARDS
+    waker = relay.relay._waker
+    assert isinstance(waker, PgNotifyWaker)
+    wait_for(waker.listening.is_set, timeout=10, what="the relay listening")
+    add_events(pg_engine, TABLE, [Event(topic=topic, key="k", payload={"n": 0})])
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") >= 1, timeout=10, what="delivery")
+    assert relay.stop() == 0
