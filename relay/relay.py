@@ -16,6 +16,7 @@ exit record and ``outbox_shutdown_pending`` and comes back after its lease expir
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -637,14 +638,16 @@ class Relay:
             self._publisher = Publisher(s)
             self._open.append("kafka-producer")
             self._publisher.check_reachable(s.connect_timeout)
+            # Coordination follows the database the relay really uses (engine=).
+            coord = s if s.db_url else self._with_engine_url(s)
             if self._ownership is None:
                 self._ownership, self._foreign = default_ownership(
-                    s, shard_count, registry=self.registry, logger=log
+                    coord, shard_count, registry=self.registry, logger=log
                 )
             self._ownership.start(self._inflight_shards)
             self._open.append("shard-ownership")
             if self._own_waker:  # NOTIFY on PostgreSQL, Redis hints on MySQL, or polling
-                self._waker, opened = default_waker(s, self.lifecycle, logger=log)
+                self._waker, opened = default_waker(coord, self.lifecycle, logger=log)
                 self._open.extend([opened] if opened else [])
         except ConfigError as exc:
             return drain.failed_start(self, "config", EXIT_CONFIG, exc)
@@ -664,6 +667,12 @@ class Relay:
             settings=describe(s),
         )
         return None
+
+    def _with_engine_url(self, s: RelaySettings) -> RelaySettings:
+        """``s`` with the URL of the engine it was given, for the sessions of its own
+        that PostgreSQL coordination opens (advisory locks, LISTEN)."""
+        url = self.engine.url.render_as_string(hide_password=False)
+        return dataclasses.replace(s, db_url=url)
 
     def _read_shard_count(self) -> int:
         """The first database round trip, retried while the database is unreachable

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -16,9 +17,21 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from relay_support import EmbeddedRelay, add_events, consume, fast_settings, wait_for
+from relay_support import (
+    FAST,
+    EmbeddedRelay,
+    RelayProcess,
+    add_events,
+    cli_args,
+    consume,
+    fast_settings,
+    wait_for,
+)
+from test_pg_shards import server_owners
 
 from outboxkit import Event
+from outboxkit.relay import RelaySettings
+from outboxkit.relay.leases import RedisShardLeases
 from outboxkit.relay.pg_shards import PgAdvisoryShards
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.relay.shards import default_ownership
@@ -89,6 +102,25 @@ def test_postgresql_without_redis_gets_advisory_locks_and_notify(
     try:
         assert isinstance(waker, PgNotifyWaker) and opened == "pg-wakeups"
         wait_for(waker.listening.is_set, timeout=10, what="LISTEN")
+    finally:
+        waker.close()
+
+
+def test_postgresql_with_redis_gets_redis_leases_and_still_notify(
+    pg_engine: sa.Engine, pg_url: str, kafka_bootstrap: str, redis_url: str, redis_prefix: str
+) -> None:
+    s = fast_settings(pg_url, kafka_bootstrap, redis_url=redis_url, redis_prefix=redis_prefix)
+    ownership, monitor = default_ownership(
+        s, SHARDS, registry=CollectorRegistry(), logger=logging.getLogger("t")
+    )
+    try:
+        assert isinstance(ownership, RedisShardLeases) and monitor is None
+    finally:
+        ownership.close()
+    lifecycle = Lifecycle(service="t", node_id="n", shutdown_timeout=5.0)
+    waker, opened = default_waker(s, lifecycle, logger=logging.getLogger("t"))
+    try:  # NOTIFY is sent at commit by enqueue itself: preferred over Redis hints
+        assert isinstance(waker, PgNotifyWaker) and opened == "pg-wakeups"
     finally:
         waker.close()
 
@@ -205,3 +237,70 @@ def test_a_relay_whose_session_dies_stops_claiming_then_comes_back(
     )
     assert a.stop() == 0 and b.stop() == 0
     assert len(_first_delivery_order(consume(kafka_bootstrap, topic, expected=200))) == 200
+
+
+def test_an_embedded_relay_given_only_a_postgresql_engine_coordinates_the_same_way(
+    pg_engine: sa.Engine,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    topic = kafka_topics(partitions=1)
+    settings = RelaySettings(  # no db_url: the engine is all the relay gets
+        kafka_bootstrap=kafka_bootstrap, kafka_config={"message.timeout.ms": "2000"}, **FAST
+    )
+    relay = embedded(settings, engine=pg_engine)
+    assert len(_ownership(relay).claimable()) == SHARDS
+    waker = relay.relay._waker
+    assert isinstance(waker, PgNotifyWaker)
+    wait_for(waker.listening.is_set, timeout=10, what="the relay listening")
+    add_events(pg_engine, TABLE, [Event(topic=topic, key="k", payload={"n": 0})])
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") >= 1, timeout=10, what="delivery")
+    assert relay.stop() == 0
+
+
+def test_relay_processes_killed_and_restarted_keep_every_event_and_key_order(
+    pg_engine: sa.Engine,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """Three ``outboxkit relay`` processes; one is SIGKILLed (its session dies with
+    it, so its shards are free at once), one is restarted with SIGTERM."""
+    topic = kafka_topics(partitions=3)
+    events = [Event(topic=topic, key=f"key-{i % 30}", payload={"n": i}) for i in range(900)]
+
+    def start() -> RelayProcess:
+        return relay_process(cli_args(fast_settings(pg_url, kafka_bootstrap, batch_size=20)))
+
+    def holders() -> set[int]:
+        owners = server_owners(pg_engine)
+        return set(owners.values()) if len(owners) == SHARDS else set()
+
+    relays = [start() for _ in range(3)]
+    wait_for(lambda: len(holders()) == 3, timeout=30, what="three relays sharing the shards")
+    add_events(pg_engine, TABLE, events[:300])
+    before = holders()
+    relays[0].proc.kill()  # SIGKILL: no drain, no release
+    relays[0].wait(10)
+    killed = time.monotonic()
+    wait_for(lambda: len(holders()) == 2 and holders() < before, timeout=10, what="takeover")
+    takeover = time.monotonic() - killed
+    # No lease TTL to wait out: the server freed the locks with the session.
+    assert takeover < FAST["lease_ttl"], f"shards taken over after {takeover:.1f} s"
+    add_events(pg_engine, TABLE, events[300:600])
+    relays[1].signal(signal.SIGTERM)  # a rolling restart
+    assert relays[1].wait(30) == 0
+    relays.append(start())
+    add_events(pg_engine, TABLE, events[600:])
+    wait_for(lambda: len(holders()) == 2 and relays[3].events("shard-acquired"), timeout=30,
+             what="the restarted relay's share")  # fmt: skip
+    messages = consume(kafka_bootstrap, topic, expected=900, timeout=90)
+    order = _first_delivery_order(messages)
+    assert sum(len(v) for v in order.values()) == 900, "an event was lost"
+    for key, ns in order.items():
+        assert ns == sorted(ns), f"{key!r} out of order"
+    for r in (relays[2], relays[3]):
+        r.signal(signal.SIGTERM)
+        assert r.wait(30) == 0
