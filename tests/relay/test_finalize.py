@@ -266,7 +266,14 @@ def test_stale_relay_cannot_finalize_or_release_reclaimed_rows(
 ) -> None:
     topic = kafka_topics(partitions=1)
     add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(10)])
-    fast = {"lease_ttl": 4.0, "flush_timeout": 0.5, "kafka_config": {"message.timeout.ms": "1000"}}
+    # Every shard to both relays: the second must reach the stalled relay's rows
+    # (with advisory locks, PostgreSQL's default, the stalled one keeps its shard).
+    fast = {
+        "lease_ttl": 4.0,
+        "flush_timeout": 0.5,
+        "kafka_config": {"message.timeout.ms": "1000"},
+        "shard_ownership": "all",
+    }
 
     stalled: list[Batch] = []
 
