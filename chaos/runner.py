@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster: Cluster | None = None
     fleet: Fleet | None = None
     try:
-        say("starting MariaDB, Kafka, Redis and Toxiproxy (named instances)")
+        database = "PostgreSQL" if cfg.database == "postgresql" else "MariaDB"
+        say(f"starting {database}, Kafka, Redis and Toxiproxy (named instances)")
         cluster = start_cluster(f"chaos{os.getpid()}", logs, cfg.database)
         cluster.prepare(TOPIC, cfg.partitions, cfg.shards)
         fleet = Fleet(cfg, cluster, TOPIC, logs)

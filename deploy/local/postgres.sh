@@ -63,9 +63,13 @@ shared_buffers = 128MB
 password_encryption = scram-sha-256
 log_destination = 'stderr'
 log_min_messages = warning
-# tests: speed over durability
+# tests: speed over durability, but a commit survives a crash of the server
+# (not of the machine): COMMIT returns once the WAL is written to the OS, like
+# MariaDB's innodb_flush_log_at_trx_commit = 2. With synchronous_commit = off
+# a killed server forgot commits it had acknowledged, and fault tests that
+# restart it saw consumers' effects vanish after their offsets were committed.
 fsync = off
-synchronous_commit = off
+synchronous_commit = on
 full_page_writes = off
 EOF
     cat >"$HBA" <<'EOF'
