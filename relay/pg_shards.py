@@ -37,7 +37,10 @@ pooling mode breaks them (docs/postgresql.md).
 
 Log events: ``rebalance``, ``shard-acquired``, ``shard-released`` (reason
 ``handover`` or ``drain``), ``shard-lost`` (reason ``session-lost``),
-``shard-session-lost`` / ``shard-session-restored``.
+``shard-session-lost`` / ``shard-session-restored``. Acquisitions and releases
+carry ``db_ms``, the server's clock (ms since the epoch) read just after the
+lock was taken or just before it was let go, so every relay's logged holds of a
+shard can be compared on one clock and never overlap.
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ WHERE locktype = 'advisory' AND objsubid = 2 AND granted
   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
 _TRY_LOCK_SQL = "SELECT s, pg_try_advisory_lock(%(k)s, s) FROM unnest(%(shards)s::int[]) AS s"
+#: The server's clock in ms since the epoch, logged as ``db_ms`` with each lock
+#: change: read after taking a lock and before letting one go, so the logged
+#: holds lie inside the real ones (they can be checked for overlaps exactly).
+_NOW_MS_SQL = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 
 def lock_keys(table: str, shard: int) -> tuple[int, int]:
@@ -393,11 +400,19 @@ class PgAdvisoryShards:
                 if self._held.get(s) is not None and s not in self._claiming and s not in inflight
             )
         for shard in ready:
+            db_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
             with self._lock:
                 self._held.pop(shard, None)
             self.metrics.handovers.inc()
-            log_event(self.log, "shard-released", table=self.table, shard=shard, reason="handover")
+            log_event(
+                self.log,
+                "shard-released",
+                table=self.table,
+                shard=shard,
+                reason="handover",
+                db_ms=db_ms,
+            )
 
     def _acquire_targets(self, conn: psycopg.Connection) -> None:
         with self._lock:
@@ -406,12 +421,15 @@ class PgAdvisoryShards:
             return
         rows = conn.execute(_TRY_LOCK_SQL, {"k": self._key, "shards": wanted}).fetchall()
         got = sorted(int(s) for s, ok in rows if ok)
+        if not got:
+            return
+        db_ms = _db_ms(conn)
         with self._lock:
             for shard in got:
                 self._held[shard] = None
         for shard in got:
             self.metrics.acquired.inc()
-            log_event(self.log, "shard-acquired", table=self.table, shard=shard)
+            log_event(self.log, "shard-acquired", table=self.table, shard=shard, db_ms=db_ms)
 
     def _leave(self, conn: psycopg.Connection) -> None:
         """Drain: unlock everything now rather than when the session closes, so the
@@ -420,7 +438,9 @@ class PgAdvisoryShards:
             self._alive = False
             held = sorted(self._held)
             self._held.clear()
+        db_ms: int | None = None
         try:
+            db_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock_all()")
         except Exception as exc:  # the session is ending anyway: the server frees them
             log_event(
@@ -434,10 +454,23 @@ class PgAdvisoryShards:
             )
             return
         for shard in held:
-            log_event(self.log, "shard-released", table=self.table, shard=shard, reason="drain")
+            log_event(
+                self.log,
+                "shard-released",
+                table=self.table,
+                shard=shard,
+                reason="drain",
+                db_ms=db_ms,
+            )
 
     def _set_owned_gauge(self) -> None:
         if self.metrics.owned is None:
             return
         with self._lock:
             self.metrics.owned.set(len(self._held) if self._alive else 0)
+
+
+def _db_ms(conn: psycopg.Connection) -> int:
+    row = conn.execute(_NOW_MS_SQL).fetchone()
+    assert row is not None
+    return int(row[0])

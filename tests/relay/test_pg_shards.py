@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
+from support.ownership import LEASE_EVENTS
+from support.ownership import assert_never_owned_twice as never_owned_twice
 from support.waiting import bound, wait_for
 
 from outboxkit.errors import ConfigError
@@ -257,3 +259,36 @@ def test_keys_do_not_meet_the_schema_lock() -> None:
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError):
         PgAdvisoryShards("postgresql+psycopg://u@h/db", table=TABLE, node_id="n", shard_count=0)
+
+
+def test_lock_changes_carry_the_database_clock_and_never_overlap(
+    make_shards: ShardsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each acquisition and release logs ``db_ms`` (the server's clock, read after
+    a lock is taken and before one is let go): the holds rebuilt from them, as the
+    chaos suite does, never overlap across join, hand-over and drain."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    nodes = ("relay-a", "relay-b", "relay-c")
+    loggers = {n: logging.getLogger(f"outboxkit.test.pgshards.{n}") for n in nodes}
+    a = make_shards("relay-a", logger=loggers["relay-a"])
+    b = make_shards("relay-b", logger=loggers["relay-b"])
+    wait_for(lambda: settled([a, b]), timeout=10, what="two relays")
+    c = make_shards("relay-c", logger=loggers["relay-c"])
+    wait_for(lambda: settled([a, b, c]), timeout=10, what="three relays")
+    a.release_all()
+    wait_for(lambda: settled([b, c]), timeout=10, what="two relays after a drain")
+
+    node_of = {lg.name: n for n, lg in loggers.items()}
+    records = [
+        {
+            "event": r.outboxkit_event,  # type: ignore[attr-defined]
+            "node_id": node_of[r.name],
+            **r.outboxkit_fields,  # type: ignore[attr-defined]
+        }
+        for r in caplog.records
+        if r.name in node_of and getattr(r, "outboxkit_event", None) in LEASE_EVENTS
+    ]
+    changes = [r for r in records if r["event"] in ("shard-acquired", "shard-released")]
+    assert {r["event"] for r in changes} == {"shard-acquired", "shard-released"}
+    assert all(isinstance(r.get("db_ms"), int) for r in changes), changes
+    assert never_owned_twice(records) >= SHARDS + 2  # a's, b's and c's first holds at least

@@ -1,4 +1,6 @@
-"""Shard ownership rebuilt from the relays' lease events, on Redis's clock.
+"""Shard ownership rebuilt from the relays' lease events, on Redis's clock
+(or, for PostgreSQL advisory locks, the database's: ``db_ms``, read after a lock
+is taken and before one is let go, so a logged hold lies inside the real one).
 
 Shared by the relay tests (``tests/relay/test_many_relays.py``) and the chaos
 harness (``chaos/``): both check that two relays never held one shard at the
@@ -65,7 +67,8 @@ def lease_events(records: Iterable[Mapping[str, Any]]) -> list[Event]:
             continue
         if r.get("event") not in LEASE_EVENTS:
             continue
-        at = float(r["redis_ms"]) / 1000 if "redis_ms" in r else _wall(r)
+        clock = r.get("redis_ms", r.get("db_ms"))
+        at = float(clock) / 1000 if clock is not None else _wall(r)
         reason = str(r.get("reason", ""))
         events.append((at, str(r["event"]), str(r["node_id"]), int(r["shard"]), reason))
     events.sort()
