@@ -1,7 +1,8 @@
 """The chaos suite at smoke size, so it cannot rot: ``./chaos/run.sh --smoke``
 runs a writer, three relays and two inbox consumers on its own named MariaDB,
 Kafka and Redis under a few faults of every kind, and every end-of-run check
-must pass (docs/reliability.md).
+must pass (docs/reliability.md). The same on PostgreSQL, with the relays
+sharing shards by advisory locks and woken by NOTIFY (no Redis for them).
 
 The seed is fixed so the suite is deterministic; ``CHAOS_SEED`` replays another.
 """
@@ -33,8 +34,18 @@ CHECKS = {
 }
 
 
+#: (database, shard ownership, fault kinds): MariaDB with Redis leases, every kind;
+#: PostgreSQL with advisory locks, whose relays use no Redis (its faults left out).
+RUNS = {
+    "mariadb-redis": ("mariadb", "redis", 14),
+    "postgresql-advisory": ("postgresql", "advisory", 12),
+}
+
+
 @pytest.mark.timeout(1200)
-def test_smoke_run_passes_every_check() -> None:
+@pytest.mark.parametrize("run", list(RUNS))
+def test_smoke_run_passes_every_check(run: str) -> None:
+    database, ownership, kinds = RUNS[run]
     built = list((REPO / "chaos" / ".bin").glob("toxiproxy-server-*"))
     if not built and not (shutil.which("go") or Path("/usr/local/go/bin/go").exists()):
         reason = "Go is needed to build Toxiproxy for the chaos suite"
@@ -43,7 +54,16 @@ def test_smoke_run_passes_every_check() -> None:
         pytest.skip(reason)
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        [str(REPO / "chaos" / "run.sh"), "--smoke", "--seed", str(SEED)],
+        [
+            str(REPO / "chaos" / "run.sh"),
+            "--smoke",
+            "--seed",
+            str(SEED),
+            "--database",
+            database,
+            "--ownership",
+            ownership,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -58,11 +78,13 @@ def test_smoke_run_passes_every_check() -> None:
     assert path, out[-4000:]
     summary = json.loads(Path(path.group(1)).read_text())
     assert summary["seed"] == SEED and summary["size"] == "smoke"
+    assert summary["config"]["database"] == database
+    assert summary["config"]["ownership"] == ownership
     failed = {k: v["summary"] for k, v in summary["checks"].items() if not v["ok"]}
     assert proc.returncode == 0, f"checks failed: {failed}\n{out[-4000:]}"
     assert set(summary["checks"]) == CHECKS
     assert summary["events"] == 20_000
-    assert len(summary["config"]["faults"]) == 14
+    assert len(summary["config"]["faults"]) == kinds
     assert set(summary["faults"]) == set(summary["config"]["faults"]), "every fault kind ran"
     assert not summary["fault_errors"], summary["fault_errors"]
     assert summary["checks"]["nothing lost"]["lost_kafka"] == 0
