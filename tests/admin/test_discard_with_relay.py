@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from admin.test_requeue_with_relay import event_ids_in, free_port, wait_for
+from support.databases import on_both_databases
 
 from outboxkit.schema import outbox_table
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 @pytest.fixture

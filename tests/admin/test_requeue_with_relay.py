@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.databases import on_both_databases
 from support.waiting import bound
 
 from outboxkit.schema import outbox_table
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, on_both_databases]
 
 
 def free_port() -> int:

@@ -247,6 +247,7 @@ def test_a_header_name_with_a_lone_surrogate_fails_the_row_not_the_process(
     assert [m.value for m in consume(kafka_bootstrap, topic, expected=2)] == [b"1", b"2"]
 
 
+@on_both_databases
 def test_rows_with_a_shard_out_of_range_are_reported_and_delivered_in_key_order(
     engine: sa.Engine,
     db_url: str,
