@@ -204,6 +204,56 @@ class Inbox:
         self._held.used_at = time.monotonic()
         return duplicate
 
+    # -- group transactions (--inbox-batch, see outboxkit.consumer.batching) ----------
+
+    def begin_group(self) -> sa.Connection:
+        """The calling thread's connection with a transaction begun for a group."""
+        conn = self._connection()
+        conn.begin()
+        return conn
+
+    def claim_in_group(self, conn: sa.Connection, message: Message) -> bool:
+        """Insert ``message``'s inbox row in the open group transaction.
+
+        False when it did not go in (a duplicate, or a row another transaction
+        holds and rolled back), and for a key the inbox itself made (``outboxkit:``:
+        the release-1 rules need their own transaction): the group ends before
+        this message, which is then claimed in a transaction of its own
+        (:meth:`run`). A plain read here would see the group's snapshot, not the
+        row as it is now. A duplicate key error ends only the statement on
+        MySQL/MariaDB and ``ON CONFLICT DO NOTHING`` raises none on PostgreSQL, so
+        the rows already inserted stay and the group can still commit. Any other
+        database error is raised: the caller rolls the whole group back.
+        """
+        key = inbox_key(message)
+        if key.startswith(RESERVED_PREFIX):
+            return False
+        row = {
+            "group_id": self._group_key,
+            "event_id": key,
+            "topic": message.topic,
+            "kafka_partition": message.partition,
+            "kafka_offset": message.offset,
+        }
+        if conn.dialect.name == "postgresql":
+            return conn.execute(self._insert_pg, row).first() is not None
+        try:
+            conn.execute(self._insert, row)
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def commit_group(self, conn: sa.Connection) -> None:
+        """Commit the group (refused, as :meth:`run` does, if PostgreSQL aborted it)."""
+        check_not_aborted(conn)
+        conn.commit()
+        self._held.used_at = time.monotonic()
+
+    def end_group(self, conn: sa.Connection) -> None:
+        """Roll back a group with nothing to keep (its first claim did not go in)."""
+        conn.rollback()
+        self._held.used_at = time.monotonic()
+
     def release(self) -> None:
         """Hand the calling thread's connection back to the pool (rolled back)."""
         conn, self._held.conn = self._held.conn, None
