@@ -1,33 +1,38 @@
 """The batched inbox (``--inbox-batch N``): several messages of a lane in one transaction.
 
 Without it, each message is one transaction: its inbox row, the handler's
-writes, ``COMMIT``. With ``N > 1`` a worker handles up to ``N`` messages of the
-run it took (one lane, in offset order) in one transaction, each message's
-inbox row inserted just before its handler runs, and commits once. What stays
+writes, ``COMMIT``. With ``N > 1`` a worker starts up to ``N`` messages of the
+run it took (one lane, in offset order) as a group: one statement inserts all
+their inbox rows, the handlers run one after the other in the same
+transaction, and one ``COMMIT`` ends it. What stays
 true:
 
 * **exactly once**: a message's writes and its inbox row are in the same
   transaction, so they commit or vanish together, as without batching;
 * **commit after processing**: the group's messages are *held* by the
-  dispatcher (:meth:`~outboxkit.consumer.workers.Dispatcher.hold`) until the
-  ``COMMIT`` returned; only then are they reported and may their offsets be
-  stored. Until then they count as running for a revoke and a drain;
+  dispatcher (:meth:`~outboxkit.consumer.workers.Dispatcher.start_group`) until
+  the ``COMMIT`` returned; only then are they reported and may their offsets be
+  stored. They are started together, so until then they all count as running
+  for a revoke and a drain (none is handed back with its inbox row inserted);
 * **a failure costs the group, not correctness**: there are no savepoints on
   the way (each would cost a round trip per message, as much as the
   ``COMMIT`` it saves). A handler that raises, a database error (a MySQL
   deadlock rolls back the whole transaction anyway), or a ``COMMIT`` that fails
-  rolls the **whole group** back. Its messages go back to the front of the run
-  and are handled again **one per transaction**, the normal path. A handler's
-  exception is kept as its message's attempt (:attr:`WorkItem.group_error`):
-  that message is not run again at once but classified, retried or
-  dead-lettered with the same attempts as without batching, after the messages
-  before it were redone (lane order). The others' writes were rolled back with
-  the group, so they are done once; their handler code runs twice. After a
-  database error or a failed ``COMMIT`` every message is redone (the inbox
-  recognises as duplicates the ones whose ``COMMIT`` did land);
-* **a duplicate ends the group**: a message whose inbox row does not go in
-  (seen before, or a key the release-1 rules must look up) is not handled in
-  the group; the group commits what it has, and that message is claimed in a
+  rolls the **whole group** back and its messages go back to the front of the
+  run. A handler's exception is kept as its message's attempt
+  (:attr:`WorkItem.group_error`): that message cannot join a group again, so
+  the messages before it are redone (as a new group) and it is then
+  classified, retried or dead-lettered alone with the same attempts as without
+  batching, without running again at once. The others' writes were rolled back
+  with the group, so they are done once; their handler code runs twice. After
+  a database error or a failed ``COMMIT`` every message of the group is redone
+  one per transaction (the inbox recognises as duplicates the ones whose
+  ``COMMIT`` did land);
+* **a duplicate ends the group**: when the one ``INSERT`` does not take every
+  row (MySQL/MariaDB fail it on a duplicate; PostgreSQL skips the duplicate),
+  the group is rolled back and its rows are inserted one at a time; the group
+  commits what comes before the first one that does not go in (seen before, or
+  a key the release-1 rules must look up), and that message is claimed in a
   transaction of its own, which sees the committed row (a read inside the
   group's snapshot might not).
 
@@ -41,6 +46,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+import sqlalchemy as sa
 
 from outboxkit.consumer.errors import InvalidMessageError
 from outboxkit.consumer.handling import Outcome
@@ -87,10 +94,37 @@ class InboxGroups:
 
         Returns the run's current message afterwards (not handled yet; None when
         the run is over) and how many messages from it on must be handled one per
-        transaction (after a rollback, or a duplicate: 1).
+        transaction (after a database error, or at a duplicate).
+
+        The common case costs one statement for all the group's inbox rows, the
+        handlers, and one ``COMMIT``. When that statement does not insert every
+        row (a duplicate), the group is rolled back and its messages are claimed
+        one at a time (:meth:`_row_by_row`), which ends the group at the duplicate.
         """
-        dispatcher = self.dispatcher
-        inbox = self.inbox
+        dispatcher, inbox = self.dispatcher, self.inbox
+        group = dispatcher.start_group(run, self.size, groupable)
+        conn = inbox.begin_group()
+        try:
+            if not inbox.claim_all(conn, [item.message for item in group]):
+                inbox.end_group(conn)
+                dispatcher.unhold(run, Outcome.RELEASED)
+                again = dispatcher.next(run)
+                return (None, 0) if again is None else self._row_by_row(run, again, times)
+            for item in group:
+                self._attempt(conn, item, times)
+            inbox.commit_group(conn)
+        except BaseException:
+            failed = any(item.group_error is not None for item in group)
+            return self._rolled_back(run, handler_failed=failed)
+        dispatcher.report_held(run, Outcome.SUCCESS)
+        return dispatcher.next(run), 0
+
+    def _row_by_row(
+        self, run: Run, first: WorkItem, times: HandleTimes
+    ) -> tuple[WorkItem | None, int]:
+        """A group whose inbox rows are inserted one at a time: it ends before the
+        first message whose row does not go in (a duplicate), handled alone next."""
+        dispatcher, inbox = self.dispatcher, self.inbox
         conn = inbox.begin_group()
         item: WorkItem | None = first
         handled = 0
@@ -100,12 +134,7 @@ class InboxGroups:
                     break
                 if not inbox.claim_in_group(conn, item.message):
                     break
-                try:
-                    self._call(item.message.with_tx(conn), times)
-                    check_not_aborted(conn)
-                except Exception as exc:
-                    item.group_error = exc  # this message's attempt, settled on its own
-                    raise
+                self._attempt(conn, item, times)
                 handled += 1
                 item = dispatcher.hold(run, start_next=handled < self.size)
             if handled:
@@ -113,16 +142,35 @@ class InboxGroups:
             else:
                 inbox.end_group(conn)
         except BaseException:
-            inbox.release()  # rolled back; the pool replaces a broken connection
-            again = dispatcher.unhold(run, Outcome.RELEASED)
-            nxt = dispatcher.next(run)
-            if nxt is None:
-                return None, 0
-            return nxt, again
+            return self._rolled_back(
+                run, handler_failed=item is not None and item.group_error is not None
+            )
         dispatcher.report_held(run, Outcome.SUCCESS)
         if item is None:
             return dispatcher.next(run), 0
         return item, 1
+
+    def _attempt(self, conn: sa.Connection, item: WorkItem, times: HandleTimes) -> None:
+        try:
+            self._call(item.message.with_tx(conn), times)
+            check_not_aborted(conn)
+        except Exception as exc:
+            item.group_error = exc  # this message's attempt, settled on its own
+            raise
+
+    def _rolled_back(self, run: Run, *, handler_failed: bool) -> tuple[WorkItem | None, int]:
+        """The group is rolled back: its messages go back to the front of the run.
+
+        After a handler's failure the messages before it may form a new group
+        (the failing one cannot join one: it is settled alone, with its error);
+        after a database error or a failed ``COMMIT`` each goes one per
+        transaction."""
+        self.inbox.release()  # rolled back; the pool replaces a broken connection
+        again = self.dispatcher.unhold(run, Outcome.RELEASED)
+        nxt = self.dispatcher.next(run)
+        if nxt is None:
+            return None, 0
+        return nxt, 0 if handler_failed else again
 
     def _call(self, message: Message, times: HandleTimes) -> None:
         timer = time.perf_counter()

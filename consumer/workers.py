@@ -345,6 +345,25 @@ class Dispatcher:
                 return item
             return None
 
+    def start_group(
+        self, run: Run, limit: int, may_join: Callable[[WorkItem], bool]
+    ) -> list[WorkItem]:
+        """Start the run's current message and up to ``limit - 1`` of the next ones
+        (while ``may_join`` says so) at once, all held (see :meth:`hold`): they are
+        running from now on, so a revoke or a drain waits for them instead of
+        handing back a message whose inbox row the group already inserted."""
+        with self._mutex:
+            current = run.current
+            assert current is not None
+            group = [current]
+            todo = run.todo
+            if not self._stopped:
+                while todo and len(group) < limit and may_join(todo[0]):
+                    group.append(todo.popleft())
+            run.held.extend(group)
+            run.current = None
+            return group
+
     def report_held(self, run: Run, outcome: object) -> None:
         """The group committed: report every held message with ``outcome``."""
         with self._mutex:

@@ -162,9 +162,10 @@ def test_held_messages_commit_before_their_offsets_and_count_as_running_in_a_dra
     engine: sa.Engine,
     run_consumer: Any,
 ) -> None:
-    """A drain that begins while a group holds messages 0..3 and runs 4: the group
-    commits, its five offsets are committed, the rest is released, and until the
-    group's COMMIT neither its effects nor its offsets were visible."""
+    """A drain that begins while a group of ten (0..9) runs message 4: the whole
+    group was started, so it is finished and committed, its ten offsets are
+    committed, the other ten are released, and until the group's COMMIT neither
+    its effects nor its offsets were visible."""
     apply_schema(engine, shards=8)
     effects.metadata.create_all(engine)
     topic = kafka_topics(1)
@@ -201,7 +202,7 @@ def test_held_messages_commit_before_their_offsets_and_count_as_running_in_a_dra
 
     report = consumer.report
     assert report is not None
-    assert (report.batch_size, report.succeeded, report.released) == (20, 5, 15)
+    assert (report.batch_size, report.succeeded, report.released) == (20, 10, 10)
     assert report.unknown == 0
-    assert committed(kafka_bootstrap, group, topic, 1) == {0: 5}
-    assert _effect_ids(engine) == Counter(f"ev-{n}" for n in range(5))
+    assert committed(kafka_bootstrap, group, topic, 1) == {0: 10}
+    assert _effect_ids(engine) == Counter(f"ev-{n}" for n in range(10))
