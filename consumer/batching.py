@@ -102,8 +102,10 @@ class InboxGroups:
         one at a time (:meth:`_row_by_row`), which ends the group at the duplicate.
         """
         dispatcher, inbox = self.dispatcher, self.inbox
+        conn = self._begin()
+        if conn is None:
+            return first, 1
         group = dispatcher.start_group(run, self.size, groupable)
-        conn = inbox.begin_group()
         try:
             if not inbox.claim_all(conn, [item.message for item in group]):
                 inbox.end_group(conn)
@@ -125,7 +127,9 @@ class InboxGroups:
         """A group whose inbox rows are inserted one at a time: it ends before the
         first message whose row does not go in (a duplicate), handled alone next."""
         dispatcher, inbox = self.dispatcher, self.inbox
-        conn = inbox.begin_group()
+        conn = self._begin()
+        if conn is None:
+            return first, 1
         item: WorkItem | None = first
         handled = 0
         try:
@@ -149,6 +153,16 @@ class InboxGroups:
         if item is None:
             return dispatcher.next(run), 0
         return item, 1
+
+    def _begin(self) -> sa.Connection | None:
+        """A connection with a group transaction begun; None if the database cannot
+        be reached: the message then takes the normal path, which classifies the
+        error (a dependency outage: retried without using up its attempts)."""
+        try:
+            return self.inbox.begin_group()
+        except Exception:
+            self.inbox.release()
+            return None
 
     def _attempt(self, conn: sa.Connection, item: WorkItem, times: HandleTimes) -> None:
         try:

@@ -18,10 +18,14 @@ import pytest
 import sqlalchemy as sa
 from consumer_apps import effects
 from kafkahelp import committed, headers_of, produce, read_all, wait_for
+from prometheus_client import CollectorRegistry
 from support.databases import on_both_databases
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message, RetryableError
-from outboxkit.consumer.inbox import inbox_group_key
+from outboxkit.consumer.batching import InboxGroups
+from outboxkit.consumer.inbox import Inbox, inbox_group_key
+from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
+from outboxkit.consumer.workers import Dispatcher, WorkItem
 from outboxkit.schema import apply_schema
 from outboxkit.schema.table import db_now, inbox_table
 
@@ -206,3 +210,35 @@ def test_held_messages_commit_before_their_offsets_and_count_as_running_in_a_dra
     assert report.unknown == 0
     assert committed(kafka_bootstrap, group, topic, 1) == {0: 10}
     assert _effect_ids(engine) == Counter(f"ev-{n}" for n in range(10))
+
+
+def test_a_database_out_of_reach_sends_the_message_down_the_normal_path() -> None:
+    """No group can begin: nothing is held (a held message would keep its lane busy
+    and a drain waiting forever); the message stays current, to be handled alone,
+    where the connection error is classified and retried like any outage."""
+    unreachable = sa.create_engine(
+        "mysql+pymysql://u:p@127.0.0.1:1/x", connect_args={"connect_timeout": 2}
+    )
+    dispatcher = Dispatcher()
+    tp = ("t", 0)
+    gen = dispatcher.open(tp)
+    items = [
+        WorkItem(Message(topic="t", partition=0, offset=n, key=None, value=b"v"), tp, tp, gen)
+        for n in range(3)
+    ]
+    dispatcher.submit_many(items)
+    run = dispatcher.take(timeout=1)
+    assert run is not None
+    first = dispatcher.next(run)
+    assert first is items[0]
+    groups = InboxGroups(
+        dispatcher=dispatcher,
+        inbox=Inbox(unreachable, group_id="g", table="outbox_inbox"),
+        handler=lambda m: None,
+        size=3,
+    )
+    times = HandleTimes(ConsumerMetrics(CollectorRegistry()).handle_seconds)
+    assert groups.handle(run, first, times) == (first, 1)
+    assert dispatcher.running() == [first] and run.held == []
+    assert dispatcher.results() == []
+    unreachable.dispose()
