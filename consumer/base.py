@@ -37,6 +37,7 @@ from sqlalchemy.engine import Engine
 
 from outboxkit.consumer import drain
 from outboxkit.consumer.asyncio_handler import AsyncHandlers, HandlerCancelled, is_async_handler
+from outboxkit.consumer.batching import InboxGroups, groupable
 from outboxkit.consumer.dlq import DeadLetters, producer_config
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.handling import Handling, Outcome, Result
@@ -145,6 +146,8 @@ class Consumer:
         self._closed = False
         self._commit_finished = False
         self._error_logged: dict[int, float] = {}
+        #: Set when the inbox opens with inbox_batch > 1: groups of a run in one transaction.
+        self._groups: InboxGroups | None = None
 
     # -- what subclasses implement ------------------------------------------------
 
@@ -226,6 +229,13 @@ class Consumer:
         if engine is not None and (self._async is None) != isinstance(engine, Engine):
             problems.append(
                 "invalid engine=: an async def handle needs an AsyncEngine, a sync one an Engine"
+            )
+        if s.inbox_batch > 1 and self._async is not None:
+            problems.append(
+                invalid(
+                    "inbox_batch",
+                    "an async def handle runs one message per inbox transaction: leave it at 1",
+                )
             )
         if not isinstance(self.workers, int) or self.workers < 1:
             problems.append(f"invalid concurrency {self.workers!r}: must be an integer >= 1")
@@ -378,7 +388,16 @@ class Consumer:
             raise ConfigError(
                 f"inbox table {s.inbox_table} does not exist: run outboxkit schema apply"
             )
-        self._handling.inbox = Inbox(self._engine, group_id=str(self.group), table=s.inbox_table)
+        inbox = Inbox(self._engine, group_id=str(self.group), table=s.inbox_table)
+        self._handling.inbox = inbox
+        if s.inbox_batch > 1:
+            self._groups = InboxGroups(
+                dispatcher=self._dispatcher,
+                inbox=inbox,
+                handler=self._handling.handler,
+                size=s.inbox_batch,
+                tracing=self._handling.tracing,
+            )
 
     def _lane_of(self, message: Message) -> Hashable:
         """The lane with several workers; with one, the poll loop uses the partition."""
@@ -411,7 +430,7 @@ class Consumer:
         dispatcher = self._dispatcher
         times = HandleTimes(self.metrics.handle_seconds)
         while True:
-            run = dispatcher.take(timeout=0.5, limit=_RUN_LIMIT)
+            run = dispatcher.take(timeout=0.5, limit=max(_RUN_LIMIT, self.settings.inbox_batch))
             if run is None:
                 if dispatcher.stopped:
                     return
@@ -426,10 +445,21 @@ class Consumer:
 
         A result that must wait (a retry, a dead-letter write to try again) ends
         the run: the message keeps its lane and the rest go back to its queue.
+        With ``inbox_batch > 1`` groups of the run's messages share one
+        transaction and are reported together after its ``COMMIT``
+        (:mod:`outboxkit.consumer.batching`); after a rolled-back group, or at a
+        duplicate, the messages it names go one per transaction first.
         """
         next_item, process = self._dispatcher.next, self._handling.process
+        groups = self._groups
+        solo = 0  # messages to handle one per transaction before grouping again
         item = next_item(run)
         while item is not None:
+            if groups is not None and not solo and groupable(item):
+                item, solo = groups.handle(run, item, times)
+                times.flush(due_only=True)
+                continue
+            solo = max(0, solo - 1)
             try:
                 result = process(item, times)
             except BaseException:

@@ -105,22 +105,28 @@ class Handling:
         except InvalidMessageError as exc:
             self._give_up(item, exc, Classification.PERMANENT)
             return None
-        timer = time.perf_counter()
-        try:
-            try:
-                if self.tracing is None:
-                    duplicate = self._run(item.message)
-                else:
-                    with self.tracing.span(item.message):
-                        duplicate = self._run(item.message)
-            finally:
-                (self.metrics.handle_seconds if times is None else times).observe(
-                    time.perf_counter() - timer
-                )
-        except Exception as exc:
-            error = exc
+        error: BaseException
+        if item.group_error is not None:
+            # It already ran, in a group transaction that was rolled back (see
+            # consumer/batching.py): that was this attempt.
+            error, item.group_error = item.group_error, None
         else:
-            return _DUPLICATE if duplicate else _SUCCESS
+            timer = time.perf_counter()
+            try:
+                try:
+                    if self.tracing is None:
+                        duplicate = self._run(item.message)
+                    else:
+                        with self.tracing.span(item.message):
+                            duplicate = self._run(item.message)
+                finally:
+                    (self.metrics.handle_seconds if times is None else times).observe(
+                        time.perf_counter() - timer
+                    )
+            except Exception as exc:
+                error = exc
+            else:
+                return _DUPLICATE if duplicate else _SUCCESS
 
         kind = self.classify(error)
         text = redact(f"{type(error).__name__}: {error}")

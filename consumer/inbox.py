@@ -192,6 +192,8 @@ class Inbox:
             .returning(self.table.c.group_id)
         )
         self._held = _Held()
+        #: (rows, PostgreSQL?) -> the multi-row INSERT of a group (claim_all).
+        self._inserts: dict[tuple[int, bool], tuple[str, tuple[str, ...] | None]] = {}
 
     def run(self, message: Message, handler: Callable[[Message], None]) -> bool:
         """Run ``handler`` once per ``(group_id, identity)``. True if it was a duplicate."""
@@ -203,6 +205,122 @@ class Inbox:
             raise
         self._held.used_at = time.monotonic()
         return duplicate
+
+    # -- group transactions (--inbox-batch, see outboxkit.consumer.batching) ----------
+
+    def begin_group(self) -> sa.Connection:
+        """The calling thread's connection with a transaction begun for a group."""
+        conn = self._connection()
+        conn.begin()
+        return conn
+
+    def claim_all(self, conn: sa.Connection, messages: list[Message]) -> bool:
+        """Insert every message's inbox row with one statement in the open group
+        transaction; True if all went in.
+
+        False (nothing to keep: the caller rolls back and claims them one by one,
+        :meth:`claim_in_group`) when any of them is a duplicate, twice in the
+        list, or has a key the inbox made itself. MySQL/MariaDB fail the whole
+        statement on a duplicate; PostgreSQL's ``ON CONFLICT DO NOTHING`` inserts
+        the others, which is why the caller must roll back then.
+        """
+        params: dict[str, object] = {}
+        for n, message in enumerate(messages):
+            key = inbox_key(message)
+            if key.startswith(RESERVED_PREFIX):
+                return False
+            params[f"g{n}"] = self._group_key
+            params[f"e{n}"] = key
+            params[f"t{n}"] = message.topic
+            params[f"p{n}"] = message.partition
+            params[f"o{n}"] = message.offset
+        postgres = conn.dialect.name == "postgresql"
+        sql, order = self._insert_many(conn, len(messages))
+        args: Any = params if order is None else tuple(params[name] for name in order)
+        if postgres:
+            return len(conn.exec_driver_sql(sql, args).all()) == len(messages)
+        try:
+            conn.exec_driver_sql(sql, args)
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def _insert_many(self, conn: sa.Connection, n: int) -> tuple[str, tuple[str, ...] | None]:
+        """The ``n``-row ``INSERT`` of :meth:`claim_all` as the driver's SQL, and the
+        order of its parameters if they are positional; compiled once per size and
+        dialect: SQLAlchemy compiles a multi-row ``VALUES`` anew on every execution,
+        about 0.1 ms per row."""
+        postgres = conn.dialect.name == "postgresql"
+        cached = self._inserts.get((n, postgres))
+        if cached is not None:
+            return cached
+        rows = [
+            {
+                "group_id": sa.bindparam(f"g{i}"),
+                "event_id": sa.bindparam(f"e{i}"),
+                "topic": sa.bindparam(f"t{i}"),
+                "kafka_partition": sa.bindparam(f"p{i}"),
+                "kafka_offset": sa.bindparam(f"o{i}"),
+                "processed_at": db_now(),
+            }
+            for i in range(n)
+        ]
+        stmt: sa.Insert
+        if postgres:
+            stmt = (
+                postgresql.insert(self.table)
+                .values(rows)
+                .on_conflict_do_nothing()
+                .returning(self.table.c.group_id)
+            )
+        else:
+            stmt = self.table.insert().values(rows)
+        compiled = stmt.compile(dialect=conn.dialect)
+        order = tuple(compiled.positiontup or ()) if compiled.positional else None
+        cached = self._inserts[(n, postgres)] = (compiled.string, order)
+        return cached
+
+    def claim_in_group(self, conn: sa.Connection, message: Message) -> bool:
+        """Insert ``message``'s inbox row in the open group transaction.
+
+        False when it did not go in (a duplicate, or a row another transaction
+        holds and rolled back), and for a key the inbox itself made (``outboxkit:``:
+        the release-1 rules need their own transaction): the group ends before
+        this message, which is then claimed in a transaction of its own
+        (:meth:`run`). A plain read here would see the group's snapshot, not the
+        row as it is now. A duplicate key error ends only the statement on
+        MySQL/MariaDB and ``ON CONFLICT DO NOTHING`` raises none on PostgreSQL, so
+        the rows already inserted stay and the group can still commit. Any other
+        database error is raised: the caller rolls the whole group back.
+        """
+        key = inbox_key(message)
+        if key.startswith(RESERVED_PREFIX):
+            return False
+        row = {
+            "group_id": self._group_key,
+            "event_id": key,
+            "topic": message.topic,
+            "kafka_partition": message.partition,
+            "kafka_offset": message.offset,
+        }
+        if conn.dialect.name == "postgresql":
+            return conn.execute(self._insert_pg, row).first() is not None
+        try:
+            conn.execute(self._insert, row)
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def commit_group(self, conn: sa.Connection) -> None:
+        """Commit the group (refused, as :meth:`run` does, if PostgreSQL aborted it)."""
+        check_not_aborted(conn)
+        conn.commit()
+        self._held.used_at = time.monotonic()
+
+    def end_group(self, conn: sa.Connection) -> None:
+        """Roll back a group with nothing to keep (its first claim did not go in)."""
+        conn.rollback()
+        self._held.used_at = time.monotonic()
 
     def release(self) -> None:
         """Hand the calling thread's connection back to the pool (rolled back)."""

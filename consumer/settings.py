@@ -23,6 +23,7 @@ from outboxkit.runtime.settings import (
     setting,
     unsupported_database,
     valid_database_url,
+    where,
 )
 from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
 
@@ -33,6 +34,9 @@ __all__ = ["ConsumerSettings"]
 MAX_CONCURRENCY = 1024
 #: librdkafka's range of auto.commit.interval.ms and statistics.interval.ms (1 day).
 MAX_KAFKA_INTERVAL_S = 86400.0
+#: Messages in one inbox transaction at most: a group holds its rows' locks and
+#: its offsets back until it commits, so a group stays short.
+MAX_INBOX_BATCH = 1000
 
 
 def _kafka_interval(value: float) -> str | None:
@@ -47,6 +51,10 @@ def _optional_at_least_one(value: int | None) -> str | None:
     if value is None:
         return None
     return at_least_one(value) or at_most(MAX_CONCURRENCY)(value)
+
+
+def _inbox_batch(value: int) -> str | None:
+    return at_least_one(value) or at_most(MAX_INBOX_BATCH)(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,6 +154,12 @@ class ConsumerSettings(RuntimeSettings):
     inbox: bool = setting(
         False, help="run each handler in a DB transaction that records the event in the inbox"
     )
+    inbox_batch: int = setting(
+        1,
+        help="messages of one lane handled in one inbox transaction (1 = one per "
+        "transaction; at most 1000; sync handlers only; see docs/consumer.md)",
+        validate=_inbox_batch,
+    )
     inbox_table: str = setting(
         DEFAULT_INBOX_TABLE,
         help="inbox table (created by outboxkit schema apply)",
@@ -187,6 +201,8 @@ class ConsumerSettings(RuntimeSettings):
         unsupported = unsupported_database(backend, "the consumer inbox") if backend else None
         if unsupported:
             problems.append(invalid("db_url", unsupported))
+        if self.inbox_batch > 1 and not self.inbox:
+            problems.append(invalid("inbox_batch", f"above 1 needs {where('inbox')}"))
         backoff = retry_backoff_problem(self.retry_backoff_base, self.retry_backoff_cap)
         if backoff:
             problems.append(backoff)

@@ -70,6 +70,9 @@ class WorkItem:
     dlq_attempts: int = 0
     outages: int = 0  # failures a dependency caused in a row (not counted as attempts)
     dlq_blocked: bool = False  # owned by the poll loop
+    #: What the handler raised in a group transaction that was rolled back (the
+    #: batched inbox): the next attempt's outcome, without running it again.
+    group_error: BaseException | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -77,7 +80,9 @@ class Run:
     """Messages of one lane that one worker handles back to back, in order.
 
     ``todo`` is not started yet (the dispatcher takes it back on release and
-    drain); ``current`` is the message being handled, if any.
+    drain); ``current`` is the message being handled, if any; ``held`` are
+    messages handled in a group transaction that has not committed yet (see
+    :meth:`Dispatcher.hold`): they count as running until reported.
     """
 
     lane: Hashable
@@ -85,6 +90,7 @@ class Run:
     todo: deque[WorkItem]
     current: WorkItem | None = None
     over: bool = field(default=False)
+    held: list[WorkItem] = field(default_factory=list)
 
 
 class Dispatcher:
@@ -319,15 +325,83 @@ class Dispatcher:
             run.current = None
             self._end(run)
 
+    # -- group transactions (the batched inbox) ------------------------------
+
+    def hold(self, run: Run, *, start_next: bool = True) -> WorkItem | None:
+        """Keep the run's current message *held*: handled, but its transaction has
+        not committed, so it is not reported (its offset must not move yet) and
+        still counts as running for a revoke or a drain. Then start the run's next
+        message (unless ``start_next`` is False, or no work is handed out any
+        more); None if there is none. The run does not end here: the caller
+        settles the held messages with :meth:`report_held` or :meth:`unhold`.
+        """
+        with self._mutex:
+            current = run.current
+            assert current is not None
+            run.held.append(current)
+            run.current = None
+            if start_next and run.todo and not self._stopped:
+                item = run.current = run.todo.popleft()
+                return item
+            return None
+
+    def start_group(
+        self, run: Run, limit: int, may_join: Callable[[WorkItem], bool]
+    ) -> list[WorkItem]:
+        """Start the run's current message and up to ``limit - 1`` of the next ones
+        (while ``may_join`` says so) at once, all held (see :meth:`hold`): they are
+        running from now on, so a revoke or a drain waits for them instead of
+        handing back a message whose inbox row the group already inserted."""
+        with self._mutex:
+            current = run.current
+            assert current is not None
+            group = [current]
+            todo = run.todo
+            if not self._stopped:
+                while todo and len(group) < limit and may_join(todo[0]):
+                    group.append(todo.popleft())
+            run.held.extend(group)
+            run.current = None
+            return group
+
+    def report_held(self, run: Run, outcome: object) -> None:
+        """The group committed: report every held message with ``outcome``."""
+        with self._mutex:
+            self._results.extend((item, outcome, None) for item in run.held)
+            run.held.clear()
+
+    def unhold(self, run: Run, released: object) -> int:
+        """The group rolled back: its held messages, and the current one, go back to
+        the front of the run's ``todo`` in order, to be handled again (one per
+        transaction). Those of a partition being released or closed meanwhile are
+        reported ``released`` instead (Kafka redelivers them). Returns how many
+        went back."""
+        with self._mutex:
+            again = list(run.held)
+            run.held.clear()
+            if run.current is not None:
+                again.append(run.current)
+                run.current = None
+            back = [
+                i
+                for i in again
+                if i.tp not in self._releasing and self._live.get(i.tp) == i.generation
+            ]
+            self._results.extend((i, released, None) for i in again if i not in back)
+            run.todo.extendleft(reversed(back))
+            return len(back)
+
     # -- views ----------------------------------------------------------------
 
     def running(self, where: Callable[[WorkItem], bool] | None = None) -> list[WorkItem]:
+        """Messages started and not reported: the current ones and the held ones."""
         with self._mutex:
-            return [
-                run.current
-                for run in self._runs
-                if run.current is not None and (where is None or where(run.current))
-            ]
+            found = []
+            for run in self._runs:
+                if run.current is not None and (where is None or where(run.current)):
+                    found.append(run.current)
+                found.extend(i for i in run.held if where is None or where(i))
+            return found
 
     def counts(self) -> tuple[int, int, int]:
         """(running, waiting for a retry, queued)."""
@@ -336,7 +410,7 @@ class Dispatcher:
             running = 0
             for run in self._runs:
                 queued += len(run.todo)
-                running += run.current is not None
+                running += (run.current is not None) + len(run.held)
             return running, len(self._delayed), queued
 
     def _start(self, lane: Hashable, todo: deque[WorkItem]) -> Run:

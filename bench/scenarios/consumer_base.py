@@ -4,6 +4,7 @@ Each variant runs the class embedded (``run(handle_signals=False)`` in a
 thread, as the raw loops run in this process) with a fresh group, and stops it
 once every message was handled.  Variants: the trivial handler; the same with
 the inbox on MariaDB (each message in its own transaction with an inbox row);
+the inbox with up to ``INBOX_BATCH`` messages of a lane per transaction;
 ``concurrency=N`` with a handler that sleeps 1 ms.
 
 Last, ``outboxkit consume bench.apps:Trivial`` with the inbox as a process of its
@@ -30,6 +31,8 @@ from bench.report import Row, ScenarioResult
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.schema import DEFAULT_INBOX_TABLE, inbox_table
 
+#: Messages per inbox transaction in the batched-inbox row (``--inbox-batch``).
+INBOX_BATCH = 64
 #: Seconds between counts of the inbox table while a consumer process fills it.
 _INBOX_POLL_S = 0.25
 
@@ -194,6 +197,25 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.rows.append(inbox)
     res.figures["inbox_rate"] = inbox["msgs/s"]
     res.figures["inbox_cpu_per_1k"] = inbox["cpu s/1k msgs"]
+
+    # The same with up to INBOX_BATCH messages of a lane per transaction (opt-in).
+    batched = embedded(
+        ctx,
+        Trivial,
+        topic,
+        label=f"base class + inbox, inbox_batch={INBOX_BATCH}",
+        inbox=True,
+        inbox_batch=INBOX_BATCH,
+    )
+    batched["vs raw poll"] = batched["msgs/s"] / raw
+    res.rows.append(batched)
+    res.figures["inbox_batch_rate"] = batched["msgs/s"]
+    res.figures["inbox_batch_cpu_per_1k"] = batched["cpu s/1k msgs"]
+    res.notes.append(
+        f"inbox: {inbox['msgs/s']:,.0f} msgs/s one message per transaction, "
+        f"{batched['msgs/s']:,.0f} with inbox_batch={INBOX_BATCH} "
+        f"({batched['msgs/s'] / inbox['msgs/s']:.2f}x)"
+    )
 
     n = cfg.consumer_concurrency
     sleepy = embedded(

@@ -22,9 +22,14 @@ pytestmark = pytest.mark.integration
 
 MESSAGES = 20_000
 PARTITIONS = 4
-#: The same consumer with a sync handler (``message.tx``) and an async one
-#: (``message.async_tx`` on the event loop thread).
-APPS = ["consumer_apps:RecordEffects", "consumer_apps:RecordEffectsAsync"]
+#: The same consumer with a sync handler (``message.tx``), an async one
+#: (``message.async_tx`` on the event loop thread), and the sync one with up to 50
+#: messages per inbox transaction (``--inbox-batch``): (app, inbox batch).
+APPS = [
+    ("consumer_apps:RecordEffects", 1),
+    ("consumer_apps:RecordEffectsAsync", 1),
+    ("consumer_apps:RecordEffects", 50),
+]
 
 
 def _effects(engine: sa.Engine) -> tuple[int, int, dict[int, set[int]]]:
@@ -46,9 +51,10 @@ def _count(engine: sa.Engine) -> int:
 
 
 @on_both_databases
-@pytest.mark.parametrize("app", APPS, ids=["sync", "async"])
+@pytest.mark.parametrize(("app", "batch"), APPS, ids=["sync", "async", "sync-batch-50"])
 def test_sigkill_at_a_random_point_loses_nothing_and_the_inbox_applies_each_event_once(
     app: str,
+    batch: int,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     engine: sa.Engine,
@@ -69,6 +75,7 @@ def test_sigkill_at_a_random_point_loses_nothing_and_the_inbox_applies_each_even
         "OUTBOXKIT_GROUP_ID": group,
         "OUTBOXKIT_DB_URL": db_url,
         "OUTBOXKIT_INBOX": "true",
+        "OUTBOXKIT_INBOX_BATCH": str(batch),
         "OUTBOXKIT_CONCURRENCY": "4",
         "OUTBOXKIT_COMMIT_INTERVAL": "0.5",
         "OUTBOXKIT_LOG_LEVEL": "WARNING",

@@ -280,3 +280,63 @@ def test_an_embedded_consumer_takes_a_postgresql_inbox_engine_and_refuses_sqlite
     finally:
         postgres.dispose()
         sqlite.dispose()
+
+
+_BATCH = "--inbox-batch / OUTBOXKIT_INBOX_BATCH"
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(size=st.integers(min_value=-5, max_value=5000))
+def test_the_inbox_batch_is_1_to_1000_and_needs_the_inbox(size: int) -> None:
+    environ = {"OUTBOXKIT_INBOX_BATCH": str(size), "OUTBOXKIT_INBOX": "true"}
+    if 1 <= size <= 1000:
+        assert load(ConsumerSettings, environ=environ).inbox_batch == size
+    else:
+        with pytest.raises(ConfigError) as info:
+            load(ConsumerSettings, environ=environ)
+        assert _BATCH in str(info.value)
+    if 1 < size <= 1000:
+        with pytest.raises(ConfigError) as info:
+            load(ConsumerSettings, environ={"OUTBOXKIT_INBOX_BATCH": str(size)})
+        assert _BATCH in str(info.value) and "--inbox / OUTBOXKIT_INBOX" in str(info.value)
+
+
+def test_the_inbox_batch_defaults_to_one_per_transaction_and_refuses_async_handlers() -> None:
+    from outboxkit.consumer import Consumer, Message
+
+    assert ConsumerSettings().inbox_batch == 1
+
+    class Async(Consumer):
+        topics = ("t",)
+        group_id = "g"
+
+        async def handle(self, message: Message) -> None:  # type: ignore[override]
+            pass
+
+    base = {"kafka_bootstrap": "127.0.0.1:1", "inbox": True, "health_port": 0}
+    url = "mysql+pymysql://app:pw@db/shop"
+    Async(ConsumerSettings(**base, db_url=url))  # nothing connects before run()
+    with pytest.raises(ConfigError) as info:
+        Async(ConsumerSettings(**base, db_url=url, inbox_batch=2))
+    assert _BATCH in str(info.value) and "async def handle" in str(info.value)
+
+
+def test_the_console_refuses_a_bad_inbox_batch_with_exit_2(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    for value in ("0", "1001", "many"):
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "outboxkit", "consume", "consumer_apps:Sleepy",
+                "--kafka-bootstrap", "127.0.0.1:1", "--group-id", "g", "--topics", "t",
+                "--health-port", "0", "--inbox", "--db-url", "mysql+pymysql://a:b@127.0.0.1:1/x",
+                "--inbox-batch", value,
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and _BATCH in done.stderr, done.stderr
