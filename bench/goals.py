@@ -81,6 +81,12 @@ GOALS = [
         lambda r: _fig(r, "consumer", "inbox_rate"),
         lambda v: v >= 5000,
     ),
+    Goal(
+        "consumer with the batched inbox (msgs/s)",
+        ">= 10,000",
+        lambda r: _fig(r, "consumer", "inbox_batch_rate"),
+        lambda v: v >= 10_000,
+    ),
 ]
 
 
