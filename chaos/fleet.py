@@ -39,6 +39,10 @@ class Fleet:
     #: connect timeout): designed behaviour, restarted as an orchestrator would
     start_failures: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: Other processes of the run (the writer), killed with the fleet at the end.
+    others: list[Proc] = field(default_factory=list)
+    #: Set when the run ends: a fault thread still running starts nothing more.
+    closed: bool = False
     _generation: dict[str, int] = field(default_factory=dict)
     _slot_locks: dict[str, threading.Lock] = field(default_factory=dict)
 
@@ -167,6 +171,8 @@ class Fleet:
 
     def _spawn(self, slot: str, fate: str | None = None) -> Proc:
         with self.lock:
+            if self.closed:
+                raise RuntimeError(f"the run is over: {slot} is not started again")
             gen = self._generation.get(slot, -1) + 1
             self._generation[slot] = gen
             node_id = f"{slot}-g{gen}"
@@ -234,3 +240,11 @@ class Fleet:
                 if p.wait(timeout) is None:
                     p.kill()
                     p.exit_code = -9
+
+    def close(self) -> None:
+        """The run is over: start nothing more, kill whatever still runs."""
+        with self.lock:
+            self.closed = True
+            procs = [p for p in [*self.history, *self.others] if p.alive()]
+        for p in procs:
+            p.kill()

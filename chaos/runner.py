@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     print("fault schedule:\n" + "\n".join(f"  {f}" for f in schedule), flush=True)
     cluster: Cluster | None = None
     fleet: Fleet | None = None
+    # A SIGTERM'd run (a CI timeout, pkill) still stops its processes and its
+    # named instances: without this, they outlived it and kept loading the machine.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         database = "PostgreSQL" if cfg.database == "postgresql" else "MariaDB"
         say(f"starting {database}, Kafka, Redis and Toxiproxy (named instances)")
@@ -78,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return Run(cfg, schedule, cluster, fleet, logs, run_id).go()
     finally:
         if fleet is not None:
-            for p in fleet.history:
-                if p.alive():
-                    p.kill()
+            fleet.close()
         if cluster is not None:
             say("stopping the named instances")
             cluster.stop(cfg.keep)
@@ -147,6 +149,7 @@ class Run:
             {},
             self.logs,
         )
+        self.fleet.others.append(writer)
         t0 = time.monotonic()
         tracks = [
             threading.Thread(
