@@ -448,13 +448,26 @@ def unsupported_database(backend: str, component: str) -> str | None:
 def _valid_server_database_url(value: str | None, component: str) -> str | None:
     """:func:`valid_database_url` for a server component: another database (SQLite)
     is refused by name, before its driver is even looked for."""
-    if value is not None:
+    if value is not None and _known_dialect(value):
         backend = database_backend(value)
         if backend is not None:
             problem = unsupported_database(backend, component)
             if problem is not None:
                 return problem
     return valid_database_url(value)
+
+
+def _known_dialect(value: str) -> bool:
+    """SQLAlchemy knows the URL's database (its driver may still be missing); an
+    unknown scheme is left to :func:`valid_database_url`'s message."""
+    import sqlalchemy as sa
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        sa.make_url(value).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError, ImportError):
+        return False
+    return True
 
 
 def valid_relay_database_url(value: str | None) -> str | None:

@@ -33,7 +33,14 @@ def test_a_relay_that_wakes_after_its_batch_expired_sends_nothing(
     that would only put a second copy of every row in Kafka."""
     topic = kafka_topics(partitions=1)
     add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(10)])
-    fast = {"lease_ttl": 4.0, "flush_timeout": 0.5, "kafka_config": {"message.timeout.ms": "1000"}}
+    # Every shard to both relays: B must reach A's rows (with advisory locks,
+    # PostgreSQL's default ownership, the stalled A would keep its shard).
+    fast = {
+        "lease_ttl": 4.0,
+        "flush_timeout": 0.5,
+        "kafka_config": {"message.timeout.ms": "1000"},
+        "shard_ownership": "all",
+    }
     stalled: list[Batch] = []
 
     def stall(batch: Batch) -> None:
