@@ -222,8 +222,15 @@ def candidates_query(
                 ),
             )
         )
+    # The status list is implied by ``blocking``; spelled out, it lets each probe
+    # seek the ``(message_key, status, id)`` index instead of filtering every
+    # leased row (PostgreSQL anti-joined each candidate with all of them).
+    blocking_statuses = [Status.RETRYABLE.value, Status.DELIVERING.value]
+    if excluded_topics:
+        blocking_statuses.append(Status.PENDING.value)
     key_blocked = sa.exists().where(
         earlier.c.message_key == t.c.message_key,
+        earlier.c.status.in_(blocking_statuses),
         earlier.c.id < t.c.id,
         sa.or_(*blocking),
     )
