@@ -93,19 +93,6 @@ class PgNotifyWaker(_DrainAware):
         """The server process of the listening session (None while down)."""
         return self._backend_pid
 
-    def wait(self, timeout: float) -> None:
-        self._sleep(timeout)
-        if not self._is_draining():
-            # Cleared before the caller claims: a notification for a row committed
-            # after this point wakes the next wait; a row committed before is seen
-            # by the claim.
-            self._wake.clear()
-
-    def wake(self) -> None:
-        """The drain began: this and every later :meth:`wait` return at once."""
-        self._woken_for_good = True
-        self._wake.set()
-
     def close(self) -> None:
         self._stop.set()
         self.wake()

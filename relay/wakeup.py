@@ -93,6 +93,18 @@ class _DrainAware:
     def _is_draining(self) -> bool:
         return self._woken_for_good or (self._draining is not None and self._draining.is_set())
 
+    def wait(self, timeout: float) -> None:
+        self._sleep(timeout)
+        if not self._is_draining():
+            # Cleared before the caller claims: a wake-up for a row committed after
+            # this point wakes the next wait; a row committed before is seen by the claim.
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """The drain began: this and every later :meth:`wait` return at once."""
+        self._woken_for_good = True
+        self._wake.set()
+
     def _sleep(self, timeout: float) -> None:
         if timeout <= 0 or self._is_draining():
             return
@@ -135,18 +147,6 @@ class RedisWaker(_DrainAware):
     def subscribed(self) -> threading.Event:
         """Set while the subscription is live."""
         return self._subscribed
-
-    def wait(self, timeout: float) -> None:
-        self._sleep(timeout)
-        if not self._is_draining():
-            # Clear before the caller claims: a hint for a row committed after this
-            # point wakes the next wait; a row committed before is seen by the claim.
-            self._wake.clear()
-
-    def wake(self) -> None:
-        """The drain began: this and every later :meth:`wait` return at once."""
-        self._woken_for_good = True
-        self._wake.set()
 
     def close(self) -> None:
         self._stop.set()
