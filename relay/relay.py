@@ -63,7 +63,7 @@ from outboxkit.runtime import (
 )
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.settings import RELAY_DATABASES, invalid, warn_renamed
+from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
 from outboxkit.schema.apply import read_shard_count, require_functions
 
 __all__ = ["PUSH_JOB", "Relay"]
@@ -625,7 +625,7 @@ class Relay:
             else:  # no gap locks in the claim; see claim.py
                 self._engine = self._engine.execution_options(isolation_level="READ COMMITTED")
             self._open.append("database")
-            if self.engine.dialect.name not in RELAY_DATABASES:
+            if self.engine.dialect.name not in SERVER_DATABASES:
                 raise ConfigError(
                     invalid(
                         "db_url",

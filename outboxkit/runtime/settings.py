@@ -415,8 +415,6 @@ def valid_database_url(value: str | None) -> str | None:
 #: (SQLAlchemy backend names). SQLite serves ``schema apply`` and the writer only:
 #: the claim needs ``FOR UPDATE SKIP LOCKED`` and server-clock arithmetic.
 SERVER_DATABASES = ("mysql", "mariadb", "postgresql")
-#: The relay's databases (the same as every server component's).
-RELAY_DATABASES = SERVER_DATABASES
 
 
 def is_postgresql_url(value: str) -> bool:
