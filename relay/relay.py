@@ -63,6 +63,7 @@ from outboxkit.runtime import (
 )
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
+from outboxkit.runtime.service import freeze_heap
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
 from outboxkit.schema.apply import read_shard_count, require_functions
 
@@ -149,6 +150,7 @@ class Relay:
         self._abandoned: list[str] = []
         self._open: list[str] = []
         self._exit = ExitRecord(signal=None, state="starting")
+        self._owns_process = False
         self.metrics.track_shutdown_pending(self._shutdown_pending)
         self.lifecycle.on_drain(lambda: drain.on_drain(self))
         self.lifecycle.on_hurry(lambda: drain.on_hurry(self))
@@ -187,7 +189,10 @@ class Relay:
     def install_process_handlers(self) -> None:
         """For entry points that own the process: SIGTERM/SIGINT drain (second: hurry),
         and a watchdog forces the exit (code 4) once ``shutdown_timeout`` has passed.
+        Once started, the relay also freezes the heap (``runtime.service.freeze_heap``):
+        no full collection walks what lives as long as the process.
         """
+        self._owns_process = True
         self.lifecycle.install_signal_handlers()
         self.lifecycle.start_watchdog(
             lambda: drain.cut(self), on_forced=lambda: drain.on_forced(self)
@@ -658,6 +663,7 @@ class Relay:
                 raise
             return drain.failed_start(self, "dependency", EXIT_DEPENDENCY, exc)
         warn_renamed(log, s)
+        frozen = {"heap_frozen": freeze_heap()} if self._owns_process else {}
         log_event(
             log,
             "relay-started",
@@ -665,6 +671,7 @@ class Relay:
             shards=shard_count,
             health_port=self.health.port,
             settings=describe(s),
+            **frozen,
         )
         return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from outboxkit.runtime.metrics import ServiceMetrics
 from outboxkit.runtime.settings import RuntimeSettings
 from outboxkit.runtime.supervisor import Supervisor
 
-__all__ = ["ServiceRuntime"]
+__all__ = ["ServiceRuntime", "freeze_heap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +60,19 @@ class ServiceRuntime:
                 details=details,
             ),
         )
+
+
+def freeze_heap() -> int:
+    """Collect once, then move every object alive into the collector's permanent
+    generation; return how many objects it holds.
+
+    For processes that own their heap (the ``outboxkit relay`` command), once
+    started: the modules, engine and producer live as long as the process, and a
+    full collection walked them all, a pause of 50-90 ms measured on the relay's
+    loop at 1,000 events/s (the p99 of commit->ack). Objects created later are
+    collected as before. Not for embedded use: in a host process, cyclic garbage
+    that is alive at this moment would never be collected.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

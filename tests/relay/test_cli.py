@@ -389,6 +389,10 @@ def test_console_log_format_gives_readable_lines_with_the_same_masking(
     assert exit_line.endswith(" service=outboxkit-relay node_id=console-relay"), exit_line
     started = events["relay-started"]["rest"]
     assert url.replace(f":{db_password}@", ":***@") in started
+    # The command owns its process: the heap it started with is frozen (no full
+    # collection walks it again; a 50-90 ms pause in the loop otherwise).
+    frozen = re.search(r" heap_frozen=(\d+)", started)
+    assert frozen and int(frozen[1]) > 10_000, started
     assert db_password not in text
 
 
