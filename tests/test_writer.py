@@ -114,6 +114,31 @@ def test_enqueue_many_ten_thousand_in_one_transaction(engine: sa.Engine, outbox:
     assert all(r.status == "pending" for r in got)
 
 
+@pytest.mark.parametrize("count", [1, 5, 100, 1000, 1001])
+def test_enqueue_many_sends_a_few_multi_row_inserts_not_one_per_row(
+    engine: sa.Engine, outbox: str, count: int
+) -> None:
+    # Each row was its own INSERT (PyMySQL sends an executemany row by row when
+    # VALUES holds SQL functions): 1,000 events, 1,000 round trips.
+    events = [Event(topic="orders", payload={"n": i}, key=f"k{i % 7}") for i in range(count)]
+    with engine.begin() as conn:
+        enqueue(conn, topic="orders", payload="warm-up")  # reads the shard count once
+
+        def inserts() -> int:
+            status = conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Com_insert'")).one()
+            return int(status[1])
+
+        before = inserts()
+        ids = enqueue_many(conn, events)
+        sent = inserts() - before
+    # One per power of two in each chunk of at most 1,000 rows: 1000 = 512+256+128+64+32+8.
+    assert sent == sum(bin(n).count("1") for n in (min(count, 1000), count - min(count, 1000)))
+    got = rows(engine)[1:]
+    assert [json.loads(r.payload)["n"] for r in got] == list(range(count))
+    assert [r.event_id for r in got] == ids
+    assert {(r.status, r.attempts) for r in got} == {("pending", 0)}
+
+
 @on_both_databases
 def test_caller_supplied_event_id_is_kept(engine: sa.Engine, outbox: str) -> None:
     u = uuid.uuid4()
