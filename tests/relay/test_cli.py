@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 from relay_support import (
     REPO,
+    EmbeddedRelay,
     Pushgateway,
     RelayProcess,
     add_events,
@@ -394,6 +396,22 @@ def test_console_log_format_gives_readable_lines_with_the_same_masking(
     frozen = re.search(r" heap_frozen=(\d+)", started)
     assert frozen and int(frozen[1]) > 10_000, started
     assert db_password not in text
+
+
+def test_an_embedded_relay_leaves_the_host_process_heap_alone(
+    engine: sa.Engine,
+    outbox: str,
+    db_url: str,
+    kafka_bootstrap: str,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    # Only the command, which owns its process, freezes the heap: in a host
+    # process, cyclic garbage alive at that moment would never be collected.
+    before = gc.get_freeze_count()
+    relay = embedded(fast_settings(db_url, kafka_bootstrap))
+    assert relay.relay.lifecycle.state.value == "running"
+    assert gc.get_freeze_count() == before
+    assert relay.stop() == 0
 
 
 @pytest.mark.unit
