@@ -99,6 +99,11 @@ _EVENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 #: the server's max_allowed_packet.
 _CHUNK_ROWS = 1000
 _CHUNK_BYTES = 4 * 1024 * 1024
+#: The budget of one multi-row INSERT (MySQL/MariaDB), whose escaped binary
+#: payloads may take up to twice their size on the wire: under MySQL 5.7's
+#: default max_allowed_packet of 4 MiB, as PyMySQL keeps its own multi-row
+#: statements under 1,024,000 bytes.
+_STATEMENT_BYTES = 1024 * 1024
 
 Payload = bytes | bytearray | memoryview | str | object
 Target = Connection | Session
@@ -260,7 +265,7 @@ def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
     for row in rows:
         row["shard"] = shard_for(row["message_key"], row["event_id"], shard_count)
     multi_row = conn.dialect.name in _MULTI_ROW_DIALECTS
-    for chunk in _chunks(rows):
+    for chunk in _chunks(rows, _STATEMENT_BYTES if multi_row else _CHUNK_BYTES):
         if not multi_row:
             conn.execute(_insert_row(table), chunk)
             continue
@@ -569,12 +574,12 @@ def _shard_count(conn: Connection, table: str) -> int:
     return count
 
 
-def _chunks(rows: list[dict[str, Any]]) -> Iterable[list[dict[str, Any]]]:
+def _chunks(rows: list[dict[str, Any]], max_bytes: int) -> Iterable[list[dict[str, Any]]]:
     chunk: list[dict[str, Any]] = []
     size = 0
     for row in rows:
         row_size = len(row["payload"]) + len(row["headers"] or "") + 200
-        if chunk and (len(chunk) >= _CHUNK_ROWS or size + row_size > _CHUNK_BYTES):
+        if chunk and (len(chunk) >= _CHUNK_ROWS or size + row_size > max_bytes):
             yield chunk
             chunk, size = [], 0
         chunk.append(row)

@@ -139,6 +139,20 @@ def test_enqueue_many_sends_a_few_multi_row_inserts_not_one_per_row(
     assert {(r.status, r.attempts) for r in got} == {("pending", 0)}
 
 
+def test_enqueue_many_keeps_each_insert_under_a_mebibyte(engine: sa.Engine, outbox: str) -> None:
+    # Escaped binary payloads may double on the wire: one multi-row INSERT stays
+    # under 1 MiB of payload, so under MySQL 5.7's default max_allowed_packet (4 MiB).
+    payloads = [bytes([n]) * 300_000 for n in range(10)]
+    with engine.begin() as conn:
+        enqueue(conn, topic="orders", payload="warm-up")
+        before = conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Com_insert'")).one()
+        enqueue_many(conn, [Event(topic="orders", payload=p) for p in payloads])
+        after = conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Com_insert'")).one()
+    # 3 rows (900 KB) per statement at most: chunks of 3, 3, 3, 1 -> 2+1, 2+1, 2+1, 1.
+    assert int(after[1]) - int(before[1]) == 7
+    assert [r.payload for r in rows(engine)[1:]] == payloads
+
+
 @on_both_databases
 def test_caller_supplied_event_id_is_kept(engine: sa.Engine, outbox: str) -> None:
     u = uuid.uuid4()
