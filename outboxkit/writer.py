@@ -50,7 +50,7 @@ from outboxkit.errors import (
     PayloadTooLargeError,
     UnserializablePayloadError,
 )
-from outboxkit.notify import notify_at_commit
+from outboxkit.notify import NOTIFY_DIALECTS, notify_at_commit, notify_channel
 from outboxkit.runtime.tracing import trace_headers, with_trace_headers
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
@@ -264,6 +264,19 @@ def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
     shard_count = _shard_count(conn, table)
     for row in rows:
         row["shard"] = shard_for(row["message_key"], row["event_id"], shard_count)
+    if len(rows) == 1 and conn.dialect.name in NOTIFY_DIALECTS:
+        # One event (``enqueue``): the INSERT and its NOTIFY in one statement, a
+        # round trip less per transaction; the NOTIFY is still sent at commit.
+        params = {f"{col}_0": rows[0][col] for col in _ROW_COLUMNS}
+        conn.execute(_insert_notifying(conn.dialect, table), params)
+    else:
+        _insert(conn, table, rows)
+        # PostgreSQL: NOTIFY in the caller's transaction, so sent exactly at its commit.
+        notify_at_commit(conn, table, (row["shard"] for row in rows))
+    mark_enqueued(target, conn, table)  # for Redis wake-up hints after commit, when enabled
+
+
+def _insert(conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
     multi_row = conn.dialect.name in _MULTI_ROW_DIALECTS
     for chunk in _chunks(rows, _STATEMENT_BYTES if multi_row else _CHUNK_BYTES):
         if not multi_row:
@@ -277,9 +290,6 @@ def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
                 _insert_rows(conn.dialect, table, size),
                 {f"{col}_{n}": row[col] for n, row in enumerate(part) for col in _ROW_COLUMNS},
             )
-    # PostgreSQL: NOTIFY in the caller's transaction, so sent exactly at its commit.
-    notify_at_commit(conn, table, (row["shard"] for row in rows))
-    mark_enqueued(target, conn, table)  # for Redis wake-up hints after commit, when enabled
 
 
 #: The columns an event fills; the rest are set by the database (id) or fixed.
@@ -323,6 +333,25 @@ def _insert_rows(dialect: sa.Dialect, table: str, count: int) -> sa.TextClause:
     Text, compiled for ``dialect`` once: SQLAlchemy caches no multi-VALUES
     INSERT, and compiling one for every call cost more than the round trips it
     saved."""
+    sql, binds = _insert_sql(dialect, table, count)
+    return sa.text(sql).bindparams(*binds)
+
+
+@functools.lru_cache(maxsize=32)
+def _insert_notifying(dialect: sa.Dialect, table: str) -> sa.TextClause:
+    """PostgreSQL: one pending row (parameters ``<column>_0``) and the ``NOTIFY``
+    of its shard (as :func:`outboxkit.notify.notify_at_commit`), in one statement."""
+    sql, binds = _insert_sql(dialect, table, 1)
+    channel = notify_channel(table).replace("'", "''")
+    return sa.text(
+        f"WITH ins AS ({sql} RETURNING shard) "
+        f"SELECT pg_notify('{channel}', CAST(shard AS text)) FROM ins"
+    ).bindparams(*binds)
+
+
+def _insert_sql(
+    dialect: sa.Dialect, table: str, count: int
+) -> tuple[str, list[sa.BindParameter[Any]]]:
     t = outbox_table(table)
     quote = dialect.identifier_preparer.quote
     now = str(db_now().compile(dialect=dialect))
@@ -339,7 +368,7 @@ def _insert_rows(dialect: sa.Dialect, table: str, count: int) -> sa.TextClause:
         for n in range(count)
         for col in _ROW_COLUMNS
     ]
-    return sa.text(sql).bindparams(*binds)
+    return sql, binds
 
 
 def _refuse_repeated_ids(rows: list[dict[str, Any]]) -> None:

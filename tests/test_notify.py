@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -140,6 +141,35 @@ def test_nothing_is_sent_before_the_commit(pg_engine: sa.Engine, listener: Liste
         assert listener.until_marker(pg_engine) == []
         conn.commit()
     assert listener.until_marker(pg_engine) == [str(shard_for(b"k", "", 8))]
+
+
+def test_one_event_is_one_statement_with_its_notification(
+    pg_engine: sa.Engine, listener: Listener
+) -> None:
+    # enqueue() of one event sent its INSERT and then a SELECT pg_notify(...):
+    # two round trips where one does, in every single-event transaction.
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    with pg_engine.begin() as conn:
+        enqueue(conn, topic="orders", payload="warm-up", key="w")  # reads the shard count
+    listener.until_marker(pg_engine)
+    sa.event.listen(pg_engine, "before_cursor_execute", record)
+    try:
+        with pg_engine.begin() as conn:
+            enqueue(conn, topic="orders", payload="x", key="k")
+        with pg_engine.connect() as conn:
+            enqueue(conn, topic="orders", payload="y", key="k")
+            conn.rollback()
+    finally:
+        sa.event.remove(pg_engine, "before_cursor_execute", record)
+    assert len(sent) == 2 and all("pg_notify" in text for text in sent), sent
+    assert listener.until_marker(pg_engine) == [str(shard_for(b"k", "", 8))]  # not the rollback
+    with pg_engine.connect() as conn:
+        payloads = conn.execute(sa.text(f"SELECT payload FROM {TABLE} ORDER BY id")).scalars()
+        assert [bytes(p) for p in payloads] == [b"warm-up", b"x"]
 
 
 @settings(
