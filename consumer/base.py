@@ -86,6 +86,13 @@ _kafka_log = logging.getLogger("outboxkit.consumer.kafka")
 # back to the ready queue, so one busy partition (or key) cannot starve the others.
 _RUN_LIMIT = 64
 _FORCED_CONFIG = {"enable.auto.offset.store": "false"}
+# librdkafka's prefetch, as defaults an operator's --kafka-config overrides. Its own
+# defaults (64 MB, and 100,000 messages per partition) let the consumer's memory
+# grow with the backlog up to that cap, while the poll loop pauses a partition at
+# max_buffered unfinished messages anyway. With a smaller cap librdkafka waits
+# fetch.queue.backoff.ms (default 1 s) before fetching again once the cap is
+# reached, so that wait is shortened too.
+_PREFETCH_DEFAULTS = {"queued.max.messages.kbytes": 16384, "fetch.queue.backoff.ms": 50}
 
 
 class Consumer:
@@ -303,6 +310,7 @@ class Consumer:
             "error_cb": self._on_kafka_error,
             "stats_cb": self.metrics.on_stats,
             "on_commit": self._on_commit,
+            **_PREFETCH_DEFAULTS,
             **base,
             **_FORCED_CONFIG,
         }
