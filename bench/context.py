@@ -11,9 +11,11 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import queue
 import re
 import secrets
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -246,7 +248,48 @@ def machine() -> dict[str, Any]:
         "memory_gib": _memory_gib(),
         "loadavg_at_start": [round(x, 2) for x in load],
         "services": "co-located on this machine",
+        **thread_handoff(),
     }
+
+
+def thread_handoff(rounds: int = 5000) -> dict[str, float | None]:
+    """Microseconds per round trip of a value between two Python threads (a queue
+    each way), on whatever cores the scheduler picks and with both threads on one
+    core. Every service here hands work between threads (the relay and its
+    producer's threads, the consumer's poll loop and workers, a database's
+    connection threads): when a wake-up on another core is dear (a virtual
+    machine's cross-core interrupts), all of them slow down together, which the
+    load average does not show. Measured once per run so that runs compare."""
+
+    def round_trip_us() -> float:
+        there: queue.SimpleQueue[int] = queue.SimpleQueue()
+        back: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+        def echo() -> None:
+            for _ in range(rounds):
+                back.put(there.get())
+
+        t = threading.Thread(target=echo, daemon=True)
+        t.start()
+        start = time.perf_counter()
+        for i in range(rounds):
+            there.put(i)
+            back.get()
+        elapsed = time.perf_counter() - start
+        t.join()
+        return round(elapsed / rounds * 1e6, 1)
+
+    spread = round_trip_us()
+    one_core: float | None = None
+    if hasattr(os, "sched_getaffinity"):
+        cores = os.sched_getaffinity(0)
+        # A thread inherits its creator's affinity: pin this one, start the echo, restore.
+        os.sched_setaffinity(0, {min(cores)})
+        try:
+            one_core = round_trip_us()
+        finally:
+            os.sched_setaffinity(0, cores)
+    return {"thread_handoff_us": spread, "thread_handoff_one_core_us": one_core}
 
 
 def kafka_version() -> str | None:

@@ -165,12 +165,21 @@ def markdown_report(report: dict[str, Any]) -> str:
     m = report["machine"]
     out.append(
         f"Machine: {m['cpu_count']} CPUs ({m.get('processor')}), {m.get('memory_gib')} GiB, "
-        f"load average at start {m.get('loadavg_at_start')}; services co-located. "
+        f"load average at start {m.get('loadavg_at_start')}{_handoff(m)}; services co-located. "
         f"Python {v['python']}, confluent-kafka {v['confluent_kafka']} "
         f"(librdkafka {v['librdkafka']}), {v['database']}, Kafka {v['kafka']}, "
         f"SQLAlchemy {v['sqlalchemy']}, {_driver(v)}."
     )
     return "\n".join(out) + "\n"
+
+
+def _handoff(m: dict[str, Any]) -> str:
+    """The thread hand-off figures of ``context.thread_handoff`` (older results have none)."""
+    if m.get("thread_handoff_us") is None:
+        return ""
+    one = m.get("thread_handoff_one_core_us")
+    pinned = f" ({one} µs on one core)" if one is not None else ""
+    return f", thread hand-off round trip {m['thread_handoff_us']} µs{pinned}"
 
 
 def _driver(versions: dict[str, Any]) -> str:

@@ -51,6 +51,9 @@ def test_smoke_run_writes_a_complete_report(
     saved = json.loads(Path(report["path"]).read_text())
     assert json.loads((tmp_path / "latest.json").read_text())["run_id"] == saved["run_id"]
     assert saved["machine"]["cpu_count"] >= 1
+    # How dear a wake-up on another core is: runs on a degraded machine show it.
+    assert saved["machine"]["thread_handoff_us"] > 0
+    assert saved["machine"]["thread_handoff_one_core_us"] > 0
     for field in ("python", "confluent_kafka", "librdkafka", "database", "kafka"):
         assert saved["versions"][field], field
     assert saved["config"]["rows"] == BenchConfig.smoke().rows
@@ -206,7 +209,13 @@ def test_docs_keep_each_databases_run_between_its_own_markers(tmp_path: Path) ->
             "smoke": True,
             "goals": [],
             "scenarios": {},
-            "machine": {"cpu_count": 2, "processor": "x", "memory_gib": 1},
+            "machine": {
+                "cpu_count": 2,
+                "processor": "x",
+                "memory_gib": 1,
+                "thread_handoff_us": 87.5,
+                "thread_handoff_one_core_us": 14.0,
+            },
             "versions": {
                 "database_kind": kind,
                 "outboxkit_commit": "c",
@@ -231,4 +240,5 @@ def test_docs_keep_each_databases_run_between_its_own_markers(tmp_path: Path) ->
     postgres = text[text.index(PG_DOCS_START) : text.index(PG_DOCS_END)]
     assert "my-run" in mariadb and "PyMySQL 1.1" in mariadb
     assert "pg-run-2" in postgres and "psycopg 3.2" in postgres
+    assert "thread hand-off round trip 87.5 µs (14.0 µs on one core)" in mariadb
     assert text.startswith("# P\n\nintro\n") and "middle" in text
