@@ -300,20 +300,23 @@ _ROW_COLUMNS = ("topic", "payload", "message_key", "headers", "event_id", "shard
 _MULTI_ROW_DIALECTS = frozenset({"mysql", "mariadb"})
 
 
+def _fixed_values(t: sa.Table) -> dict[str, sa.ColumnElement[Any]]:
+    """What every new row of ``t`` holds besides the event's columns
+    (``_ROW_COLUMNS``): pending, no attempt yet, due now by the database's clock."""
+    return {
+        "status": sa.literal(Status.PENDING.value, t.c.status.type),
+        "attempts": sa.literal(0, t.c.attempts.type),
+        "next_attempt_at": db_now(),
+        "created_at": db_now(),
+        "updated_at": db_now(),
+    }
+
+
 @functools.lru_cache(maxsize=32)
 def _insert_row(table: str) -> sa.Insert:
     """The one-row INSERT an executemany repeats (cached by SQLAlchemy)."""
-    return (
-        outbox_table(table)
-        .insert()
-        .values(
-            status=Status.PENDING.value,
-            attempts=0,
-            next_attempt_at=db_now(),
-            created_at=db_now(),
-            updated_at=db_now(),
-        )
-    )
+    t = outbox_table(table)
+    return t.insert().values(**_fixed_values(t))
 
 
 def _insert_sizes(count: int) -> list[int]:
@@ -354,9 +357,10 @@ def _insert_sql(
 ) -> tuple[str, list[sa.BindParameter[Any]]]:
     t = outbox_table(table)
     quote = dialect.identifier_preparer.quote
-    now = str(db_now().compile(dialect=dialect))
-    fixed = {"status": f"'{Status.PENDING.value}'", "attempts": "0"}
-    fixed |= {col: now for col in ("next_attempt_at", "created_at", "updated_at")}
+    fixed = {
+        col: str(value.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+        for col, value in _fixed_values(t).items()
+    }
     columns = ", ".join(quote(col) for col in (*_ROW_COLUMNS, *fixed))
     rows = ", ".join(
         "(" + ", ".join([*(f":{col}_{n}" for col in _ROW_COLUMNS), *fixed.values()]) + ")"
