@@ -54,6 +54,11 @@ FAST: dict[str, Any] = {
     "connect_timeout": 5.0,
     "metrics_interval": 0.5,
 }
+#: ``OUTBOXKIT_TEST_RELAY_PIPELINE=1``: every relay built from these helpers runs
+#: with the pipeline on (tests that set ``pipeline`` themselves keep their
+#: choice), so the relay suite can be run against the pipelined loop as a whole.
+if os.environ.get("OUTBOXKIT_TEST_RELAY_PIPELINE", "").lower() in ("1", "true", "yes"):
+    FAST["pipeline"] = True
 
 
 def fast_settings(db_url: str, bootstrap: str, **overrides: Any) -> RelaySettings:
