@@ -59,11 +59,23 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
     with engine.begin() as conn:
         conn.execute(sa.text(f"ANALYZE TABLE {outbox}"))
     # As the relay claims: every shard (one relay), some shards (Redis leases: rows
-    # with an out-of-range shard are matched by their key's hash), paused topics.
+    # with an out-of-range shard are matched by their key's hash), paused topics,
+    # and beside a leased batch (the pipeline: bounded by id, here past the
+    # backlog's first half).
+    with engine.connect() as conn:
+        first_pending = conn.execute(
+            sa.select(sa.func.min(t.c.id)).where(t.c.status == "pending")
+        ).scalar_one()
     for query in (
         candidates_query(outbox, ALL, 50),
         candidates_query(outbox, ALL, 50, shard_count=8),
         candidates_query(outbox, range(4), 50, ("p",), shard_count=8),
+        candidates_query(outbox, ALL, 50, shard_count=8, bounded=True).params(
+            id_upper=first_pending + 50
+        ),
+        candidates_query(outbox, range(4), 50, shard_count=8, bounded=True).params(
+            id_upper=first_pending + 50
+        ),
     ):
         with engine.connect() as conn:
             sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
