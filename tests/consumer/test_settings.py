@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from procs import HERE
 
+from outboxkit.consumer import Consumer, Message
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.runtime import ConfigError, load
 from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, librdkafka_problem
@@ -22,6 +23,14 @@ from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, librdkafka_problem
 pytestmark = pytest.mark.unit
 
 _WHERE = "--kafka-config / OUTBOXKIT_KAFKA_CONFIG"
+
+
+class Noop(Consumer):
+    topics = ("t",)
+    group_id = "g"
+
+    def handle(self, message: Message) -> None:
+        pass
 
 
 def _refused_value(name: str) -> str:
@@ -261,15 +270,6 @@ def test_the_console_refuses_an_sqlite_inbox_with_exit_2(tmp_path: Path) -> None
 def test_an_embedded_consumer_takes_a_postgresql_inbox_engine_and_refuses_sqlite() -> None:
     import sqlalchemy as sa
 
-    from outboxkit.consumer import Consumer, Message
-
-    class Noop(Consumer):
-        topics = ("t",)
-        group_id = "g"
-
-        def handle(self, message: Message) -> None:
-            pass
-
     settings = ConsumerSettings(kafka_bootstrap="127.0.0.1:1", inbox=True, health_port=0)
     postgres, sqlite = sa.create_engine(_PG_URL), sa.create_engine("sqlite://")
     try:
@@ -302,8 +302,6 @@ def test_the_inbox_batch_is_1_to_1000_and_needs_the_inbox(size: int) -> None:
 
 
 def test_the_inbox_batch_defaults_to_one_per_transaction_and_refuses_async_handlers() -> None:
-    from outboxkit.consumer import Consumer, Message
-
     assert ConsumerSettings().inbox_batch == 1
 
     class Async(Consumer):
@@ -366,15 +364,7 @@ def test_librdkafka_prefetch_is_capped_unless_kafka_config_says_otherwise(
     """librdkafka's own prefetch cap (64 MB) let the consumer's memory grow with the
     backlog it reads (bench: 166 MB at 50,000 messages, 294 MB at 200,000); the
     consumer caps it at 16 MB, and an operator's --kafka-config still wins."""
-    from outboxkit.consumer import Consumer, Message
     from outboxkit.consumer import base as consumer_base
-
-    class Noop(Consumer):
-        topics = ("t",)
-        group_id = "g"
-
-        def handle(self, message: Message) -> None:
-            pass
 
     seen: list[dict[str, Any]] = []
 

@@ -70,11 +70,11 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
         candidates_query(outbox, ALL, 50),
         candidates_query(outbox, ALL, 50, shard_count=8),
         candidates_query(outbox, range(4), 50, ("p",), shard_count=8),
-        candidates_query(outbox, ALL, 50, shard_count=8, bounded=True).params(
-            id_upper=first_pending + 50
-        ),
-        candidates_query(outbox, range(4), 50, shard_count=8, bounded=True).params(
-            id_upper=first_pending + 50
+        *(
+            candidates_query(outbox, shards, 50, shard_count=8, bounded=True).params(
+                id_upper=first_pending + 50
+            )
+            for shards in (ALL, range(4))
         ),
     ):
         with engine.connect() as conn:
