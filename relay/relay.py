@@ -65,7 +65,7 @@ from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import freeze_heap
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
-from outboxkit.schema.apply import read_shard_count, require_functions
+from outboxkit.schema.apply import read_shard_count, require_claim_schema
 
 __all__ = ["PUSH_JOB", "Relay"]
 
@@ -688,8 +688,9 @@ class Relay:
 
         def read() -> int:
             with self.engine.connect() as conn:
-                require_functions(conn)
-                return read_shard_count(conn, self.settings.table)
+                shard_count = read_shard_count(conn, self.settings.table)
+                require_claim_schema(conn, self.settings.table)
+                return shard_count
 
         def sleep(seconds: float) -> None:
             self.lifecycle.wait_draining(seconds)  # a SIGTERM ends the wait

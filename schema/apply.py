@@ -37,6 +37,7 @@ from outboxkit.schema.table import (
     binary_collation,
     db_now,
     inbox_table,
+    key_status_index,
     meta_table,
     outbox_table,
     recovery_table,
@@ -152,14 +153,31 @@ def _create_functions(conn: Connection, report: ApplyReport) -> None:
     report.actions.append(f"created function {PG_CRC32_FUNCTION}(bytea)")
 
 
-def require_functions(conn: Connection) -> None:
-    """The functions the relay needs are there (PostgreSQL: ``outboxkit_crc32``),
-    else SchemaNotAppliedError: a schema applied by an older release lacks it."""
+def require_claim_schema(conn: Connection, table: str) -> None:
+    """What the relay's claim names is there, else SchemaNotAppliedError.
+
+    PostgreSQL: the function ``outboxkit_crc32`` (a schema applied by an older
+    release lacks it). MySQL/MariaDB: the index ``ix_<table>_key_status``, which
+    the claim names in an index hint (a table made by hand may lack it, and
+    every claim would then fail)."""
     if conn.dialect.name == "postgresql" and not has_pg_crc32(conn):
         raise SchemaNotAppliedError(
             f"the function {PG_CRC32_FUNCTION}(bytea) is missing: run `outboxkit schema apply` "
             "(this release adds it on PostgreSQL)"
         )
+    if conn.dialect.name in ("mysql", "mariadb"):
+        index = key_status_index(table)
+        found = conn.execute(
+            sa.text(
+                "SELECT COUNT(*) FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = "
+                "DATABASE() AND TABLE_NAME = :t AND INDEX_NAME = :i"
+            ),
+            {"t": table, "i": index},
+        ).scalar_one()
+        if not found:
+            raise SchemaNotAppliedError(
+                f"the index {index} of table {table!r} is missing: run `outboxkit schema apply`"
+            )
 
 
 def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -> None:

@@ -156,6 +156,11 @@ meta_table = sa.Table(
 )
 
 
+def key_status_index(table: str) -> str:
+    """The name of the outbox table's ``(message_key, status, id)`` index."""
+    return f"ix_{table}_key_status"
+
+
 @functools.cache
 def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
     """The outbox table called ``name`` (one shared definition, cached per name).
@@ -205,7 +210,7 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("kafka_offset", sa.BigInteger(), nullable=True),
         sa.UniqueConstraint("event_id", name=f"uq_{name}_event_id"),
         sa.Index(f"ix_{name}_status_id", "status", "id"),
-        sa.Index(f"ix_{name}_key_status", "message_key", "status", "id"),
+        sa.Index(key_status_index(name), "message_key", "status", "id"),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
     )

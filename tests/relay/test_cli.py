@@ -147,6 +147,25 @@ def test_a_postgresql_schema_without_the_crc32_function_exits_3_saying_apply(
 
 
 @pytest.mark.integration
+def test_a_mysql_table_without_the_key_index_exits_3_saying_apply(
+    engine: sa.Engine, db_url: str, outbox: str, kafka_bootstrap: str
+) -> None:
+    """The claim names ``ix_<table>_key_status`` in an index hint; on a table made
+    by hand without it every claim would fail, so the relay refuses to start."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP INDEX ix_{outbox}_key_status ON {outbox}"))
+    result = _cli(
+        "--health-port", "0", "--connect-timeout", "2",
+        env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
+    )  # fmt: skip
+    assert result.returncode == EXIT_DEPENDENCY, result.stderr
+    assert (
+        f"the index ix_{outbox}_key_status of table '{outbox}' is missing: "
+        "run `outboxkit schema apply`"
+    ) in result.stderr
+
+
+@pytest.mark.integration
 def test_non_idempotent_producer_config_is_refused_with_exit_2(
     db_url: str, outbox: str, kafka_bootstrap: str
 ) -> None:
