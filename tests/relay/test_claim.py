@@ -139,7 +139,7 @@ def test_a_claim_beside_many_leased_rows_reads_only_their_keys(
             read = _handler_reads(conn, query)  # the whole query
     # About 1,000 of our pending rows are scanned to find 100 of a key not held
     # back, a few reads each: 3,703 on MariaDB, 8,000 on PostgreSQL. Reading
-    # every leased row for each was 188,603 and 120 million (17 s).
+    # every leased row for each was 188,603 and 32.5 million.
     assert read < 30_000, (read, plan)
     batch = claim_batch(
         engine, outbox, owner="a", shards=mine, limit=100, lease_ttl=30, shard_count=8
