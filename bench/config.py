@@ -33,8 +33,9 @@ class BenchConfig:
     relay_counts: tuple[int, ...] = (1, 2, 3, 4)
     #: More claim batch sizes the throughput scenario drains with one relay.
     batch_sizes: tuple[int, ...] = ()
-    #: The throughput scenario's one-relay drains with the relay's pipeline on (1)
-    #: and off (0), alternating in this order, so both share the run's conditions.
+    #: The throughput scenario's drains with the relay's pipeline on (1) and off (0),
+    #: alternating in this order, so both share the run's conditions: one relay at
+    #: each batch size, and each larger relay count at the default batch size.
     pipeline_modes: tuple[int, ...] = (1, 0)
     #: Steady writer rates (events/s) of the latency scenario, and how long each lasts.
     latency_rates: tuple[int, ...] = (200, 1_000, 5_000)

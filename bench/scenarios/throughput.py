@@ -4,7 +4,8 @@ the DB and producer ceilings measured earlier in the same run.
 
 One relay also drains it with each batch size (``batch_size`` and
 ``batch_sizes``) and the pipeline on and off (``pipeline_modes``), alternating,
-so the comparison shares the run's conditions; ``rate_1`` is the drain with the
+so the comparison shares the run's conditions; several relays with the pipeline
+on and off at ``batch_size``. ``rate_N`` is the drain of N relays with the
 relay's own defaults (or ``batch_size``).
 
 Rates count from just before the first message reached the topic to the moment
@@ -61,9 +62,10 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 res.notes.append(f"{n} relays: skipped, {exc}")
                 continue
         variants: list[tuple[int | None, bool | None]] = [(None, None)]
-        if n == 1:
-            sizes = dict.fromkeys([batch_size(cfg), *cfg.batch_sizes])
-            variants += [(b, bool(p)) for b in sizes for p in cfg.pipeline_modes]
+        # One relay: every batch size, pipeline on and off. Several: the default
+        # size, on and off (with several relays more rows are leased at once).
+        sizes = dict.fromkeys([batch_size(cfg), *(cfg.batch_sizes if n == 1 else ())])
+        variants += [(b, bool(p)) for b in sizes for p in cfg.pipeline_modes]
         for batch, pipeline in variants:
             label = f"relay{n}" if batch is None else f"relay{n}-b{batch}-p{int(bool(pipeline))}"
             out = drain_backlog(

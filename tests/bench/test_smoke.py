@@ -127,14 +127,17 @@ def _assert_memory_and_cpu(saved: dict[str, Any]) -> None:
 
 
 def _assert_scale_out(saved: dict[str, Any], services: Services) -> None:
-    """One row per relay count with the relays' own defaults, and one relay with the
-    pipeline on and off, each with the relays' and every co-located service's CPU."""
+    """One row per relay count with the relays' own defaults, and each relay count
+    with the pipeline on and off, each with the relays' and every co-located
+    service's CPU."""
     throughput = saved["scenarios"]["relay-throughput"]
     counts = BenchConfig.smoke().relay_counts
     rows = throughput["rows"]
     assert [r["relays"] for r in rows if r["pipeline"] == "default"] == list(counts)
-    variants = [r["pipeline"] for r in rows if r["relays"] == 1 and r["pipeline"] != "default"]
-    assert sorted(variants) == ["off", "on"], rows
+    for n in counts:
+        variants = [r["pipeline"] for r in rows if r["relays"] == n and r["pipeline"] != "default"]
+        assert sorted(variants) == ["off", "on"], (n, rows)
+        assert all(r["duplicates"] == 0 for r in rows if r["relays"] == n), (n, rows)
     engine = sa.create_engine(services.db_url)
     try:
         found = ServiceCpu.find(engine, services.kafka_bootstrap, services.redis_url).pids
