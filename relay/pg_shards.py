@@ -36,7 +36,8 @@ Session advisory locks need a real server session: PgBouncer in transaction
 pooling mode breaks them (docs/postgresql.md).
 
 Log events: ``rebalance``, ``shard-acquired``, ``shard-released`` (reason
-``handover`` or ``drain``), ``shard-lost`` (reason ``session-lost``),
+``handover`` or ``drain``), ``shard-lost`` (reason ``session-lost``, or
+``session-lost-while-leaving`` when the session died during a drain),
 ``shard-session-lost`` / ``shard-session-restored``. Acquisitions and releases
 carry ``db_ms``, the server's clock (ms since the epoch) read just after the
 lock was taken or just before it was let go, so every relay's logged holds of a
@@ -316,11 +317,14 @@ class PgAdvisoryShards:
         self._members = ()
         if lost and not self._leaving:
             self.metrics.lost.inc(len(lost))
-            for shard in lost:
-                log_event(
-                    self.log, "shard-lost", level=logging.WARNING, table=self.table,
-                    shard=shard, reason="session-lost",
-                )  # fmt: skip
+        # Logged while leaving too (a drain meeting a database restart): the locks
+        # ended here, and ownership rebuilt from the log must see each end.
+        reason = "session-lost-while-leaving" if self._leaving else "session-lost"
+        for shard in lost:
+            log_event(
+                self.log, "shard-lost", level=logging.WARNING, table=self.table,
+                shard=shard, reason=reason,
+            )  # fmt: skip
         self._set_owned_gauge()
 
     def _idle(self, conn: psycopg.Connection, seconds: float) -> None:

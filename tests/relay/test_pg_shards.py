@@ -218,6 +218,33 @@ def test_a_dead_session_stops_claiming_at_once_and_its_shards_move(
     assert ":outboxkit@" not in text
 
 
+def test_a_session_that_dies_while_leaving_still_logs_each_shards_end(
+    pg_engine: sa.Engine, make_shards: ShardsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A drain that meets a database restart: the session dies after the relay
+    began leaving and before it unlocked anything. The locks end with the
+    session, and the log must say so for every shard (the chaos suite rebuilds
+    ownership from these lines: a relay that said nothing held its shards
+    forever there, an overlap with every later owner)."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    a = make_shards("relay-a", reconnect_min=3.0, tick_interval=5.0)
+    wait_for(lambda: len(a.claimable()) == SHARDS, timeout=10, what="a owns every shard")
+    held = a.held()
+    pid = a.backend_pid
+    with a._lock:  # release_all's first step, then the session dies before the rest
+        a._leaving = True
+    with pg_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+    wait_for(lambda: a.backend_pid is None, timeout=2, interval=0.005, what="the session ends")
+    a.release_all()
+    ended = {
+        r.outboxkit_fields["shard"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "outboxkit_event", None) in ("shard-lost", "shard-released")
+    }
+    assert ended == held
+
+
 def test_release_all_frees_every_lock(pg_engine: sa.Engine, make_shards: ShardsFactory) -> None:
     a, b = make_shards("relay-a"), make_shards("relay-b")
     wait_for(lambda: settled([a, b]), timeout=10, what="two relays")
