@@ -167,14 +167,7 @@ def require_claim_schema(conn: Connection, table: str) -> None:
         )
     if conn.dialect.name in ("mysql", "mariadb"):
         index = key_status_index(table)
-        found = conn.execute(
-            sa.text(
-                "SELECT COUNT(*) FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = "
-                "DATABASE() AND TABLE_NAME = :t AND INDEX_NAME = :i"
-            ),
-            {"t": table, "i": index},
-        ).scalar_one()
-        if not found:
+        if index not in {i["name"] for i in sa.inspect(conn).get_indexes(table)}:
             raise SchemaNotAppliedError(
                 f"the index {index} of table {table!r} is missing: run `outboxkit schema apply`"
             )

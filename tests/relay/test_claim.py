@@ -36,6 +36,11 @@ pytestmark = pytest.mark.integration
 ALL = range(8)
 
 
+def _literal_sql(engine: sa.Engine, query: sa.Select[Any]) -> str:
+    """``query`` as the SQL text the database runs, values inlined (for EXPLAIN)."""
+    return str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+
+
 def _handler_reads(conn: sa.Connection, query: sa.Select[tuple[int, bytes | None]]) -> int:
     def reads() -> int:
         result = conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Handler_read%'"))
@@ -78,7 +83,7 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
         ),
     ):
         with engine.connect() as conn:
-            sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+            sql = _literal_sql(engine, query)
             plan = conn.execute(sa.text("EXPLAIN " + sql)).mappings().all()
             reads = _handler_reads(conn, query)
         per_status = [p for p in plan if p["table"] == outbox]
@@ -132,7 +137,7 @@ def test_a_claim_beside_many_leased_rows_reads_only_their_keys(
     plan = None
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
-            sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+            sql = _literal_sql(engine, query)
             (plan,) = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)).scalar_one()
             read = _pg_rows_read(plan, "earlier")  # the per-key checks
         else:
@@ -195,7 +200,7 @@ def test_claim_cost_does_not_grow_with_delivered_history_on_postgresql(pg_url: s
             candidates_query(outbox, ALL, 50, shard_count=8, dialect=pg),
             candidates_query(outbox, range(4), 50, ("p",), shard_count=8, dialect=pg),
         ):
-            sql = str(query.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+            sql = _literal_sql(engine, query)
             assert "ANY (ARRAY[" in sql, sql
             with engine.connect() as conn:
                 (plan,) = conn.execute(
