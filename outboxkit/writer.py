@@ -59,6 +59,7 @@ from outboxkit.schema.table import (
     MAX_EVENT_ID_LENGTH,
     MAX_KEY_BYTES,
     MAX_TOPIC_LENGTH,
+    MYSQL_DIALECTS,
     Status,
     db_now,
     outbox_table,
@@ -277,7 +278,10 @@ def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
 
 
 def _insert(conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
-    multi_row = conn.dialect.name in _MULTI_ROW_DIALECTS
+    # On MySQL/MariaDB an executemany goes row by row (PyMySQL, when VALUES holds
+    # SQL functions), so enqueue_many sends multi-row INSERTs instead. psycopg 3
+    # pipelines an executemany, which measured faster than one long statement.
+    multi_row = conn.dialect.name in MYSQL_DIALECTS
     for chunk in _chunks(rows, _STATEMENT_BYTES if multi_row else _CHUNK_BYTES):
         if not multi_row:
             conn.execute(_insert_row(table), chunk)
@@ -294,10 +298,6 @@ def _insert(conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
 
 #: The columns an event fills; the rest are set by the database (id) or fixed.
 _ROW_COLUMNS = ("topic", "payload", "message_key", "headers", "event_id", "shard")
-#: Where an executemany goes row by row (PyMySQL, when VALUES holds SQL
-#: functions), so enqueue_many sends multi-row INSERTs instead. psycopg 3
-#: pipelines an executemany, which measured faster than one long statement.
-_MULTI_ROW_DIALECTS = frozenset({"mysql", "mariadb"})
 
 
 def _fixed_values(t: sa.Table) -> dict[str, sa.ColumnElement[Any]]:

@@ -70,7 +70,13 @@ from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.logs import log_event
 from outboxkit.schema.crc32 import key_crc32
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import Status, db_now, key_status_index, outbox_table
+from outboxkit.schema.table import (
+    MYSQL_DIALECTS,
+    Status,
+    db_now,
+    key_status_index,
+    outbox_table,
+)
 
 __all__ = ["Batch", "ClaimedRow", "candidates", "claim_batch", "create_engine"]
 
@@ -78,8 +84,6 @@ log = logging.getLogger("outboxkit.relay.claim")
 
 #: At most this many row ids in one recovery log line / record.
 _MAX_IDS_LOGGED = 200
-#: Dialect names of MySQL and MariaDB (index hints).
-MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
 #: The ``attempts`` column is a signed 32-bit INT.
 _MAX_ATTEMPTS_STORED = 2**31 - 1
 
@@ -544,7 +548,7 @@ def create_engine(settings: RelaySettings) -> Engine:
     timeout = max(1, math.ceil(settings.lease_ttl))
     connect_timeout = max(1, math.ceil(settings.connect_timeout))
     backend = url.get_backend_name()
-    if backend in ("mysql", "mariadb"):
+    if backend in MYSQL_DIALECTS:
         connect_args = {
             "connect_timeout": connect_timeout,
             "read_timeout": timeout,

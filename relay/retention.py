@@ -41,7 +41,13 @@ from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.logs import log_event
 from outboxkit.runtime.supervisor import Supervisor
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+from outboxkit.schema.table import (
+    MYSQL_DIALECTS,
+    Status,
+    db_now,
+    outbox_table,
+    validate_identifier,
+)
 
 if TYPE_CHECKING:
     from outboxkit.relay.relay import Relay
@@ -318,7 +324,7 @@ def _retention_lock(engine: Engine, table: str) -> Iterator[bool]:
     with engine.connect() as conn:
         dialect = conn.dialect.name
         name = f"outboxkit_retention_{table}"
-        if dialect in ("mysql", "mariadb"):
+        if dialect in MYSQL_DIALECTS:
             if len(name) > 64:  # MySQL's limit on lock names
                 name = f"outboxkit_retention_{zlib.crc32(table.encode()):08x}"
             take, give = "SELECT GET_LOCK(:n, 0)", "SELECT RELEASE_LOCK(:n)"

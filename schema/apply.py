@@ -32,6 +32,7 @@ from outboxkit.schema.table import (
     DEFAULT_SHARDS,
     DEFAULT_TABLE,
     MAX_SHARDS,
+    MYSQL_DIALECTS,
     SCHEMA_VERSION,
     Identifier,
     binary_collation,
@@ -165,7 +166,7 @@ def require_claim_schema(conn: Connection, table: str) -> None:
             f"the function {PG_CRC32_FUNCTION}(bytea) is missing: run `outboxkit schema apply` "
             "(this release adds it on PostgreSQL)"
         )
-    if conn.dialect.name in ("mysql", "mariadb"):
+    if conn.dialect.name in MYSQL_DIALECTS:
         index = key_status_index(table)
         if index not in {i["name"] for i in sa.inspect(conn).get_indexes(table)}:
             raise SchemaNotAppliedError(
@@ -208,7 +209,7 @@ def _upgrade_collations(conn: Connection, table: sa.Table, report: ApplyReport) 
     column). MySQL/MariaDB rebuild the table for it: writes to it wait until it is
     done, so run the upgrade when the table is small or traffic is low.
     """
-    if conn.dialect.name not in ("mysql", "mariadb"):
+    if conn.dialect.name not in MYSQL_DIALECTS:
         return  # PostgreSQL and SQLite compare bytes already
     want = binary_collation(conn.dialect)
     rows = conn.execute(
@@ -275,7 +276,7 @@ def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyRep
 @contextmanager
 def _schema_lock(conn: Connection) -> Iterator[None]:
     dialect = conn.dialect.name
-    if dialect in ("mysql", "mariadb"):
+    if dialect in MYSQL_DIALECTS:
         got = conn.execute(
             sa.text("SELECT GET_LOCK(:n, :t)"), {"n": _LOCK_NAME, "t": _LOCK_TIMEOUT_S}
         ).scalar()

@@ -25,6 +25,9 @@ META_TABLE = "outboxkit_meta"
 RECOVERY_TABLE = "outboxkit_recovery_events"
 DEFAULT_SHARDS = 64
 MAX_SHARDS = 4096
+#: SQLAlchemy's dialect names for MySQL and MariaDB: one SQL family here (types,
+#: index hints, multi-row INSERTs, DDL), told apart only where the servers differ.
+MYSQL_DIALECTS = ("mysql", "mariadb")
 #: 2: identifiers compare byte for byte (``Identifier``); ``schema apply`` upgrades.
 SCHEMA_VERSION = 2
 
@@ -133,11 +136,11 @@ def _identifier_mysql(element: Identifier, compiler: Any, **kw: Any) -> str:
 
 
 def _micros() -> sa.types.TypeEngine[Any]:
-    return sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+    return sa.DateTime().with_variant(mysql.DATETIME(fsp=6), *MYSQL_DIALECTS)
 
 
 def _blob() -> sa.types.TypeEngine[Any]:
-    return sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+    return sa.LargeBinary().with_variant(mysql.LONGBLOB(), *MYSQL_DIALECTS)
 
 
 def _status() -> sa.types.TypeEngine[Any]:
@@ -189,7 +192,7 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column(
             "message_key",
             sa.LargeBinary(MAX_KEY_BYTES).with_variant(
-                mysql.VARBINARY(MAX_KEY_BYTES), "mysql", "mariadb"
+                mysql.VARBINARY(MAX_KEY_BYTES), *MYSQL_DIALECTS
             ),
             nullable=True,
         ),

@@ -184,12 +184,13 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.figures["base_rate"] = base["msgs/s"]
     res.figures["base_cpu_per_1k"] = base["cpu s/1k msgs"]
 
-    # The default (200) pauses partitions so often that librdkafka's prefetch is
-    # thrown away and fetched again; this row shows what a larger buffer gives.
-    tuned = embedded(ctx, Trivial, topic, label="base class, max_buffered=5000", max_buffered=5000)
-    tuned["vs raw poll"] = tuned["msgs/s"] / raw
-    res.rows.append(tuned)
-    res.figures["base_rate_buffered"] = tuned["msgs/s"]
+    # The default (5000) was 200 until pausing showed in the profile: a small
+    # buffer pauses partitions so often that librdkafka's prefetch is thrown away
+    # and fetched again. This row shows what the larger default saves.
+    small = embedded(ctx, Trivial, topic, label="base class, max_buffered=200", max_buffered=200)
+    small["vs raw poll"] = small["msgs/s"] / raw
+    res.rows.append(small)
+    res.figures["base_rate_small_buffer"] = small["msgs/s"]
 
     inbox_table(DEFAULT_INBOX_TABLE).create(ctx.engine, checkfirst=True)
     inbox = embedded(ctx, Trivial, topic, label="base class + inbox", inbox=True)
