@@ -265,29 +265,17 @@ def candidates_query(
         }
     # One probe per status, each ``status = <constant>``, so it seeks
     # ``(message_key, status, id)`` by both columns and reads only the key's rows
-    # in that status. MySQL/MariaDB are told to: on a table that grew after the
-    # server opened it (a new outbox filling up) they know no row counts per key
-    # and chose ``(status, id)`` instead, reading every leased row for each
-    # candidate (20 million row reads and 39 s for one claim beside 3,000 leased
-    # rows). ``schema.apply.require_claim_schema`` checks at start that the index
-    # exists.
-    key_index = key_status_index(table)
-    # PostgreSQL takes no hints: ``+ 0`` keeps ``(status, id)`` from serving the
-    # id condition, so that index matches one column to the key index's two and
-    # is not chosen (without statistics, on a new table, it was: 32 million row
-    # reads for one claim in test_claim.py).
-    earlier_first = earlier.c.id + 0 < t.c.id if dialect == "postgresql" else earlier.c.id < t.c.id
+    # in that status (see key_probe).
     for status, hold in holds.items():
-        probe = sa.select(sa.literal(1)).select_from(earlier)
-        if dialect in MYSQL_DIALECTS:
-            probe = probe.with_hint(earlier, f"FORCE INDEX ({key_index})", dialect)
         common.append(
-            ~probe.where(
+            ~key_probe(sa.literal(1), earlier, table, dialect)
+            .where(
                 earlier.c.message_key == t.c.message_key,
                 earlier.c.status == status.value,
-                earlier_first,
+                probed_id(earlier.c.id, dialect) < t.c.id,
                 hold,
-            ).exists()
+            )
+            .exists()
         )
 
     def by_status(
@@ -306,6 +294,35 @@ def candidates_query(
         by_status(Status.DELIVERING, _lease_over(t, now)),
     ).subquery("candidates")
     return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
+
+
+def key_probe(
+    column: sa.ColumnElement[Any], alias: sa.FromClause, table: str, dialect: str | None
+) -> sa.Select[Any]:
+    """``SELECT column FROM alias`` for a probe of one key's rows in one status
+    (``message_key = … AND status = <constant>`` plus an id range, with
+    :func:`probed_id`), made to seek ``(message_key, status, id)``.
+
+    On a table that grew after the server opened it (a new outbox filling up)
+    the databases know no row counts per key and chose ``(status, id)`` instead,
+    reading every row in that status for each probe (20 million row reads and
+    39 s for one claim beside 3,000 leased rows on MariaDB). MySQL/MariaDB are
+    told to use the key index (``schema.apply.require_claim_schema`` checks at
+    start that it exists); for PostgreSQL, which takes no hints, see
+    :func:`probed_id`.
+    """
+    probe = sa.select(column).select_from(alias)
+    if dialect in MYSQL_DIALECTS:
+        probe = probe.with_hint(alias, f"FORCE INDEX ({key_status_index(table)})", dialect)
+    return probe
+
+
+def probed_id(column: sa.ColumnElement[int], dialect: str | None) -> sa.ColumnElement[int]:
+    """The probed rows' id, for the id range of a :func:`key_probe`. On PostgreSQL
+    ``+ 0`` keeps ``(status, id)`` from serving that range, so that index
+    matches one column to the key index's two and is not chosen (without
+    statistics it was: 32 million row reads for one claim in test_claim.py)."""
+    return column + 0 if dialect == "postgresql" else column
 
 
 def claim_batch(

@@ -8,17 +8,20 @@ status, never per batch and never over ``delivered`` rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
 from outboxkit.relay._dbtime import micros_between
+from outboxkit.relay.claim import key_probe, probed_id
 from outboxkit.schema.table import Status, db_now, outbox_table
 
 __all__ = [
     "BACKLOG_STATUSES",
     "RelayMetrics",
+    "ordering_blocked_query",
     "sample_backlog",
     "sample_ordering_blocked",
     "topics_with_rows",
@@ -148,13 +151,25 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
 def sample_ordering_blocked(
     conn: Connection, table: str, paused_topics: Collection[str] = ()
 ) -> int:
-    """Waiting rows whose key has an earlier row that holds it back.
+    """Waiting rows whose key has an earlier row that holds it back
+    (:func:`ordering_blocked_query`)."""
+    query = ordering_blocked_query(table, paused_topics, conn.dialect.name)
+    return int(conn.execute(query).scalar_one())
+
+
+def ordering_blocked_query(
+    table: str, paused_topics: Collection[str] = (), dialect: str | None = None
+) -> sa.Select[Any]:
+    """Count the waiting rows held back by an earlier row of their key.
 
     Starts from the blocking rows (retryable and not yet due, delivering under a
-    live lease, not yet delivered in a paused topic) — few in a healthy system — and counts
-    the later ``pending``/``retryable`` rows of their keys through the
-    ``(message_key, status, id)`` index, so the cost follows the blockers, not the
-    backlog.
+    live lease, not yet delivered in a paused topic) — few in a healthy system —
+    and, for each blocking key, counts its later ``pending`` and ``retryable``
+    rows with one probe per status through the ``(message_key, status, id)``
+    index (:func:`~outboxkit.relay.claim.key_probe`, as the claim does), so the
+    cost follows the blockers, not the backlog. A join of blockers and waiting
+    rows let PostgreSQL, on a table without statistics, read the whole backlog
+    into a hash table on every sample.
     """
     t = outbox_table(table)
     now = db_now()
@@ -178,15 +193,17 @@ def sample_ordering_blocked(
         .subquery("blockers")
     )
     later = outbox_table(table).alias("later")
-    query = (
-        sa.select(sa.func.count())
-        .select_from(later.join(first, later.c.message_key == first.c.message_key))
+    held = [
+        key_probe(sa.func.count(), later, table, dialect)
         .where(
-            later.c.id > first.c.first_id,
-            later.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
+            later.c.message_key == first.c.message_key,
+            later.c.status == status.value,
+            probed_id(later.c.id, dialect) > first.c.first_id,
         )
-    )
-    return int(conn.execute(query).scalar_one())
+        .scalar_subquery()
+        for status in (Status.PENDING, Status.RETRYABLE)
+    ]
+    return sa.select(sa.func.coalesce(sa.func.sum(held[0] + held[1]), 0)).select_from(first)
 
 
 def topics_with_rows(conn: Connection, table: str, topics: Collection[str]) -> frozenset[str]:

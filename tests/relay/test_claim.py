@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from foreign import insert_foreign
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from relay_support import EmbeddedRelay, add_events, db_time, fast_settings, rows, wait_for
 from support.databases import on_both_databases
 
@@ -28,7 +30,11 @@ from outboxkit.relay.claim import (
     claim_batch,
     create_engine,
 )
-from outboxkit.relay.metrics import sample_backlog, sample_ordering_blocked
+from outboxkit.relay.metrics import (
+    ordering_blocked_query,
+    sample_backlog,
+    sample_ordering_blocked,
+)
 from outboxkit.schema import Status, apply_schema, outbox_table, recovery_table, shard_for
 
 pytestmark = pytest.mark.integration
@@ -152,6 +158,134 @@ def test_a_claim_beside_many_leased_rows_reads_only_their_keys(
     assert batch is not None and len(batch) == 100
     assert all(shard_of[r.key.decode()] in mine for r in batch.rows if r.key)
     assert not {r.key.decode() for r in batch.rows if r.key} & leased_keys
+
+
+@on_both_databases
+def test_the_ordering_blocked_sample_reads_the_blockers_keys_not_the_backlog(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """``outbox_ordering_blocked_rows`` is sampled in the relay's loop. Five keys
+    are held back by a retry not yet due, in a 60,000-row backlog on a table
+    without statistics: the sample must read those keys' rows, not the backlog.
+    It joined blockers to waiting rows, and PostgreSQL then read the whole
+    backlog into a hash table on every sample (60,005 rows here)."""
+    keys = 2_000
+    add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i % keys}", payload=b"x") for i in range(60_000)]
+    )
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        first = [r.id for r in conn.execute(sa.select(t.c.id).order_by(t.c.id).limit(5))]
+        conn.execute(
+            t.update()
+            .where(t.c.id.in_(first))
+            .values(status="retryable", next_attempt_at=db_time(600))
+        )
+    query = ordering_blocked_query(outbox, (), engine.dialect.name)
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            sql = _literal_sql(engine, query)
+            (plan,) = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)).scalar_one()
+            read = _pg_rows_read(plan)
+        else:
+            plan, read = None, _handler_reads(conn, query)
+        # The keys' other 29 rows each wait behind their first.
+        assert sample_ordering_blocked(conn, outbox) == 5 * 29
+    # About 30 rows per blocking key, a few reads each: 189 on MariaDB.
+    assert read < 2_000, (read, plan)
+
+
+#: The states a row can be in, for the sample's model below:
+#: (status, next_attempt_at, lease_expires_at), in seconds from now (None: not set).
+_ROW_STATES = {
+    "pending": ("pending", -1, None),
+    "retry-due": ("retryable", -1, None),
+    "retry-later": ("retryable", 600, None),
+    "leased": ("delivering", -1, 600),
+    "lease-over": ("delivering", -1, -1),
+    "delivered": ("delivered", -1, None),
+    "failed": ("failed", -1, None),
+}
+
+
+@on_both_databases
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    rows_=st.lists(
+        st.tuples(
+            st.sampled_from(["t", "p"]),
+            st.sampled_from([None, "a", "b", "c"]),
+            st.sampled_from(sorted(_ROW_STATES)),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    paused=st.sampled_from([(), ("p",)]),
+)
+def test_the_ordering_blocked_sample_counts_what_the_claim_holds_back(
+    engine: sa.Engine,
+    outbox: str,
+    rows_: list[tuple[str, str | None, str]],
+    paused: tuple[str, ...],
+) -> None:
+    """Generated tables: the sample equals a model of the claim's per-key rule
+    (a waiting row is held back by an earlier row of its key that is retryable
+    and not due, leased, or waiting in a paused topic)."""
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(sa.delete(t))
+    ids = [
+        int(i)
+        for i in _ids(
+            engine,
+            outbox,
+            add_events(
+                engine, outbox, [Event(topic=tp, key=k, payload=b"x") for tp, k, _ in rows_]
+            ),
+        )
+    ]
+    with engine.begin() as conn:
+        for name, (status, due_in, lease_in) in _ROW_STATES.items():
+            chosen = [i for i, (_, _, state) in zip(ids, rows_, strict=True) if state == name]
+            if chosen:
+                values: dict[str, Any] = {"status": status, "next_attempt_at": db_time(due_in)}
+                if lease_in is not None:
+                    values.update(
+                        lease_owner="x", lease_token="x", lease_expires_at=db_time(lease_in)
+                    )
+                conn.execute(t.update().where(t.c.id.in_(chosen)).values(**values))
+
+    def holds(topic: str, state: str) -> bool:
+        if topic in paused and _ROW_STATES[state][0] in ("pending", "retryable", "delivering"):
+            return True
+        return state in ("retry-later", "leased")
+
+    first_blocker: dict[str, int] = {}
+    for i, (topic, key, state) in zip(ids, rows_, strict=True):
+        if key is not None and holds(topic, state):
+            first_blocker.setdefault(key, i)
+    expected = sum(
+        1
+        for i, (_, key, state) in zip(ids, rows_, strict=True)
+        if key in first_blocker
+        and i > first_blocker[key]
+        and _ROW_STATES[state][0] in ("pending", "retryable")
+    )
+    with engine.connect() as conn:
+        assert sample_ordering_blocked(conn, outbox, set(paused)) == expected
+
+
+def _ids(engine: sa.Engine, table: str, event_ids: list[str]) -> list[int]:
+    """Row ids in the order of ``event_ids``."""
+    t = outbox_table(table)
+    with engine.connect() as conn:
+        found = {e: i for e, i in conn.execute(sa.select(t.c.event_id, t.c.id))}
+    return [found[e] for e in event_ids]
 
 
 def _pg_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
