@@ -347,14 +347,14 @@ class _Built(Exception):
 @pytest.mark.parametrize(
     ("kafka_config", "expected"),
     [
-        ({}, {"queued.max.messages.kbytes": 16384, "fetch.queue.backoff.ms": 50}),
+        ({}, {"queued.max.messages.kbytes": 8192, "fetch.queue.backoff.ms": 50}),
         (
             {"queued.max.messages.kbytes": "65536"},
             {"queued.max.messages.kbytes": "65536", "fetch.queue.backoff.ms": 50},
         ),
         (
             {"fetch.queue.backoff.ms": "1000"},
-            {"queued.max.messages.kbytes": 16384, "fetch.queue.backoff.ms": "1000"},
+            {"queued.max.messages.kbytes": 8192, "fetch.queue.backoff.ms": "1000"},
         ),
     ],
 )
@@ -363,7 +363,8 @@ def test_librdkafka_prefetch_is_capped_unless_kafka_config_says_otherwise(
 ) -> None:
     """librdkafka's own prefetch cap (64 MB) let the consumer's memory grow with the
     backlog it reads (bench: 166 MB at 50,000 messages, 294 MB at 200,000); the
-    consumer caps it at 16 MB, and an operator's --kafka-config still wins."""
+    consumer caps it at 8 MB (16 MB still grew: 172 and 202 MB; 8 MB: 154 and
+    156), and an operator's --kafka-config still wins."""
     from outboxkit.consumer import base as consumer_base
 
     seen: list[dict[str, Any]] = []
