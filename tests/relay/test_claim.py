@@ -168,7 +168,8 @@ def test_the_ordering_blocked_sample_reads_the_blockers_keys_not_the_backlog(
     are held back by a retry not yet due, in a 60,000-row backlog on a table
     without statistics: the sample must read those keys' rows, not the backlog.
     It joined blockers to waiting rows, and PostgreSQL then read the whole
-    backlog into a hash table on every sample (60,005 rows here)."""
+    backlog into a hash table on every sample (120,015 rows read here, index
+    and table scans counted)."""
     keys = 2_000
     add_events(
         engine, outbox, [Event(topic="t", key=f"k{i % keys}", payload=b"x") for i in range(60_000)]
