@@ -240,16 +240,11 @@ def test_the_ordering_blocked_sample_counts_what_the_claim_holds_back(
     t = outbox_table(outbox)
     with engine.begin() as conn:
         conn.execute(sa.delete(t))
-    ids = [
-        int(i)
-        for i in _ids(
-            engine,
-            outbox,
-            add_events(
-                engine, outbox, [Event(topic=tp, key=k, payload=b"x") for tp, k, _ in rows_]
-            ),
-        )
-    ]
+    event_ids = add_events(
+        engine, outbox, [Event(topic=tp, key=k, payload=b"x") for tp, k, _ in rows_]
+    )
+    row_id = {r.event_id: r.id for r in rows(engine, outbox)}
+    ids = [row_id[e] for e in event_ids]
     with engine.begin() as conn:
         for name, (status, due_in, lease_in) in _ROW_STATES.items():
             chosen = [i for i, (_, _, state) in zip(ids, rows_, strict=True) if state == name]
@@ -279,14 +274,6 @@ def test_the_ordering_blocked_sample_counts_what_the_claim_holds_back(
     )
     with engine.connect() as conn:
         assert sample_ordering_blocked(conn, outbox, set(paused)) == expected
-
-
-def _ids(engine: sa.Engine, table: str, event_ids: list[str]) -> list[int]:
-    """Row ids in the order of ``event_ids``."""
-    t = outbox_table(table)
-    with engine.connect() as conn:
-        found = {e: i for e, i in conn.execute(sa.select(t.c.event_id, t.c.id))}
-    return [found[e] for e in event_ids]
 
 
 def _pg_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
