@@ -133,6 +133,8 @@ class Consumer:
         self.group = s.group_id or self.group_id
         self.subscribed = tuple(s.topics or self.topics)
         self.workers = s.concurrency or self.concurrency
+        # A run holds a whole inbox group (inbox_batch may be larger than _RUN_LIMIT).
+        self._run_limit = max(_RUN_LIMIT, s.inbox_batch)
         self._async = (
             AsyncHandlers(cast(Callable[[Message], Awaitable[None]], self.handle), name="consumer")
             if is_async_handler(self.handle)
@@ -324,6 +326,8 @@ class Consumer:
             lane_of=None if self.workers == 1 else self._lane_of,
             max_buffered=s.max_buffered,
             revoke_timeout=s.revoke_timeout,
+            workers=self.workers,
+            run_limit=self._run_limit,
         )
         try:
             metadata = self._kafka.list_topics(timeout=s.connect_timeout)
@@ -440,7 +444,7 @@ class Consumer:
         dispatcher = self._dispatcher
         times = HandleTimes(self.metrics.handle_seconds)
         while True:
-            run = dispatcher.take(timeout=0.5, limit=max(_RUN_LIMIT, self.settings.inbox_batch))
+            run = dispatcher.take(timeout=0.5, limit=self._run_limit)
             if run is None:
                 if dispatcher.stopped:
                     return

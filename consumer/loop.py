@@ -38,6 +38,12 @@ _log = logging.getLogger("outboxkit.consumer")
 
 _FETCH_BATCH = 500
 _POLL_TIMEOUT = 0.1
+#: Fetch again once at most this many messages are queued for the workers (or a
+#: worker is idle): two fetches ahead, and at least two runs per worker.
+_FETCH_AHEAD = 2 * _FETCH_BATCH
+#: ... but wait no longer than this for it: ``consume()`` serves the rebalance
+#: callbacks, and a stop is noticed between rounds.
+_ROOM_WAIT = 0.5
 
 
 #: A worker's report on one message: the item, its outcome, an error text
@@ -71,12 +77,15 @@ class PollLoop(OffsetCommits):
         lane_of: Callable[[Message], Hashable] | None,  # None: the partition is the lane
         max_buffered: int,
         revoke_timeout: float,
+        workers: int = 1,
+        run_limit: int = 64,
     ) -> None:
         self.kafka = kafka
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.lane_of = lane_of
         self.max_buffered = max_buffered
+        self.fetch_ahead = max(_FETCH_AHEAD, 2 * run_limit * workers)
         self.revoke_timeout = revoke_timeout
         self.offsets: dict[TopicPartition, PartitionOffsets] = {}
         self.paused: dict[TopicPartition, set[str]] = {}
@@ -91,7 +100,9 @@ class PollLoop(OffsetCommits):
     # -- the loop ---------------------------------------------------------------
 
     def step(self) -> None:
-        """One round: fetch, hand out, collect what finished, store offsets."""
+        """One round: wait until the workers need more (bounded), fetch, hand out,
+        collect what finished, store offsets."""
+        self.dispatcher.wait_for_room(self.fetch_ahead, _ROOM_WAIT)
         records = self.kafka.consume(num_messages=_FETCH_BATCH, timeout=_POLL_TIMEOUT)
         if records:
             self.last_batch = len(records)

@@ -28,6 +28,14 @@ under one lock), so what the rest of the consumer sees is per message:
 Bounding a run to ``limit`` messages keeps one busy lane from starving the
 others: the lane goes to the back of the ready queue between runs.
 
+The poll loop fetches only what the workers need next: before each fetch it
+waits (:meth:`Dispatcher.wait_for_room`, bounded) while more than a given
+number of messages are queued and no worker is idle. Without that the poll
+thread, faster than the workers, filled the queues up to ``max_buffered`` per
+partition: tens of thousands of Python objects that each garbage collection
+walked again, and that had to take the interpreter lock from the workers to be
+built. Messages not fetched yet wait in librdkafka's prefetch queue instead.
+
 Partitions are *opened* when assigned and *closed* when revoked, lost, or at
 drain; a closed partition's queued and waiting messages are released (their
 offsets are not stored, Kafka redelivers them), and a running one finishes
@@ -102,7 +110,12 @@ class Dispatcher:
         # (no Python-level Condition methods); waits and notifies use the condition.
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
+        # The poll loop waits on this one for room (:meth:`wait_for_room`).
+        self._room = threading.Condition(self._mutex)
+        self._room_below: int | None = None  # the poll loop waits for queued <= this
         self._queued: dict[Hashable, deque[WorkItem]] = {}
+        self._queued_n = 0  # messages in ``_queued`` (a run's ``todo`` not counted)
+        self._idle = 0  # workers waiting in :meth:`take`
         self._busy: dict[Hashable, Run | WorkItem] = {}  # a run, or a message waiting to retry
         self._ready: deque[Hashable] = deque()
         self._delayed: list[tuple[float, int, WorkItem]] = []
@@ -155,6 +168,7 @@ class Dispatcher:
                     released.append(item)
                     self._free_lane(item.lane, item)
             self._ready = deque(lane for lane in self._ready if lane in self._queued)
+            self._queued_n = sum(len(q) for q in self._queued.values())
             self._cond.notify_all()
             return released
 
@@ -183,9 +197,11 @@ class Dispatcher:
             for _, _, item in self._delayed:
                 self._free_lane(item.lane, item)
             self._queued.clear()
+            self._queued_n = 0
             self._delayed.clear()
             self._ready.clear()
             self._cond.notify_all()
+            self._room.notify_all()
             return released
 
     def is_live(self, item: WorkItem) -> bool:
@@ -216,11 +232,46 @@ class Dispatcher:
                 if queue is None:
                     queue = self._queued[lane] = deque()
                 queue.append(item)
+                self._queued_n += 1
                 if len(queue) == 1 and lane not in self._busy:
                     self._ready.append(lane)
                     woken += 1
             if woken:
                 self._cond.notify(woken)
+
+    def wait_for_room(self, queued: int, timeout: float) -> None:
+        """Wait up to ``timeout`` s while more than ``queued`` messages are queued
+        and every worker is busy (poll loop, before it fetches more).
+
+        Returns at once when a worker waits with no lane ready for it (more
+        messages may be what it needs: with ``concurrency > 1`` the queue can be
+        one busy lane; a worker merely not woken yet does not count), when
+        nothing is handed out any more, and as soon as the workers have taken
+        the queue down to ``queued``.
+        """
+        deadline: float | None = None
+        with self._mutex:
+            while (
+                self._queued_n > queued
+                and not (self._idle and not self._ready)
+                and not self._stopped
+                and not self._draining
+            ):
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout
+                elif now >= deadline:
+                    break
+                self._room_below = queued
+                self._room.wait(deadline - now)
+            self._room_below = None
+
+    def _room_made(self) -> None:
+        """Wake the poll loop if it waits for room and there is some (lock held)."""
+        below = self._room_below
+        if below is not None and (self._queued_n <= below or (self._idle and not self._ready)):
+            self._room_below = None
+            self._room.notify()
 
     def results(self) -> list[Result]:
         """Every result reported since the last call, in the order reported (poll loop)."""
@@ -235,6 +286,7 @@ class Dispatcher:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+            self._room.notify_all()
 
     @property
     def stopped(self) -> bool:
@@ -258,14 +310,24 @@ class Dispatcher:
                     queue = self._queued[lane]
                     if len(queue) <= limit:
                         del self._queued[lane]
-                        return self._start(lane, queue)
-                    return self._start(lane, deque(queue.popleft() for _ in range(limit)))
+                        self._queued_n -= len(queue)
+                        run = self._start(lane, queue)
+                    else:
+                        self._queued_n -= limit
+                        run = self._start(lane, deque(queue.popleft() for _ in range(limit)))
+                    self._room_made()
+                    return run
                 wait = deadline - now
                 if self._delayed:
                     wait = min(wait, self._delayed[0][0] - now)
                 if wait <= 0 and now >= deadline:
                     return None
-                self._cond.wait(max(wait, 0.001))
+                self._idle += 1
+                self._room_made()
+                try:
+                    self._cond.wait(max(wait, 0.001))
+                finally:
+                    self._idle -= 1
             return None
 
     def next(self, run: Run, outcome: object = None) -> WorkItem | None:
@@ -429,6 +491,7 @@ class Dispatcher:
         self._runs.discard(run)
         lane = run.lane
         if run.todo:
+            self._queued_n += len(run.todo)
             queue = self._queued.get(lane)
             if queue:
                 queue.extendleft(reversed(run.todo))

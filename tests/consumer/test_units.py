@@ -372,3 +372,104 @@ def test_a_message_from_kafka_reads_its_record_and_decodes_headers_once() -> Non
         m.topic = "other"  # type: ignore[misc]
     with pytest.raises(RuntimeError, match="needs the inbox"):
         _ = m.tx
+
+
+def _queued(d: Dispatcher) -> int:
+    return sum(len(q) for q in d._queued.values())
+
+
+def test_the_poll_loop_waits_for_room_until_a_worker_takes_work() -> None:
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o in range(10):
+        d.submit(_item(tp, b"a", o))
+    started = time.monotonic()
+    d.wait_for_room(10, 5.0)  # not more than 10 queued: no wait
+    assert time.monotonic() - started < 1.0
+    started = time.monotonic()
+    d.wait_for_room(5, 0.2)  # nobody takes work: bounded by the timeout
+    assert time.monotonic() - started >= 0.15
+    taken: list[Run | None] = []
+
+    def worker() -> None:
+        time.sleep(0.1)
+        taken.append(d.take(1.0, limit=6))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started = time.monotonic()
+    d.wait_for_room(5, 30.0)  # 4 left once the worker took a run of 6
+    waited = time.monotonic() - started
+    t.join(5.0)
+    assert taken and taken[0] is not None and len(taken[0].todo) == 6
+    assert _queued(d) == 4 and waited < 20.0
+
+
+def test_an_idle_worker_with_no_ready_lane_ends_the_wait_for_room() -> None:
+    """With several workers the queue can be one busy lane: a worker with nothing to
+    take needs the poll loop to fetch more, not to wait for that lane."""
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o in range(10):
+        d.submit(_item(tp, b"hot", o))
+    _started(d, limit=2)  # lane "hot" is busy; 8 of its messages are queued, none ready
+    idle = threading.Thread(target=lambda: d.take(2.0))
+    started = time.monotonic()
+    idle.start()
+    d.wait_for_room(1, 30.0)
+    assert time.monotonic() - started < 20.0
+    d.stop()
+    idle.join(5.0)
+    assert not idle.is_alive()
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["submit", "take", "next", "defer", "give_up", "release", "open"]),
+        st.integers(0, 3),
+    ),
+    max_size=80,
+)
+
+
+@given(_ops)
+def test_the_queued_count_matches_the_queues_whatever_happens(
+    ops: list[tuple[str, int]],
+) -> None:
+    """The count the poll loop's wait reads is kept by hand: it must equal the queues."""
+    d = Dispatcher()
+    tps = [("t", 0), ("t", 1)]
+    for tp in tps:
+        d.open(tp)
+    runs: list[Run] = []
+    offset = 0
+    for op, n in ops:
+        tp = tps[n % 2]
+        if op == "submit":
+            d.submit_many([_item(tp, bytes([97 + n]), offset + i) for i in range(n + 1)])
+            offset += n + 1
+        elif op == "take":
+            run = d.take(0.0, limit=n + 1)
+            if run is not None:
+                runs.append(run)
+                d.next(run)
+        elif op in ("next", "defer", "give_up") and runs:
+            run = runs[n % len(runs)]
+            if run.current is None:
+                continue
+            if op == "next":
+                if d.next(run, "success") is None:
+                    runs.remove(run)
+            else:
+                if op == "give_up" or not d.defer(run, 0.0):
+                    d.give_up(run, "released", None)  # what a refused defer is ended with
+                runs.remove(run)
+        elif op == "release":
+            d.close([tp])
+        elif op == "open":
+            d.open(tp)
+        assert d._queued_n == _queued(d)
+    d.drain()
+    assert d._queued_n == _queued(d) == 0
