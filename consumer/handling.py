@@ -98,13 +98,6 @@ class Handling:
         started = time.monotonic()
         item.first_attempt_at = item.first_attempt_at or started
         item.attempts += 1
-        try:
-            # The headers are checked once, here, before any handler: a record whose
-            # headers cannot be decoded is the record's fault, whatever classify says.
-            item.message._check_headers()
-        except InvalidMessageError as exc:
-            self._give_up(item, exc, Classification.PERMANENT)
-            return None
         error: BaseException
         if item.group_error is not None:
             # It already ran, in a group transaction that was rolled back (see
@@ -128,6 +121,13 @@ class Handling:
             else:
                 return _DUPLICATE if duplicate else _SUCCESS
 
+        if isinstance(error, InvalidMessageError) and item.message._headers_invalid():
+            # The handler or the inbox read headers that cannot be decoded (a name
+            # that is not UTF-8): the record's fault, whatever classify says. The
+            # headers are only checked when read: a handler that never reads them
+            # handles such a record like any other.
+            self._give_up(item, error, Classification.PERMANENT)
+            return None
         kind = self.classify(error)
         text = redact(f"{type(error).__name__}: {error}")
         if kind is Classification.UNAVAILABLE:

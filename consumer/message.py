@@ -114,8 +114,13 @@ class Message:
         return self.headers
 
     def _check_headers(self) -> None:
-        """:class:`InvalidMessageError` if the headers cannot be decoded; checked
-        before any handler runs, without decoding them when that can be avoided."""
+        """:class:`InvalidMessageError` if the headers cannot be decoded, found
+        without decoding them when that can be avoided (before a message joins an
+        inbox group)."""
+
+    def _headers_invalid(self) -> bool:
+        """Were the headers found undecodable (by a read or a check) so far?"""
+        return False
 
     def _fields(self) -> tuple[object, ...]:
         return (
@@ -300,6 +305,9 @@ class _KafkaMessage(Message):
                     self._check_names()
         if self._header_error is not None:
             raise InvalidMessageError(f"{self._where()}: {self._header_error}")
+
+    def _headers_invalid(self) -> bool:
+        return self._header_error is not None
 
     def _check_names(self) -> None:
         """Check the names once (lock held); when that cannot be told, decode."""

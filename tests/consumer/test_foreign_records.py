@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer as KafkaConsumer
-from kafkahelp import FAST_GROUP, committed, headers_of, produce, read_all, wait_for
+from kafkahelp import FAST_GROUP, committed, end_offsets, headers_of, produce, read_all, wait_for
 from procs import ConsumerProcess
 from rawkafka import RawRecord, produce_raw
 
@@ -26,6 +26,7 @@ from outboxkit.consumer import (
     PermanentError,
 )
 from outboxkit.consumer._rawheaders import header_names_decodable
+from outboxkit.consumer.errors import Classification
 
 pytestmark = pytest.mark.integration
 
@@ -85,6 +86,71 @@ def test_a_header_name_that_is_not_utf8_is_dead_lettered_with_its_bytes_not_a_cr
     assert "not UTF-8" in h["dlq.error.message"]
     assert h["dlq.original.offset"] == "0"
     assert "dlq.headers.dropped" in h
+
+
+class EverythingTransient(Consumer):
+    """Classifies every error as transient; reads the event id only if told to."""
+
+    reads_headers = False
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        super().__init__(settings)
+        self.handled: list[tuple[int, bytes | None]] = []
+        self.attempts = 0
+
+    def classify(self, error: BaseException) -> Classification:
+        return Classification.TRANSIENT
+
+    def handle(self, message: Message) -> None:
+        self.attempts += 1
+        event_id = message.event_id if self.reads_headers else None
+        self.handled.append((message.offset, message.value if event_id is None else b"?"))
+
+
+@pytest.mark.parametrize("reads_headers", [False, True], ids=["ignores-headers", "reads-them"])
+def test_a_bad_header_name_matters_only_to_a_handler_that_reads_the_headers(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    run_consumer: Any,
+    reads_headers: bool,
+) -> None:
+    """The names are checked when the headers are read, not before every handler: a
+    handler that reads only the key and value handles such a record like any other;
+    one that reads the headers gets InvalidMessageError, and the record is
+    dead-lettered at once (no retry), whatever the consumer's classify says."""
+    topic = kafka_topics(1)
+    dlq = kafka_topics(1, name=f"{topic}.dlq")
+    group = f"g-{topic}"
+    produce_raw(
+        kafka_bootstrap,
+        topic,
+        [
+            RawRecord(b"k", b"bad-names", [(b"\xff\xfename", b"x"), (b"event_id", b"e-0")]),
+            RawRecord(b"k", b"fine", [(b"event_id", b"e-1")]),
+        ],
+    )
+    consumer = EverythingTransient(settings(group_id=group, topics=(topic,), dlq_timeout=5.0))
+    consumer.reads_headers = reads_headers
+    with run_consumer(consumer) as running:
+        wait_for(lambda: len(consumer.handled) == 2 - reads_headers, 30, what="handled")
+        wait_for(
+            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2},
+            20,
+            0.2,
+            what="offset 2 committed",
+        )
+        assert running.stop() == 0
+    if not reads_headers:
+        assert consumer.handled == [(0, b"bad-names"), (1, b"fine")]
+        assert end_offsets(kafka_bootstrap, dlq, 1) == {0: 0}  # nothing dead-lettered
+        return
+    assert consumer.handled == [(1, b"?")] and consumer.attempts == 2  # no retry
+    letters = read_all(kafka_bootstrap, dlq, expect=1)
+    assert [letter.value() for letter in letters] == [b"bad-names"]
+    h = headers_of(letters[0])
+    assert h["dlq.error.class"] == "outboxkit.consumer.errors.InvalidMessageError"
+    assert h["dlq.attempts"] == "1"
 
 
 class GivesUpOnBig(Consumer):
