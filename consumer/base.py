@@ -58,7 +58,7 @@ from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILU
 from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.service import ServiceRuntime
+from outboxkit.runtime.service import ServiceRuntime, frozen_while_running
 from outboxkit.runtime.settings import (
     describe,
     invalid,
@@ -203,7 +203,8 @@ class Consumer:
         ):
             if self._start():
                 lc.set_running()
-                self.supervisor.run("consumer-poll", self._poll_until_draining)
+                with frozen_while_running(self.settings.gc_freeze):
+                    self.supervisor.run("consumer-poll", self._poll_until_draining)
             lc.drain("stopped")
             drain.shutdown(self)
         return lc.exit_code()

@@ -121,6 +121,11 @@ class ConsumerSettings(RuntimeSettings):
         help="messages fetched but not finished per partition before the partition is paused",
         validate=at_least_one,
     )
+    gc_freeze: bool = setting(
+        True,
+        help="while consuming, leave the objects that exist at start out of the garbage "
+        "collector's work (gc.freeze; undone at exit; see docs/consumer.md)",
+    )
     commit_interval: float = setting(
         5.0,
         help="seconds between periodic commits of processed offsets (at most 1 day)",
