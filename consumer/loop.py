@@ -42,7 +42,9 @@ _POLL_TIMEOUT = 0.1
 #: worker is idle): two fetches ahead, and at least two runs per worker.
 _FETCH_AHEAD = 2 * _FETCH_BATCH
 #: ... but wait no longer than this for it: ``consume()`` serves the rebalance
-#: callbacks, and a stop is noticed between rounds.
+#: callbacks, and a stop is noticed between rounds. A round whose wait ran out
+#: fetches one message only, so a worker slower than one fetch per wait does not
+#: let the queue grow.
 _ROOM_WAIT = 0.5
 
 
@@ -102,8 +104,10 @@ class PollLoop(OffsetCommits):
     def step(self) -> None:
         """One round: wait until the workers need more (bounded), fetch, hand out,
         collect what finished, store offsets."""
-        self.dispatcher.wait_for_room(self.fetch_ahead, _ROOM_WAIT)
-        records = self.kafka.consume(num_messages=_FETCH_BATCH, timeout=_POLL_TIMEOUT)
+        room = self.dispatcher.wait_for_room(self.fetch_ahead, _ROOM_WAIT)
+        records = self.kafka.consume(
+            num_messages=_FETCH_BATCH if room else 1, timeout=_POLL_TIMEOUT
+        )
         if records:
             self.last_batch = len(records)
             self._accept(records)

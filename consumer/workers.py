@@ -239,11 +239,12 @@ class Dispatcher:
             if woken:
                 self._cond.notify(woken)
 
-    def wait_for_room(self, queued: int, timeout: float) -> None:
+    def wait_for_room(self, queued: int, timeout: float) -> bool:
         """Wait up to ``timeout`` s while more than ``queued`` messages are queued
-        and every worker is busy (poll loop, before it fetches more).
+        and every worker is busy (poll loop, before it fetches more); False if
+        the time ran out with the queue still full.
 
-        Returns at once when a worker waits with no lane ready for it (more
+        Returns True at once when a worker waits with no lane ready for it (more
         messages may be what it needs: with ``concurrency > 1`` the queue can be
         one busy lane; a worker merely not woken yet does not count), when
         nothing is handed out any more, and as soon as the workers have taken
@@ -251,20 +252,23 @@ class Dispatcher:
         """
         deadline: float | None = None
         with self._mutex:
-            while (
-                self._queued_n > queued
-                and not (self._idle and not self._ready)
-                and not self._stopped
-                and not self._draining
-            ):
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout
-                elif now >= deadline:
-                    break
-                self._room_below = queued
-                self._room.wait(deadline - now)
-            self._room_below = None
+            try:
+                while (
+                    self._queued_n > queued
+                    and not (self._idle and not self._ready)
+                    and not self._stopped
+                    and not self._draining
+                ):
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + timeout
+                    elif now >= deadline:
+                        return False
+                    self._room_below = queued
+                    self._room.wait(deadline - now)
+                return True
+            finally:
+                self._room_below = None
 
     def _room_made(self) -> None:
         """Wake the poll loop if it waits for room and there is some (lock held)."""

@@ -67,10 +67,10 @@ def test_messages_waiting_for_a_worker_stay_near_two_fetches(
         assert running.stop() == 0
     assert [o for _, o in consumer.handled] == list(range(n))
     # Two fetches ahead (1,000), the fetch that crossed it (500) and the worker's
-    # run not started yet (64): 1,564. A wait that runs out (0.5 s) on a busy
-    # machine lets one more fetch in. Fetching without waiting for the worker
+    # run not started yet (64): 1,564; a wait that runs out (0.5 s, a busy
+    # machine) fetches one message only. Fetching without waiting for the worker
     # queued nearly all the window allows (5,495 before this change).
-    assert 0 < peak <= 2500, peak
+    assert 0 < peak <= 1600, peak
 
 
 def test_an_idle_worker_is_fed_while_one_key_keeps_another_busy(
@@ -106,3 +106,30 @@ def test_an_idle_worker_is_fed_while_one_key_keeps_another_busy(
     assert slow_done < 300, slow_done
     handled_slow = [o for k, o in consumer.handled if k == b"slow"]
     assert handled_slow == list(range(len(handled_slow)))  # in order, none skipped
+
+
+def test_a_worker_slower_than_one_fetch_per_wait_does_not_grow_the_queue(
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    run_consumer: Any,
+) -> None:
+    """At 2 ms a message the worker takes fewer than 500 messages per wait (0.5 s):
+    a round whose wait ran out must not fetch a whole batch, or the queue grows
+    by the difference until ``max_buffered`` pauses the partition."""
+    topic = kafka_topics(1)
+    n = 4000
+    produce(kafka_bootstrap, topic, [(b"k", b"v", f"e-{i}") for i in range(n)])
+    consumer = Slow(settings(group_id=f"g-{topic}", topics=(topic,)))
+    consumer.pause = 0.002
+    peak = 0.0
+    with run_consumer(consumer) as running:
+        deadline = time.monotonic() + 6.0  # 3,000 messages at most meanwhile
+        while time.monotonic() < deadline:
+            peak = max(peak, _gauge(consumer, "worker_buffered_messages"))
+            time.sleep(0.01)
+        assert running.stop() == 0
+    handled = [o for _, o in consumer.handled]
+    assert handled == list(range(len(handled))) and handled  # in order, none skipped
+    # A whole batch per timed-out wait reached about 3,000 here.
+    assert 0 < peak <= 1600, peak
