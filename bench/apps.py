@@ -32,6 +32,16 @@ class Trivial(Counting):
         self._count()
 
 
+class ReadsEventId(Counting):
+    """The trivial handler that also reads ``message.event_id``, as most outbox
+    consumers do: the first read of a record's headers checks and decodes them."""
+
+    def handle(self, message: Message) -> None:
+        _ = len(message.value or b"")
+        _ = message.event_id
+        self._count()
+
+
 class Sleepy(Counting):
     sleep_s: ClassVar[float] = float(os.environ.get("BENCH_SLEEP_MS", "1")) / 1000
 

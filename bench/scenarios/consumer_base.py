@@ -2,7 +2,8 @@
 
 Each variant runs the class embedded (``run(handle_signals=False)`` in a
 thread, as the raw loops run in this process) with a fresh group, and stops it
-once every message was handled.  Variants: the trivial handler; the same with
+once every message was handled.  Variants: the trivial handler; the same
+reading ``message.event_id``; the same with
 the inbox on MariaDB (each message in its own transaction with an inbox row);
 the inbox with up to ``INBOX_BATCH`` messages of a lane per transaction;
 ``concurrency=N`` with a handler that sleeps 1 ms.
@@ -23,7 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench import data
-from bench.apps import Counting, Meter, Sleepy, Trivial
+from bench.apps import Counting, Meter, ReadsEventId, Sleepy, Trivial
 from bench.context import REPO_ROOT, BenchContext
 from bench.kafka import produce, relay_producer_config
 from bench.procs import Proc
@@ -183,6 +184,12 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.rows.append(base)
     res.figures["base_rate"] = base["msgs/s"]
     res.figures["base_cpu_per_1k"] = base["cpu s/1k msgs"]
+
+    # What reading the headers costs (checked and decoded on the first read).
+    reads = embedded(ctx, ReadsEventId, topic, label="base class, handler reads event_id")
+    reads["vs raw poll"] = reads["msgs/s"] / raw
+    res.rows.append(reads)
+    res.figures["base_rate_reads_event_id"] = reads["msgs/s"]
 
     # The default (5000) was 200 until pausing showed in the profile: a small
     # buffer pauses partitions so often that librdkafka's prefetch is thrown away
