@@ -151,6 +151,8 @@ class Consumer:
         self._async_engine = engine
         self._owns_engine = False
         self._dispatcher = Dispatcher()
+        # A stop must not wait out the poll loop's wait for room (up to 0.5 s).
+        self.lifecycle.on_drain(self._dispatcher.wake_poll)
         self._kafka: Any = None
         self._loop: PollLoop | None = None
         self._dead_letters: DeadLetters | None = None

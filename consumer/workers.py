@@ -113,6 +113,7 @@ class Dispatcher:
         # The poll loop waits on this one for room (:meth:`wait_for_room`).
         self._room = threading.Condition(self._mutex)
         self._room_below: int | None = None  # the poll loop waits for queued <= this
+        self._poll_woken = False  # :meth:`wake_poll` was called: end the next wait
         self._queued: dict[Hashable, deque[WorkItem]] = {}
         self._queued_n = 0  # messages in ``_queued`` (a run's ``todo`` not counted)
         self._idle = 0  # workers waiting in :meth:`take`
@@ -258,6 +259,7 @@ class Dispatcher:
                     and not (self._idle and not self._ready)
                     and not self._stopped
                     and not self._draining
+                    and not self._poll_woken
                 ):
                     now = time.monotonic()
                     if deadline is None:
@@ -269,6 +271,14 @@ class Dispatcher:
                 return True
             finally:
                 self._room_below = None
+                self._poll_woken = False
+
+    def wake_poll(self) -> None:
+        """End the poll loop's wait for room now (or its next one): it has
+        something else to do, such as noticing a stop. Any thread."""
+        with self._mutex:
+            self._poll_woken = True
+            self._room.notify_all()
 
     def _room_made(self) -> None:
         """Wake the poll loop if it waits for room and there is some (lock held)."""

@@ -473,3 +473,33 @@ def test_the_queued_count_matches_the_queues_whatever_happens(
         assert d._queued_n == _queued(d)
     d.drain()
     assert d._queued_n == _queued(d) == 0
+
+
+def test_a_stop_ends_the_wait_for_room_at_once() -> None:
+    """Consumer.stop() (and SIGTERM) call wake_poll through Lifecycle.on_drain: the
+    poll loop then sees the drain without waiting for the workers."""
+    d = Dispatcher()
+    tp = ("t", 0)
+    d.open(tp)
+    for o in range(10):
+        d.submit(_item(tp, b"a", o))
+    waited: list[float] = []
+
+    def poll() -> None:
+        started = time.monotonic()
+        d.wait_for_room(1, 30.0)
+        waited.append(time.monotonic() - started)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    time.sleep(0.1)
+    d.wake_poll()
+    t.join(20.0)
+    assert waited and waited[0] < 20.0
+    d.wake_poll()  # before a wait: that wait ends at once
+    started = time.monotonic()
+    d.wait_for_room(1, 30.0)
+    assert time.monotonic() - started < 20.0
+    started = time.monotonic()
+    d.wait_for_room(1, 0.2)  # once only
+    assert time.monotonic() - started >= 0.15
