@@ -42,9 +42,9 @@ _POLL_TIMEOUT = 0.1
 #: worker is idle): two fetches ahead, and at least two runs per worker.
 _FETCH_AHEAD = 2 * _FETCH_BATCH
 #: ... but wait no longer than this for it: ``consume()`` serves the rebalance
-#: callbacks, and a stop is noticed between rounds. A round whose wait ran out
-#: fetches one message only, so a worker slower than one fetch per wait does not
-#: let the queue grow.
+#: callbacks (a stop ends the wait at once: ``Dispatcher.wake_poll``). A round
+#: whose wait ran out fetches one message only, so a worker slower than one
+#: fetch per wait does not let the queue grow.
 _ROOM_WAIT = 0.5
 
 
