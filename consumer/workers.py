@@ -482,7 +482,7 @@ class Dispatcher:
     def counts(self) -> tuple[int, int, int]:
         """(running, waiting for a retry, queued)."""
         with self._mutex:
-            queued = sum(len(q) for q in self._queued.values())
+            queued = self._queued_n  # every lane's queue, kept by hand (per round: no walk)
             running = 0
             for run in self._runs:
                 queued += len(run.todo)
