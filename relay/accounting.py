@@ -60,8 +60,7 @@ def delivered(m: RelayMetrics, paused: PausedTopics, batch: Batch, d: Decision) 
     """A row delivered (and still ours): its enqueue-to-ack latency (database clock),
     and a paused topic that delivers again is resumed."""
     if d.acked_mono is not None:
-        age = batch.db_time(d.acked_mono) - d.row.created_at
-        m.publish_latency.observe(max(0.0, age.total_seconds()))
+        m.publish_latency.observe(max(0.0, batch.age(d.row, d.acked_mono)))
     if d.row.topic in paused:
         paused.resume(d.row.topic)
 

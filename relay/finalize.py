@@ -48,7 +48,8 @@ class Fate(enum.Enum):
     RELEASED = "released"  # no outcome known: retryable now, lease cleared
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built once per row (see claim.ClaimedRow).
+@dataclass(slots=True)
 class Decision:
     row: ClaimedRow
     fate: Fate

@@ -168,7 +168,8 @@ class FatalProducerError(DependencyError):
         self.fatal = fatal
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built once per row (see claim.ClaimedRow).
+@dataclass(slots=True)
 class Report:
     """One delivery report. ``code`` is None when Kafka acknowledged the message."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import uuid
 from typing import Any
@@ -32,7 +31,7 @@ def _claimed(row_id: int) -> ClaimedRow:
         headers=None,
         shard=0,
         attempts=1,
-        created_at=dt.datetime(2024, 1, 1),
+        age_at_claim=0.0,
         reclaimed_from=None,
     )
 
@@ -48,8 +47,7 @@ def test_an_out_of_order_record_of_200_rows_round_trips_as_json(
     reports = {1: Report(1, -192, error, ErrorKind.RETRIABLE, None, None, 0.0)}
     reports.update({i: Report(i, None, None, None, 0, 1000 + i, 0.0) for i in range(2, 202)})
     decisions = decide(rows, reports, max_attempts=10, refund_unknown=True)
-    now = dt.datetime(2024, 1, 1)
-    batch = Batch("relay-a", "token", tuple(rows), now, 0.0, now)
+    batch = Batch("relay-a", "token", tuple(rows), 0.0)
     with engine.begin() as conn:
         _record_acked_ahead(conn, outbox, batch, decisions)
 

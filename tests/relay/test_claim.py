@@ -449,6 +449,27 @@ def test_backlog_age_is_measured_on_the_database_clock(engine: sa.Engine, outbox
 
 
 @on_both_databases
+def test_a_claimed_row_carries_its_age_on_the_database_clock(
+    engine: sa.Engine, outbox: str
+) -> None:
+    # The relay's enqueue-to-ack latency (outbox_publish_latency_seconds) starts
+    # from this age: the server computes it at the claim, so the relay's clock
+    # plays no part and a row written 30 s ago is 30 s old.
+    add_events(engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"x") for i in range(2)])
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        first = conn.execute(sa.select(sa.func.min(t.c.id))).scalar_one()
+        conn.execute(t.update().where(t.c.id == first).values(created_at=db_time(-30)))
+    batch = claim_batch(engine, outbox, owner="a", shards=range(64), limit=10, lease_ttl=30)
+    assert batch is not None
+    old, new = batch.rows
+    assert 29.9 < old.age_at_claim < 60, old.age_at_claim
+    assert 0 <= new.age_at_claim < 10, new.age_at_claim
+    later = batch.claimed_mono + 2.5
+    assert batch.age(old, later) == pytest.approx(old.age_at_claim + 2.5)
+
+
+@on_both_databases
 def test_later_rows_of_a_key_wait_for_a_retryable_row_until_it_is_due(
     engine: sa.Engine, outbox: str
 ) -> None:

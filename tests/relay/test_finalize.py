@@ -5,7 +5,6 @@ The database-touching tests run on MariaDB and on PostgreSQL (``on_both_database
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import time
@@ -47,7 +46,7 @@ def _row(row_id: int, key: bytes | None, attempts: int = 1) -> ClaimedRow:
         headers=None,
         shard=0,
         attempts=attempts,
-        created_at=dt.datetime(2024, 1, 1),
+        age_at_claim=0.0,
         reclaimed_from=None,
     )
 

@@ -4,7 +4,6 @@ never its batch, its key or the relay."""
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import io
 import json
 import signal
@@ -340,7 +339,7 @@ def test_an_exception_escaping_the_per_row_handling_names_the_row(
         headers=None,
         shard=0,
         attempts=1,
-        created_at=dt.datetime(2024, 1, 1),
+        age_at_claim=0.0,
         reclaimed_from=None,
     )
     with pytest.raises(KeyboardInterrupt) as caught:
