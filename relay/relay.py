@@ -210,12 +210,13 @@ class Relay:
         """Claim -> publish -> finalize until the drain begins (the supervisor
         restarts this after an unexpected exception, never once draining).
 
-        With ``pipeline`` on, two batches overlap: batch N+1 is claimed while N's
-        delivery reports are in flight, and N is finalized (on the finalizer
-        thread, its own database connection) while N+1 is produced. N is settled
-        before N+2 is claimed, so at most two batches are leased to this relay,
-        and the claim rules keep them apart per key: a key whose row is in N
-        (``delivering`` under a live lease) has no row in N+1.
+        With ``pipeline`` on, two batches overlap: while batch N+1 is claimed, the
+        finalizer thread waits for N's delivery reports and writes N's outcomes
+        (its own database connection), so both databases round trips run at once;
+        N+1 is produced once N is settled. N is settled before N+2 is claimed, so
+        at most two batches are leased to this relay, and the claim rules keep
+        them apart per key: a key whose row is in N (``delivering`` under a live
+        lease) has no row in N+1.
         """
         self._settle_leftover()
         self._start_jitter()
@@ -227,6 +228,7 @@ class Relay:
                 continue
             self._sample_backlog_if_due()
             previous = self._held[-1] if self._held else None
+            pending = self._settle_ahead(previous)
             try:
                 batch = self._claim() if self._may_claim(previous) else None
             except Exception as exc:
@@ -234,6 +236,7 @@ class Relay:
                 # (a redeploy during a blip): what is held is salvaged, so this is the
                 # end of the loop, not a crash. A claim whose commit went through
                 # unseen left rows leased; they are reclaimed after their lease.
+                self._await_settled(previous, pending)  # before anything is salvaged
                 self._salvage_all(exc, culprit=None)
                 self._end_if_interrupted(
                     exc, "claim-interrupted", "the drain goes on; nothing was held"
@@ -242,7 +245,7 @@ class Relay:
             if batch is None and previous is None:
                 self._waker.wait(self.settings.poll_interval)
                 continue
-            turn = functools.partial(self._advance, previous, batch)
+            turn = functools.partial(self._advance, previous, batch, pending)
             if not self._step(turn, "batch-interrupted"):
                 return
         # Draining: no claim any more; what is in flight gets its reports (within
@@ -276,30 +279,24 @@ class Relay:
         our own rows' expired leases."""
         return previous is None or time.monotonic() < drain.batch_deadline(self, previous.batch)
 
-    def _advance(self, previous: _Held | None, batch: Batch | None) -> None:
-        """One turn: settle ``previous`` (if any) while ``batch`` (if any) is produced;
-        without the pipeline, ``batch`` is settled in the same turn."""
+    def _advance(
+        self,
+        previous: _Held | None,
+        batch: Batch | None,
+        pending: Future[None] | None,
+    ) -> None:
+        """One turn: wait until ``pending``, the settling of ``previous`` (if any) on
+        the finalizer thread, is over; then produce ``batch`` (if any). Without the
+        pipeline, ``batch`` is settled in the same turn."""
         held = self._held[-1] if batch is not None else None
         assert held is None or held.batch is batch
-        if previous is None:
-            assert held is not None
-            self._guard(held, lambda: self._send(held))
-            if not self.settings.pipeline:
-                self._finish(held)
+        if previous is not None:
+            assert pending is not None
+            self._join_settled(previous, pending)
+        if held is None:
             return
-        decisions = self._guard(previous, lambda: self._outcomes(previous))
-        pending = self._submit_finalize(previous, decisions)
-        try:
-            if held is not None:
-                self._send(held)
-        except Exception as exc:
-            # The write of ``previous`` must be over before anything is salvaged.
-            with contextlib.suppress(Exception):  # then it is salvaged below
-                self._settled(previous, decisions, pending.result())
-            self._salvage_all(exc, culprit=held)
-            raise
-        self._join_finalize(previous, decisions, pending)
-        if held is not None and held.inflight is None:
+        self._guard(held, lambda: self._send(held))
+        if not self.settings.pipeline or held.inflight is None:
             self._finish(held)  # nothing was sent: settle it now, not a turn later
 
     def _finish(self, held: _Held) -> None:
@@ -372,21 +369,42 @@ class Relay:
         )
         return [*held.known, *decisions]
 
-    def _submit_finalize(self, held: _Held, decisions: list[Decision]) -> Future[FinalizeResult]:
+    def _settle_ahead(self, held: _Held | None) -> Future[None] | None:
+        """Pipeline: wait for ``held``'s reports, write and count its outcomes on the
+        finalizer thread, beside the next claim (:meth:`_join_settled` waits for it)."""
+        if held is None:
+            return None
         if self._finalizer is None:
             self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="outboxkit-finalize")
-        return self._finalizer.submit(self._write, held, decisions)
+        return self._finalizer.submit(self._outcomes_written, held)
 
-    def _join_finalize(
-        self, held: _Held, decisions: list[Decision], pending: Future[FinalizeResult]
-    ) -> None:
-        """Wait for the finalizer's write of ``held``; count it, or salvage it if it failed."""
+    def _outcomes_written(self, held: _Held) -> None:
+        """On the finalizer thread: decide, write, and count at once (metrics agree
+        with the table as soon as the write committed). The loop thread drops
+        ``held`` from what it holds when it joins; it does no accounting of its
+        own until then, so the two never count at the same time."""
+        decisions = self._outcomes(held)
+        self._account(held.batch, decisions, self._write(held, decisions))
+
+    def _join_settled(self, held: _Held, pending: Future[None]) -> None:
+        """Wait for the finalizer's settling of ``held``; then it is no longer held, or
+        if it failed every batch held is salvaged (``held`` without refund unless a
+        dependency failed)."""
         try:
-            result = pending.result()
+            pending.result()
         except Exception as exc:
             self._salvage_all(exc, culprit=held)
             raise
-        self._settled(held, decisions, result)
+        self._forget(held)
+
+    def _await_settled(self, held: _Held | None, pending: Future[None] | None) -> None:
+        """Before a salvage: let the finalizer's settling of ``held`` end; if it
+        succeeded ``held`` is no longer held, else it is salvaged with the rest."""
+        if held is None or pending is None:
+            return
+        with contextlib.suppress(Exception):
+            pending.result()
+            self._forget(held)
 
     def _end_if_interrupted(self, exc: Exception, event: str, effect: str) -> None:
         """Re-raise ``exc`` (a crash) unless the drain has begun and a dependency
@@ -497,8 +515,12 @@ class Relay:
         )
 
     def _settled(self, held: _Held, decisions: list[Decision], result: FinalizeResult) -> None:
-        self._held = tuple(h for h in self._held if h is not held)
+        self._forget(held)
         self._account(held.batch, decisions, result)
+
+    def _forget(self, held: _Held) -> None:
+        """``held`` is settled: no longer ours (only the loop thread replaces ``_held``)."""
+        self._held = tuple(h for h in self._held if h is not held)
 
     def _salvage(self, held: _Held, *, refund: bool) -> None:
         """After an unexpected exception inside a batch: finalize known outcomes,

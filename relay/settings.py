@@ -129,8 +129,8 @@ class RelaySettings(RuntimeSettings):
     pipeline: bool = setting(
         False,
         help="overlap the round trips of two batches: claim the next batch while the "
-        "current one's delivery reports are in flight, and finalize it while the next "
-        "one is produced (docs/relay.md)",
+        "current one's delivery reports are awaited and its outcomes written on a "
+        "second connection (docs/relay.md)",
     )
     max_attempts: int = setting(
         10, help="claims of a row before a retriable error marks it failed", validate=at_least_one
