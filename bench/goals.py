@@ -46,6 +46,20 @@ GOALS = [
         lambda v: v >= 0.8,
     ),
     Goal(
+        "pipelined relay vs DB ceiling (1 relay)",
+        ">= 1.0",
+        lambda r: _ratio(_fig(r, "relay-throughput", "rate_1_p1"), _fig(r, "db-ceiling", "rate")),
+        lambda v: v >= 1.0,
+    ),
+    Goal(
+        "pipelined relay vs no pipeline (1 relay, default batch)",
+        ">= 1.5",
+        lambda r: _ratio(
+            _fig(r, "relay-throughput", "rate_1_p1"), _fig(r, "relay-throughput", "rate_1_p0")
+        ),
+        lambda v: v >= 1.5,
+    ),
+    Goal(
         "1M backlog: last 10% vs first 10%",
         ">= 0.9",
         lambda r: _fig(r, "backlog-scaling", "last_vs_first"),
@@ -61,6 +75,24 @@ GOALS = [
         "commit->ack p99 at 1,000/s with wake-ups (ms)",
         "<= 25",
         lambda r: _fig(r, "latency", "p99_ms_1000_wakeups"),
+        lambda v: v <= 25,
+    ),
+    Goal(
+        "same, with the pipeline (ms)",
+        "<= 25",
+        lambda r: _fig(r, "latency", "p99_ms_1000_wakeups_pipeline"),
+        lambda v: v <= 25,
+    ),
+    Goal(
+        "commit->ack p99 at 5,000/s with wake-ups (ms)",
+        "<= 25",
+        lambda r: _fig(r, "latency", "p99_ms_5000_wakeups"),
+        lambda v: v <= 25,
+    ),
+    Goal(
+        "same, with the pipeline (ms)",
+        "<= 25",
+        lambda r: _fig(r, "latency", "p99_ms_5000_wakeups_pipeline"),
         lambda v: v <= 25,
     ),
     Goal(

@@ -85,6 +85,8 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 res.figures[f"relay_cpu_per_1k_{n}"] = out.relay_cpu_per_1k
             else:
                 res.figures[f"rate_{n}_b{batch}_p{int(bool(pipeline))}"] = out.rate
+                if batch == batch_size(cfg):  # the goals compare these two
+                    res.figures[f"rate_{n}_p{int(bool(pipeline))}"] = out.rate
             res.notes.extend(out.notes)
             if out.profile:
                 title = f"profile of relay 0 of {n} ({label}), share of its loop's wall time"

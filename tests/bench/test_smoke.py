@@ -101,6 +101,9 @@ MEMORY_GOALS = {
     "relay peak RSS draining the backlog (MB)",
     "relay peak RSS, backlog vs 1/4 of it",
     "consumer+inbox peak RSS, backlog vs 1/4 of it",
+    # The relay drains with the pipeline on and off at the default batch size.
+    "pipelined relay vs DB ceiling (1 relay)",
+    "pipelined relay vs no pipeline (1 relay, default batch)",
 }
 
 
