@@ -212,7 +212,7 @@ class Relay:
 
         With ``pipeline`` on, two batches overlap: while batch N+1 is claimed, the
         finalizer thread waits for N's delivery reports and writes N's outcomes
-        (its own database connection), so both databases round trips run at once;
+        (its own database connection), so the two database round trips run at once;
         N+1 is produced once N is settled. N is settled before N+2 is claimed, so
         at most two batches are leased to this relay, and the claim rules keep
         them apart per key: a key whose row is in N (``delivering`` under a live
