@@ -48,6 +48,7 @@ from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher, Run
+from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.errors import (
     ConfigError,
     DependencyError,
@@ -390,9 +391,7 @@ class Consumer:
             return
         if self._engine is None:
             assert s.db_url is not None
-            self._engine = sa.create_engine(
-                s.db_url, pool_pre_ping=True, pool_size=self.workers + 1, max_overflow=2
-            )
+            self._engine = create_loop_engine(s.db_url, pool_size=self.workers + 1, max_overflow=2)
             self._owns_engine = True
         try:
             with self._engine.connect() as conn:

@@ -66,6 +66,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import db_now_plus, micros, micros_between
 from outboxkit.relay.settings import RelaySettings
+from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.logs import log_event
 from outboxkit.schema.crc32 import key_crc32
 from outboxkit.schema.recovery import record_recovery
@@ -209,23 +210,31 @@ def in_list(
     An expanding ``IN`` of 64 shards is 64 parameters, in each of the claim's
     three arms; SQLAlchemy renders them and psycopg parses the statement anew
     on every call once it has more than 50 (its query cache stops there):
-    about 2-4 ms of client CPU per claim, more than the claim's own SQL."""
+    about 2-4 ms of client CPU per claim, more than the claim's own SQL.
+
+    Elsewhere (MySQL/MariaDB): the integers written into the statement, which
+    is built once per shard set (see ``_cached_candidates_query``); as
+    parameters, PyMySQL escaped 64 values per claim and SQLAlchemy rendered
+    them. (On PostgreSQL a statement without parameters is planned once, when
+    psycopg prepares it: see :func:`probed_id`'s note on fresh tables.)"""
     if dialect == "postgresql":
         return column == sa.any_(sa.literal(sorted(values), ARRAY(sa.Integer())))
-    return column.in_(sorted(values))
+    return column.in_([sa.literal_column(str(int(v)), sa.Integer()) for v in sorted(values)])
 
 
 def _owned(
     t: sa.Table, shards: Collection[int], shard_count: int | None, dialect: str | None
-) -> sa.ColumnElement[bool]:
+) -> sa.ColumnElement[bool] | None:
     """Rows this claim may take: stored shard owned, or stored shard out of range
-    and home shard owned."""
+    and home shard owned. None when that is every row (every shard owned), on
+    MySQL/MariaDB: no condition to evaluate for each row."""
     stored = in_list(t.c.shard, shards, dialect)
     if shard_count is None:
         return stored
     out_of_range = sa.or_(t.c.shard < 0, t.c.shard >= shard_count)
     if set(shards) >= set(range(shard_count)):
-        return sa.or_(stored, out_of_range)
+        # PostgreSQL keeps it: the shard array is then the statement's only parameter.
+        return None if dialect in MYSQL_DIALECTS else sa.or_(stored, out_of_range)
     return sa.or_(
         stored, sa.and_(out_of_range, in_list(home_shard(t, shard_count), shards, dialect))
     )
@@ -253,7 +262,8 @@ def candidates_query(
         Status.RETRYABLE: earlier.c.next_attempt_at > now,
         Status.DELIVERING: earlier.c.lease_expires_at > now,
     }
-    common: list[sa.ColumnElement[bool]] = [_owned(t, shards, shard_count, dialect)]
+    owned = _owned(t, shards, shard_count, dialect)
+    common: list[sa.ColumnElement[bool]] = [] if owned is None else [owned]
     if bounded:
         common.append(t.c.id <= sa.bindparam("id_upper", type_=sa.BigInteger()))
     if excluded_topics:
@@ -590,9 +600,8 @@ def create_engine(settings: RelaySettings) -> Engine:
             "connect_timeout": connect_timeout,
             "options": f"{options} -c statement_timeout={timeout}s".strip(),
         }
-    return sa.create_engine(
+    return create_loop_engine(
         url,
-        pool_pre_ping=True,
         pool_size=2,
         max_overflow=2,
         isolation_level="READ COMMITTED",

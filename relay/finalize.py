@@ -179,11 +179,6 @@ def finalize(
     if not decisions:
         return result
     t = outbox_table(table)
-    guard = sa.and_(
-        t.c.lease_owner == batch.owner,
-        t.c.lease_token == batch.token,
-        t.c.status == Status.DELIVERING.value,
-    )
     ids = [d.row.id for d in decisions]
     groups = _groups(decisions)
     with engine.connect() as conn:
@@ -191,7 +186,7 @@ def finalize(
         # counts, which saves the locking read of the batch. If a row fails the
         # guard, roll back and take the careful path, which learns which ones.
         with conn.begin() as tx:
-            if _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver) == len(ids):
+            if _write_groups(conn, t, batch, groups, backoff, delete_on_deliver) == len(ids):
                 held = set(ids)
                 _record_acked_ahead(conn, table, batch, decisions)
             else:
@@ -203,7 +198,7 @@ def finalize(
                     held.update(conn.scalars(_lock_statement(table), {"ids": chunk, **_who(batch)}))
                 mine = [d for d in decisions if d.row.id in held]
                 groups = _groups(mine)
-                _write_groups(conn, t, batch, guard, groups, backoff, delete_on_deliver)
+                _write_groups(conn, t, batch, groups, backoff, delete_on_deliver)
                 # All of them, held or not: what this relay put in the partition does
                 # not depend on whether its lease survived.
                 _record_acked_ahead(conn, table, batch, decisions)
@@ -254,7 +249,6 @@ def _write_groups(
     conn: Connection,
     t: sa.Table,
     batch: Batch,
-    guard: sa.ColumnElement[bool],
     groups: Mapping[tuple[Fate, str | None, bool], Sequence[Decision]],
     backoff: Backoff | None,
     delete_on_deliver: bool,
@@ -264,13 +258,26 @@ def _write_groups(
     for (fate, error, refund), group in groups.items():
         for chunk in _chunks(group):
             matched += _write(
-                conn, t, batch, guard, fate, error, refund, chunk, backoff, delete_on_deliver
+                conn, t, batch, fate, error, refund, chunk, backoff, delete_on_deliver
             )
     return matched
 
 
 def _who(batch: Batch) -> dict[str, str]:
     return {"owner": batch.owner, "token": batch.token}
+
+
+def _guarded(t: sa.Table, group: Sequence[Decision]) -> sa.ColumnElement[bool]:
+    """The group's rows, only while they are leased under the batch's token
+    (``owner`` and ``token`` bound as in :func:`_who`). Built only for the fates
+    written without :func:`_per_row_update`: building it for every batch was
+    about a tenth of a small finalize's CPU."""
+    return sa.and_(
+        t.c.id.in_([d.row.id for d in group]),
+        t.c.lease_owner == sa.bindparam("owner"),
+        t.c.lease_token == sa.bindparam("token"),
+        t.c.status == Status.DELIVERING.value,
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -302,7 +309,6 @@ def _write(
     conn: Connection,
     t: sa.Table,
     batch: Batch,
-    guard: sa.ColumnElement[bool],
     fate: Fate,
     error: str | None,
     refund: bool,
@@ -311,9 +317,8 @@ def _write(
     delete_on_deliver: bool,
 ) -> int:
     """Write one group of at most ``_CHUNK`` rows; the number of rows matched."""
-    where = sa.and_(t.c.id.in_([d.row.id for d in group]), guard)
     if fate is Fate.DELIVERED and delete_on_deliver:
-        return conn.execute(t.delete().where(where)).rowcount
+        return conn.execute(t.delete().where(_guarded(t, group)), _who(batch)).rowcount
     if fate is Fate.DELIVERED:
         per_row = [(d.row.id, d.partition, d.offset) for d in group]
     elif fate is Fate.RETRYABLE:
@@ -337,7 +342,8 @@ def _write(
             values["last_error"] = error
         if refund:
             values["attempts"] = sa.case((t.c.attempts > 0, t.c.attempts - 1), else_=0)
-        return conn.execute(t.update().where(where).values(values)).rowcount
+        update = t.update().where(_guarded(t, group)).values(values)
+        return conn.execute(update, _who(batch)).rowcount
     params: dict[str, Any] = {
         "per_row": json.dumps(per_row, separators=(",", ":")),
         "owner": batch.owner,
