@@ -71,6 +71,11 @@ _COMMITTED = "outboxkit.wakeup.committed"
 _HINT = b"1"
 
 
+#: Seconds between two rounds of hints: far below a relay's turn (10 ms or more
+#: for a claim, produce and finalize), so a busy relay misses nothing by it.
+DEFAULT_HINT_INTERVAL = 0.002
+
+
 def wakeup_channel(table: str = DEFAULT_TABLE, prefix: str = "") -> str:
     """The pub/sub channel relays of ``table`` listen on."""
     return rediskeys.wakeup_channel(prefix, validate_identifier(table))
@@ -106,13 +111,25 @@ class WakeupPublisher:
     """Sends hints from a background thread so callers never wait for Redis.
 
     :meth:`hint` only records the tables; the thread publishes one hint per
-    table for everything recorded since its last publish. Failures are logged
-    once per outage and the hints dropped.
+    table for everything recorded since its last publish. After publishing it
+    waits ``min_interval`` seconds before the next round, so a service
+    committing a thousand times a second sends a few hundred hints, not a
+    thousand: each one is a Redis round trip and a thread wake-up in the
+    service, and a message for every relay to read. The first hint after a
+    quiet spell goes out at once. Failures are logged once per outage and the
+    hints dropped.
     """
 
     def __init__(
-        self, redis_client: str | redis.Redis[Any], *, prefix: str = "", timeout: float = 1.0
+        self,
+        redis_client: str | redis.Redis[Any],
+        *,
+        prefix: str = "",
+        timeout: float = 1.0,
+        min_interval: float = DEFAULT_HINT_INTERVAL,
     ) -> None:
+        if not 0 <= min_interval <= 1:  # also refuses NaN
+            raise ValueError(f"min_interval must be 0-1 seconds, got {min_interval!r}")
         if isinstance(redis_client, str):
             self._redis: redis.Redis[Any] = redis.Redis.from_url(
                 redis_client, socket_timeout=timeout, socket_connect_timeout=timeout
@@ -129,6 +146,8 @@ class WakeupPublisher:
         self._failing = False
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._min_interval = min_interval
+        self._stopping = threading.Event()  # ends the pause between rounds at close
         self.sent = 0
 
     def hint(self, tables: Iterable[str]) -> None:
@@ -149,6 +168,7 @@ class WakeupPublisher:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._stopping.set()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=5)
@@ -178,6 +198,10 @@ class WakeupPublisher:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+            # Not on the condition: hint() would wake it. What is recorded
+            # meanwhile goes out in the next round, one hint per table.
+            if self._min_interval:
+                self._stopping.wait(self._min_interval)
 
     def _publish(self, table: str) -> None:
         try:
@@ -232,6 +256,7 @@ def enable_wakeups(
     redis_client: str | redis.Redis[Any],
     *,
     prefix: str = "",
+    min_interval: float = DEFAULT_HINT_INTERVAL,
 ) -> WakeupHook:
     """Publish a wake-up hint after every commit that enqueued rows.
 
@@ -239,9 +264,11 @@ def enable_wakeups(
     ``sessionmaker`` / ``scoped_session`` / ``Session`` (class or instance);
     for asyncio code its ``AsyncEngine``, ``async_sessionmaker`` or
     ``AsyncSession``. ``prefix`` must match the relays' Redis prefix
-    (``OUTBOXKIT_REDIS_PREFIX``).
+    (``OUTBOXKIT_REDIS_PREFIX``). ``min_interval``: seconds between two rounds
+    of hints (0-1; see :class:`WakeupPublisher`); 0 sends one per commit.
     """
-    hook = WakeupHook(target, WakeupPublisher(redis_client, prefix=prefix))
+    publisher = WakeupPublisher(redis_client, prefix=prefix, min_interval=min_interval)
+    hook = WakeupHook(target, publisher)
     if isinstance(target, Engine):
         _listen_engine(hook, target)
     elif "sqlalchemy.ext.asyncio" in sys.modules:  # imported by whoever holds an async target

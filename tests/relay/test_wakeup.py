@@ -17,7 +17,7 @@ from test_writer_async import async_url
 
 from outboxkit import enable_wakeups, enqueue, enqueue_async, notify_relays
 from outboxkit.relay.wakeup import RedisWaker
-from outboxkit.wakeup import wakeup_channel
+from outboxkit.wakeup import WakeupPublisher, wakeup_channel
 
 pytestmark = pytest.mark.integration
 
@@ -213,6 +213,30 @@ def test_without_enable_no_hint_and_explicit_notify(
     client.close()
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     assert notify_relays(dead, outbox) is False, "a hint that cannot be sent never raises"
+
+
+def test_hints_of_frequent_commits_are_coalesced(
+    redis_url: str, redis_prefix: str, outbox: str, listener: Listener
+) -> None:
+    # One hint at once, then at most one per min_interval, whatever the commit rate.
+    publisher = WakeupPublisher(redis_url, prefix=redis_prefix, min_interval=1.0)
+    try:
+        start = time.monotonic()
+        publisher.hint([outbox])
+        assert listener.count(0.25) == 1, "the first hint after a quiet spell waits for nothing"
+        for _ in range(10):  # ten more commits, 10 ms apart: within the pause
+            time.sleep(0.01)
+            publisher.hint([outbox])
+        assert publisher.flush(timeout=5)
+        assert time.monotonic() - start >= 0.9, "the second round did not wait for the pause"
+        assert listener.count(0.5) == 1, "the ten commits of the pause share one hint"
+        assert publisher.sent == 2
+    finally:
+        publisher.close()
+    with pytest.raises(ValueError, match="min_interval"):
+        WakeupPublisher(redis_url, min_interval=-1)
+    with pytest.raises(ValueError, match="min_interval"):
+        WakeupPublisher(redis_url, min_interval=float("nan"))
 
 
 def _subscribed_waker(url: str, channel: str, draining: Any = None) -> RedisWaker:
