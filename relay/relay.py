@@ -140,7 +140,7 @@ class Relay:
         #: Batches leased to us, oldest first: at most two (one while not pipelining).
         #: Replaced, never mutated: other threads read it (shard leases, metrics).
         self._held: tuple[_Held, ...] = ()
-        #: Writes a batch's outcomes while the loop produces the next one (pipeline).
+        #: Writes a batch's outcomes while the loop claims and produces the next one (pipeline).
         self._finalizer: ThreadPoolExecutor | None = None
         self._shard_count: int | None = None
         self._jittered = False
@@ -213,10 +213,11 @@ class Relay:
         With ``pipeline`` on, two batches overlap: while batch N+1 is claimed, the
         finalizer thread waits for N's delivery reports and writes N's outcomes
         (its own database connection), so the two database round trips run at once;
-        N+1 is produced once N is settled. N is settled before N+2 is claimed, so
-        at most two batches are leased to this relay, and the claim rules keep
-        them apart per key: a key whose row is in N (``delivering`` under a live
-        lease) has no row in N+1.
+        N+1 is produced as soon as it is claimed, whether or not N is written yet.
+        N is settled before N+2 is claimed, so at most two batches are leased to
+        this relay, and the claim rules keep them apart per key: a key whose row
+        is in N (``delivering`` under a live lease) has no row in N+1, so N+1's
+        messages cannot overtake N's.
         """
         self._settle_leftover()
         self._start_jitter()
@@ -285,17 +286,28 @@ class Relay:
         batch: Batch | None,
         pending: Future[None] | None,
     ) -> None:
-        """One turn: wait until ``pending``, the settling of ``previous`` (if any) on
-        the finalizer thread, is over; then produce ``batch`` (if any). Without the
-        pipeline, ``batch`` is settled in the same turn."""
+        """One turn: produce ``batch`` (if any); then wait until ``pending``, the
+        settling of ``previous`` (if any) on the finalizer thread, is over. Without
+        the pipeline, ``batch`` is settled in the same turn.
+
+        ``batch`` goes out before ``previous`` is written: a row committed during
+        the claim would otherwise wait for that write too (the latency of a
+        pipelined relay at low rates). Their keys are apart (see :meth:`_loop`)."""
         held = self._held[-1] if batch is not None else None
         assert held is None or held.batch is batch
+        if held is not None:
+            try:
+                self._send(held)
+            except Exception as exc:
+                # No salvage while the finalizer may still be writing ``previous``.
+                self._await_settled(previous, pending)
+                self._salvage_all(exc, culprit=held)
+                raise
         if previous is not None:
             assert pending is not None
             self._join_settled(previous, pending)
         if held is None:
             return
-        self._guard(held, lambda: self._send(held))
         if not self.settings.pipeline or held.inflight is None:
             self._finish(held)  # nothing was sent: settle it now, not a turn later
 

@@ -87,12 +87,15 @@ def _assert_first_deliveries_in_id_order(
 
 
 def _sent_again(
-    bootstrap: str, topic: str, table_rows: list[sa.Row[Any]], *, held: set[str]
+    bootstrap: str, topic: str | tuple[str, ...], table_rows: list[sa.Row[Any]], *, held: set[str]
 ) -> set[str]:
-    """After a takeover: every row's event is in the topic (nothing lost), only the
-    rows held at the kill were sent twice, and each key's first copies are in id
-    order. Returns the event ids sent more than once."""
-    messages = consume(bootstrap, topic, expected=len(table_rows))
+    """After a takeover: every row's event is in the topic(s) (nothing lost), only
+    the rows held at the kill were sent twice, and each key's first copies are in
+    id order. Returns the event ids sent more than once."""
+    topics = (topic,) if isinstance(topic, str) else topic
+    messages = [
+        m for t in topics for m in consume(bootstrap, t, expected=len(table_rows) // len(topics))
+    ]
     copies: dict[str, int] = defaultdict(int)
     for m in messages:
         copies[m.headers["event_id"].decode()] += 1
@@ -256,12 +259,27 @@ def test_sigkill_mid_batch_rows_reclaimed_after_lease_expiry_attempts_kept(
     assert duplicated, "the acknowledged part of the killed batch is sent again"
 
 
-def _two_batches_of_events(topic: str) -> list[Event]:
+def _two_topics(kafka_topics: Callable[..., str]) -> tuple[str, str]:
+    return kafka_topics(partitions=3), kafka_topics(partitions=3)
+
+
+def _two_batches_of_events(topics: tuple[str, str]) -> list[Event]:
     """600 rows over 200 keys, three each: with batches of 100, batch N holds
     k0..k99 and batch N+1 (claimed while N is leased, over the next 100 due
     rows) k100..k199: 200 rows leased under two tokens, and every key's later
-    rows held back behind them."""
-    return [Event(topic=topic, key=f"k{i % 200}", payload=b"p") for i in range(600)]
+    rows held back behind them.
+
+    k0..k99 go to the first topic, k100..k199 to the second. In one topic, N+1's
+    messages (produced as soon as N+1 is claimed) would fill the producer batches
+    where N's last messages linger and carry them out: N would be acknowledged
+    and settled within milliseconds and the relay would claim a third batch."""
+    return [
+        Event(topic=topics[(i % 200) // 100], key=f"k{i % 200}", payload=b"p") for i in range(600)
+    ]
+
+
+def _messages_in_both(bootstrap: str, topics: tuple[str, str]) -> int:
+    return sum(_messages_in(bootstrap, t, 3) for t in topics)
 
 
 def _two_batches_leased(engine: sa.Engine, table: str) -> dict[str, sa.Row[object]]:
@@ -285,13 +303,13 @@ def test_sigkill_with_two_batches_in_flight_loses_and_reorders_nothing(
     kafka_topics: Callable[..., str],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
-    topic = kafka_topics(partitions=3)
-    add_events(engine, outbox, _two_batches_of_events(topic))
+    topics = _two_topics(kafka_topics)
+    add_events(engine, outbox, _two_batches_of_events(topics))
     first = relay_process(_slow_relay_args(db_url, kafka_bootstrap, lease_ttl=14.0, pipeline=True))
     held = _two_batches_leased(engine, outbox)
     # Full producer batches of 10 go out at once; the rest lingers 8 s.
     wait_for(
-        lambda: _messages_in(kafka_bootstrap, topic, 3) > 0,
+        lambda: _messages_in_both(kafka_bootstrap, topics) > 0,
         timeout=6,
         what="part of the batches sent",
     )
@@ -315,7 +333,7 @@ def test_sigkill_with_two_batches_in_flight_loses_and_reorders_nothing(
     )
     reclaimed = second.events("lease-reclaimed")
     assert sum(e["rows"] for e in reclaimed) == 200
-    _sent_again(kafka_bootstrap, topic, table, held=set(held))
+    _sent_again(kafka_bootstrap, topics, table, held=set(held))
 
 
 def test_sigterm_with_two_batches_in_flight_settles_both_within_flush_timeout(
@@ -326,14 +344,14 @@ def test_sigterm_with_two_batches_in_flight_settles_both_within_flush_timeout(
     kafka_topics: Callable[..., str],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
-    topic = kafka_topics(partitions=3)
-    add_events(engine, outbox, _two_batches_of_events(topic))
+    topics = _two_topics(kafka_topics)
+    add_events(engine, outbox, _two_batches_of_events(topics))
     relay = relay_process(_slow_relay_args(db_url, kafka_bootstrap, pipeline=True))
     held = _two_batches_leased(engine, outbox)
     # Full producer batches of 10 go out at once (acknowledged during the drain's
     # flush at the latest); the rest lingers 8 s and is released unknown.
     wait_for(
-        lambda: _messages_in(kafka_bootstrap, topic, 3) > 0,
+        lambda: _messages_in_both(kafka_bootstrap, topics) > 0,
         timeout=6,
         what="part of the batches sent",
     )

@@ -40,6 +40,15 @@ SLOW_KAFKA = {"linger.ms": "8000", "batch.num.messages": "10", "message.timeout.
 IN_FLIGHT = 200 if FAST.get("pipeline") else 100
 
 
+def _three_batches(kafka_topics: Callable[..., str]) -> list[Event]:
+    """300 rows of distinct keys: batches of 100 alternate between two topics.
+    In one topic the second batch's messages (the pipelined relay produces it at
+    once) would fill the producer batches where the first one's tail lingers and
+    carry it out: the first batch would settle at once and a third be claimed."""
+    topics = (kafka_topics(partitions=3), kafka_topics(partitions=3))
+    return [Event(topic=topics[(i // 100) % 2], key=f"k{i}", payload=b"x") for i in range(300)]
+
+
 @pytest.fixture(scope="module")
 def mariadb() -> Iterator[MariaDBInstance]:
     db = MariaDBInstance(f"relay-{uuid.uuid4().hex[:6]}", free_port())
@@ -96,10 +105,7 @@ def test_database_gone_during_drain_leaves_rows_leased_and_reports_them(
     pushgateway: Pushgateway,
 ) -> None:
     db_url, engine = fault_db
-    topic = kafka_topics(partitions=3)
-    add_events(
-        engine, "outbox_events", [Event(topic=topic, key=f"k{i}", payload=b"x") for i in range(300)]
-    )
+    add_events(engine, "outbox_events", _three_batches(kafka_topics))
     relay, node_id = _start_slow_relay(
         relay_process, db_url, kafka_bootstrap, "--pushgateway-url", pushgateway.url
     )
@@ -140,10 +146,7 @@ def test_a_database_blip_during_the_drain_is_waited_out_and_the_exit_is_clean(
     leased). The drain retries while its budget lasts: acknowledged rows end
     delivered, the rest released with the attempt refunded, exit 0."""
     db_url, engine = fault_db
-    topic = kafka_topics(partitions=3)
-    add_events(
-        engine, "outbox_events", [Event(topic=topic, key=f"k{i}", payload=b"x") for i in range(300)]
-    )
+    add_events(engine, "outbox_events", _three_batches(kafka_topics))
     relay, _ = _start_slow_relay(relay_process, db_url, kafka_bootstrap, shutdown_timeout=60.0)
     wait_for(
         lambda: status_counts(engine, "outbox_events").get("delivering") == IN_FLIGHT,
@@ -210,10 +213,7 @@ def test_hung_database_during_drain_ends_in_a_forced_exit(
     pushgateway: Pushgateway,
 ) -> None:
     db_url, engine = fault_db
-    topic = kafka_topics(partitions=3)
-    add_events(
-        engine, "outbox_events", [Event(topic=topic, key=f"k{i}", payload=b"x") for i in range(300)]
-    )
+    add_events(engine, "outbox_events", _three_batches(kafka_topics))
     relay, node_id = _start_slow_relay(
         relay_process,
         db_url,

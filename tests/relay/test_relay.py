@@ -157,3 +157,116 @@ def test_the_pipeline_writes_a_batch_while_the_next_one_is_claimed(
     for r in table:
         offsets[r.message_key].append(by_id[r.event_id].offset)
     assert all(o == sorted(o) for o in offsets.values()), "a key overtook itself"
+
+
+def _slow_writes(
+    monkeypatch: pytest.MonkeyPatch, seconds: float
+) -> list[tuple[float, float, frozenset[int]]]:
+    """Make every outcome write take ``seconds`` longer; returns (start, end, row
+    ids) of each write."""
+    writes: list[tuple[float, float, frozenset[int]]] = []
+    write = relay_module.Relay._write
+
+    def slow_write(self: Any, held: Any, decisions: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(seconds)
+        try:
+            return write(self, held, decisions)
+        finally:
+            ids = frozenset(r.id for r in held.batch.rows)
+            writes.append((start, time.monotonic(), ids))
+
+    monkeypatch.setattr(relay_module.Relay, "_write", slow_write)
+    return writes
+
+
+def _assert_key_order(engine: sa.Engine, outbox: str, messages: list[Any]) -> None:
+    by_id = {m.headers["event_id"].decode(): m for m in messages}
+    offsets: dict[bytes, list[int]] = defaultdict(list)
+    for r in sorted(rows(engine, outbox), key=lambda r: r.id):
+        offsets[r.message_key].append(by_id[r.event_id].offset)
+    assert all(o == sorted(o) for o in offsets.values()), "a key overtook itself"
+
+
+def test_the_pipelined_relay_sends_a_batch_before_the_previous_one_is_written(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every outcome write takes 0.4 s longer (a slow database). Batch N+1 is
+    # produced as soon as it is claimed, while N's write is still going on: its
+    # keys are not N's, so nothing overtakes anything.
+    topic = kafka_topics(partitions=3)
+    add_events(
+        engine, outbox, [Event(topic=topic, key=f"k{i % 30}", payload=b"p") for i in range(60)]
+    )
+    writes = _slow_writes(monkeypatch, 0.4)
+    sends: list[tuple[float, frozenset[int]]] = []
+    relay = embedded(
+        fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True),
+        on_batch=lambda b: sends.append((time.monotonic(), frozenset(r.id for r in b.rows))),
+    )
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") >= 60, timeout=60, what="60 rows")
+    assert relay.stop() == 0
+    during = [
+        (sent, ids)
+        for sent, ids in sends
+        for ws, we, written in writes
+        if ws < sent < we and not ids & written
+    ]
+    assert len(during) >= len(writes) - 2, (sends, writes)
+    table = rows(engine, outbox)
+    assert {r.status for r in table} == {"delivered"} and {r.attempts for r in table} == {1}
+    assert relay.metric("outbox_lease_lost_total") == 0
+    messages = consume(kafka_bootstrap, topic, expected=60)
+    assert len(messages) == 60
+    _assert_key_order(engine, outbox, messages)
+
+
+def test_a_crash_sending_a_batch_waits_for_the_previous_batch_being_written(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second batch's send raises (a bug inside a batch) while the first
+    # batch's outcomes are being written on the finalizer thread. That write
+    # completes and stands (the first batch stays delivered, counted once); the
+    # second batch is released without refund, and the restarted loop sends it.
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    writes = _slow_writes(monkeypatch, 0.5)
+    batches: list[frozenset[int]] = []
+
+    def fault(batch: Any) -> None:
+        batches.append(frozenset(r.id for r in batch.rows))
+        if len(batches) == 2:
+            raise RuntimeError("injected fault in the second batch")
+
+    relay = embedded(
+        fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True), on_batch=fault
+    )
+    wait_for(lambda: relay.metric("outbox_rows_delivered_total") >= 30, timeout=60, what="30 rows")
+    assert relay.stop() == 0
+    first, second = batches[0], batches[1]
+    assert not first & second
+    assert relay.metric("service_worker_restarts_total", {"worker": "relay"}) == 1
+    assert relay.metric("outbox_lease_lost_total") == 0
+    assert relay.metric("outbox_rows_delivered_total") == 30, "each row counted once"
+    assert relay.metric("outbox_rows_released_total") == len(second)
+    written_first = [w for w in writes if w[2] == first]
+    assert len(written_first) == 1, "the first batch is written once, by the finalizer"
+    attempts = {r.id: r.attempts for r in rows(engine, outbox)}
+    assert {attempts[i] for i in first} == {1}
+    assert {attempts[i] for i in second} == {2}, "released without refund, then sent"
+    messages = consume(kafka_bootstrap, topic, expected=30)
+    assert sorted(m.headers["event_id"].decode() for m in messages) == sorted(
+        r.event_id for r in rows(engine, outbox)
+    ), "every row once"
