@@ -152,11 +152,7 @@ def test_the_pipeline_writes_a_batch_while_the_next_one_is_claimed(
     assert {r.status for r in table} == {"delivered"} and {r.attempts for r in table} == {1}
     messages = consume(kafka_bootstrap, topic, expected=60)
     assert len(messages) == 60
-    by_id = {m.headers["event_id"].decode(): m for m in messages}
-    offsets: dict[bytes, list[int]] = defaultdict(list)
-    for r in table:
-        offsets[r.message_key].append(by_id[r.event_id].offset)
-    assert all(o == sorted(o) for o in offsets.values()), "a key overtook itself"
+    _assert_key_order(engine, outbox, messages)
 
 
 def _slow_writes(
