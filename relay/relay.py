@@ -97,6 +97,9 @@ class _Held:
     refund: bool = True
     #: What the salvage decided (known outcomes kept) when it could not write it.
     decisions: list[Decision] | None = None
+    #: The finalizer wrote and counted its outcomes (the loop thread may not
+    #: have joined it: an interrupt came first); nothing is left to release.
+    written: bool = False
 
 
 class Relay:
@@ -396,7 +399,9 @@ class Relay:
         ``held`` from what it holds when it joins; it does no accounting of its
         own until then, so the two never count at the same time."""
         decisions = self._outcomes(held)
-        self._account(held.batch, decisions, self._write(held, decisions))
+        result = self._write(held, decisions)
+        held.written = True
+        self._account(held.batch, decisions, result)
 
     def _join_settled(self, held: _Held, pending: Future[None]) -> None:
         """Wait for the finalizer's settling of ``held``; then it is no longer held, or
@@ -566,18 +571,22 @@ class Relay:
 
     def close_finalizer(self) -> None:
         """Wait for a finalize still being written (after an interrupt), then stop
-        the finalizer thread; a batch it wrote but could not count is released
-        again under its token, which changes nothing (counted as lease lost)."""
+        the finalizer thread. A batch it wrote is marked ``written`` and not
+        released again (:meth:`_settle_leftover`)."""
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer.shutdown(wait=True)
 
     def _settle_leftover(self) -> None:
         """Settle the batches a crashed run could not settle, oldest first (raises if
-        the DB is still gone): the salvage's decisions when it got that far
-        (acknowledged rows stay delivered, no second copy), else release every row."""
+        the DB is still gone): nothing for a batch the finalizer wrote, the
+        salvage's decisions when it got that far (acknowledged rows stay
+        delivered, no second copy), else release every row."""
         self.close_finalizer()
         for held in self._held:
+            if held.written:  # by the finalizer, after an interrupt skipped the join
+                self._forget(held)
+                continue
             if held.decisions is not None:
                 self._settle(held, held.decisions)
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -174,6 +175,60 @@ def _slow_writes(
 
     monkeypatch.setattr(relay_module.Relay, "_write", slow_write)
     return writes
+
+
+def test_an_interrupt_sending_a_batch_keeps_the_previous_batch_written_once(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Embedded without signal handlers, a KeyboardInterrupt lands while the second
+    # batch is produced and the finalizer is still writing the first. The drain
+    # waits for that write; the first batch is then settled, not released again
+    # under a token it no longer holds (that counted 10 leases lost and the batch
+    # twice in the exit record).
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    settings = fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True)
+    batches: list[frozenset[int]] = []
+
+    def interrupt_second(batch: Any) -> None:
+        batches.append(frozenset(r.id for r in batch.rows))
+        if len(batches) == 2:
+            raise KeyboardInterrupt
+
+    relay = relay_module.Relay(settings, on_batch=interrupt_second)
+    write = relay_module.Relay._write
+
+    def write_once_draining(self: Any, held: Any, decisions: Any) -> Any:
+        # The first batch's write ends after the interrupt reached the relay.
+        wait_for(lambda: relay.lifecycle.draining.is_set(), timeout=20, what="the drain")
+        return write(self, held, decisions)
+
+    monkeypatch.setattr(relay_module.Relay, "_write", write_once_draining)
+    caplog.set_level(logging.INFO, logger="outboxkit.relay")
+    with pytest.raises(KeyboardInterrupt):
+        relay.run()
+    first, second = batches
+    by_id = {r.id: r for r in rows(engine, outbox)}
+    assert {(by_id[i].status, by_id[i].attempts) for i in first} == {("delivered", 1)}
+    assert {(by_id[i].status, by_id[i].attempts) for i in second} == {("retryable", 0)}
+    assert relay.registry.get_sample_value("outbox_lease_lost_total") == 0
+    [exit_record] = [
+        r.outboxkit_fields  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "outboxkit_event", None) == "relay-exit"
+    ]
+    counts = {k: exit_record[k] for k in ("batch_size", "delivered", "unknown", "lease_lost")}
+    assert counts == {"batch_size": 20, "delivered": 10, "unknown": 10, "lease_lost": 0}
+    messages = consume(kafka_bootstrap, topic, expected=10)
+    assert sorted(m.headers["event_id"].decode() for m in messages) == sorted(
+        by_id[i].event_id for i in first
+    )
 
 
 def _assert_key_order(engine: sa.Engine, outbox: str, messages: list[Any]) -> None:
