@@ -25,6 +25,7 @@ from outboxkit import Event
 from outboxkit.relay.claim import (
     Batch,
     _claim_statements,
+    _one_statement_claim,
     candidates,
     candidates_query,
     claim_batch,
@@ -340,6 +341,21 @@ def test_claim_cost_does_not_grow_with_delivered_history_on_postgresql(pg_url: s
             # out) stay in the hundreds, by status scans and per-key checks alike.
             read = _pg_rows_read(plan)
             assert read < 1_000, (read, plan)
+        # The whole claim, one statement on PostgreSQL: locking and leasing add
+        # primary-key lookups of the 50 rows, nothing that reads the table.
+        claim = _one_statement_claim(outbox, tuple(ALL), 50, (), 8, False).params(
+            owner="a", token="t" * 32, ttl_us=30_000_000
+        )
+        with engine.connect() as conn:
+            (plan,) = conn.execute(
+                sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + _literal_sql(engine, claim))
+            ).scalar_one()
+            conn.rollback()
+        scans = _pg_scans(plan["Plan"])
+        assert not [s for s in scans if s["Node Type"] == "Seq Scan"], plan
+        by_key = [s for s in scans if s.get("Index Name") == f"{outbox}_pkey"]
+        assert len(by_key) == 2, plan  # the locking read and the lease
+        assert _pg_rows_read(plan) < 1_000, plan
     finally:
         engine.dispose()
 
