@@ -476,9 +476,9 @@ def _one_statement_claim(
     shard_count: int | None,
     bounded: bool,
 ) -> sa.Select[Any]:
-    """The claim as one PostgreSQL statement: one round trip instead of three
-    (each one waits for a backend; at 1,000 events/s a claim's round trips were
-    most of its 6.4 ms, see docs/performance.md).
+    """The claim as one PostgreSQL statement: one round trip instead of three,
+    each of which waits for a backend on a busy host (docs/performance.md,
+    "Round six": the gain at 1,000 events/s is within that host's spread).
 
     ``found`` is the candidates query (materialized); ``locked`` locks them by
     primary key, ``FOR UPDATE SKIP LOCKED``, re-checking that each is still
