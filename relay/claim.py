@@ -45,11 +45,7 @@ the ``(status, id)`` scans, which then stop at ``id_upper``. Such a claim may
 come back empty; the relay then settles its batch and claims without it.
 
 Everything runs in one short READ COMMITTED transaction (no gap locks that
-would block writers' inserts), on MySQL/MariaDB and PostgreSQL alike. On
-MySQL/MariaDB it is three statements (candidates, lock, lease) with the
-per-key cut of the locked rows done here in between; on PostgreSQL it is one
-statement doing the same (CTEs, see ``_one_statement_claim``), so a claim is
-one round trip to the server instead of three.
+would block writers' inserts), on MySQL/MariaDB and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -369,26 +365,33 @@ def claim_batch(
     if not shards or limit < 1:
         return None
     token = secrets.token_hex(16)
-    lease_params = {"owner": owner, "token": token, "ttl_us": micros(lease_ttl)}
+    lock, lease = _claim_statements(table, engine.dialect.name)
     with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            locked = _claim_in_one_statement(
-                conn,
-                table,
-                tuple(sorted(shards)),
-                limit,
-                tuple(sorted(excluded_topics)),
-                shard_count,
-                id_upper,
-                lease_params,
-            )
-        else:
-            locked = _claim_in_steps(
-                conn, table, shards, limit, excluded_topics, shard_count, id_upper, lease_params
-            )
+        found = candidates(
+            conn,
+            table,
+            shards=shards,
+            limit=limit,
+            excluded_topics=excluded_topics,
+            shard_count=shard_count,
+            id_upper=id_upper,
+        )
+        if not found:
+            return None
+        locked_rows = conn.execute(lock, {"ids": [i for i, _ in found]}).all()
+        locked = _keep_key_order(found, locked_rows)
         if not locked:
             return None
         claimed_mono = time.monotonic()
+        conn.execute(
+            lease,
+            {
+                "ids": [r[0] for r in locked],
+                "owner": owner,
+                "token": token,
+                "ttl_us": micros(lease_ttl),
+            },
+        )
         rows = tuple(_claimed(r, shard_count) for r in locked)
         reclaims = _record_reclaims(conn, table, owner, rows)
     misplaced = [r for r in rows if r.misplaced_shard is not None]
@@ -417,139 +420,6 @@ def claim_batch(
             row_ids=reclaimed[:_MAX_IDS_LOGGED],
         )
     return Batch(owner=owner, token=token, rows=rows, claimed_mono=claimed_mono)
-
-
-def _claim_in_steps(
-    conn: Connection,
-    table: str,
-    shards: Collection[int],
-    limit: int,
-    excluded_topics: Collection[str],
-    shard_count: int | None,
-    id_upper: int | None,
-    lease_params: dict[str, Any],
-) -> list[Sequence[Any]]:
-    """MySQL/MariaDB: read the candidates, lock them, keep key order, lease what
-    is kept (three statements); the leased rows as locked (``_LOCKED_COLUMNS``)."""
-    found = candidates(
-        conn,
-        table,
-        shards=shards,
-        limit=limit,
-        excluded_topics=excluded_topics,
-        shard_count=shard_count,
-        id_upper=id_upper,
-    )
-    if not found:
-        return []
-    lock, lease = _claim_statements(table, conn.dialect.name)
-    locked = _keep_key_order(found, conn.execute(lock, {"ids": [i for i, _ in found]}).all())
-    if locked:
-        conn.execute(lease, {"ids": [r[0] for r in locked], **lease_params})
-    return locked
-
-
-def _claim_in_one_statement(
-    conn: Connection,
-    table: str,
-    shards: tuple[int, ...],
-    limit: int,
-    excluded_topics: tuple[str, ...],
-    shard_count: int | None,
-    id_upper: int | None,
-    lease_params: dict[str, Any],
-) -> list[Sequence[Any]]:
-    """PostgreSQL: the same three steps in one statement (see
-    :func:`_one_statement_claim`); the leased rows as locked."""
-    bounded = id_upper is not None
-    statement = _one_statement_claim(table, shards, limit, excluded_topics, shard_count, bounded)
-    params = {**lease_params, **({"id_upper": id_upper} if bounded else {})}
-    return list(conn.execute(statement, params).all())
-
-
-@functools.lru_cache(maxsize=32)
-def _one_statement_claim(
-    table: str,
-    shards: tuple[int, ...],
-    limit: int,
-    excluded_topics: tuple[str, ...],
-    shard_count: int | None,
-    bounded: bool,
-) -> sa.Select[Any]:
-    """The claim as one PostgreSQL statement: one round trip instead of three,
-    each of which waits for a backend on a busy host (docs/performance.md,
-    "Round six": the gain at 1,000 events/s is within that host's spread).
-
-    ``found`` is the candidates query (materialized); ``locked`` locks them by
-    primary key, ``FOR UPDATE SKIP LOCKED``, re-checking that each is still
-    eligible, exactly as the lock statement of the other databases; ``marked``
-    and ``ordered`` apply :func:`_keep_key_order`'s rule (a keyed row is cut
-    with the rest of its key at the first candidate of that key that could not
-    be locked, or whose topic differs from the key's first one in the batch);
-    ``leased`` leases the kept rows. The statement returns the kept rows as
-    ``locked`` read them (before the lease), in id order. Every sub-statement
-    sees one snapshot; the rows ``leased`` updates are the ones ``locked``
-    holds, so no one changed them in between.
-    """
-    dialect = "postgresql"
-    t = outbox_table(table)
-    found = (
-        candidates_query(
-            table,
-            shards,
-            limit,
-            excluded_topics,
-            shard_count=shard_count,
-            bounded=bounded,
-            dialect=dialect,
-        )
-        .cte("found")
-        .prefix_with("MATERIALIZED")
-    )
-    locked = _lock_select(t, t.c.id == sa.any_(_id_array(found.c.id))).cte("locked")
-    key = found.c.message_key
-    first_topic = sa.func.first_value(locked.c.topic).over(partition_by=key, order_by=found.c.id)
-    marked = (
-        sa.select(
-            found.c.id,
-            key.label("message_key"),
-            locked.c.id.label("locked_id"),
-            sa.and_(
-                key.is_not(None),
-                sa.or_(locked.c.id.is_(None), locked.c.topic.is_distinct_from(first_topic)),
-            ).label("cut"),
-        )
-        .select_from(found.outerjoin(locked, locked.c.id == found.c.id))
-        .cte("marked")
-    )
-    ordered = sa.select(
-        marked.c.id,
-        marked.c.locked_id,
-        sa.func.bool_or(marked.c.cut)
-        .over(partition_by=marked.c.message_key, order_by=marked.c.id)
-        .label("behind_cut"),
-    ).cte("ordered")
-    kept = (
-        sa.select(ordered.c.id)
-        .where(ordered.c.locked_id.is_not(None), ordered.c.behind_cut.is_not(True))
-        .cte("kept")
-    )
-    leased = (
-        _lease_update(t, t.c.id == sa.any_(_id_array(kept.c.id))).returning(t.c.id).cte("leased")
-    )
-    return (
-        sa.select(*(locked.c[name] for name in _LOCKED_COLUMNS))
-        .select_from(locked.join(leased, leased.c.id == locked.c.id))
-        .order_by(locked.c.id)
-    )
-
-
-def _id_array(ids: sa.ColumnElement[int]) -> sa.ColumnElement[Any]:
-    """``ids`` (a column of a CTE or a select) as one ``BIGINT[]`` value, for
-    ``= ANY(...)``: the index scan by primary key that a parameter list gets.
-    (``IN (SELECT ...)`` leaves the planner free to hash-join the whole table,
-    which it chooses on a table it has no statistics for.)"""
-    return sa.cast(sa.select(sa.func.array_agg(ids)).scalar_subquery(), ARRAY(sa.BigInteger()))
 
 
 #: The lock statement's columns, in order (``_claimed`` unpacks them by position).
@@ -609,12 +479,6 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
     SQLAlchemy compiles each statement once and not per batch.
     """
     t = outbox_table(table)
-    return _lock_select(t, id_in(t.c.id, dialect)), _lease_update(t, id_in(t.c.id, dialect))
-
-
-def _lock_select(t: sa.Table, ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
-    """Lock the rows ``ids`` selects that are still eligible, skipping rows
-    another transaction holds; ``_LOCKED_COLUMNS``, in id order."""
     now = db_now()
     eligible = sa.or_(
         sa.and_(
@@ -627,20 +491,15 @@ def _lock_select(t: sa.Table, ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
     # The row's age at the claim, computed by the server as an integer: cheaper to
     # read than the two timestamps it comes from, and on the database clock.
     columns["age_us"] = sa.cast(micros_between(t.c.created_at, now), sa.BigInteger).label("age_us")
-    return (
+    lock = (
         sa.select(*(columns[name] for name in _LOCKED_COLUMNS))
-        .where(ids, eligible)
+        .where(id_in(t.c.id, dialect), eligible)
         .order_by(t.c.id)
         .with_for_update(skip_locked=True)
     )
-
-
-def _lease_update(t: sa.Table, ids: sa.ColumnElement[bool]) -> sa.Update:
-    """Lease the rows ``ids`` selects (bound: ``owner``, ``token``, ``ttl_us``)."""
-    now = db_now()
-    return (
+    lease = (
         t.update()
-        .where(ids)
+        .where(id_in(t.c.id, dialect))
         .values(
             status=Status.DELIVERING.value,
             lease_owner=sa.bindparam("owner"),
@@ -654,6 +513,7 @@ def _lease_update(t: sa.Table, ids: sa.ColumnElement[bool]) -> sa.Update:
             updated_at=now,
         )
     )
+    return lock, lease
 
 
 def _effective_shard(stored: int, key: bytes | None, event_id: str, shard_count: int | None) -> int:
