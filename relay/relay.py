@@ -333,8 +333,13 @@ class Relay:
 
     def _salvage_all(self, exc: Exception, *, culprit: _Held | None) -> None:
         """Salvage every batch held, oldest first. Only ``culprit`` (the batch whose
-        work raised) loses its attempt, and only if no dependency failed."""
+        work raised) loses its attempt, and only if no dependency failed. A batch
+        the finalizer already wrote (what raised came after its commit, e.g. while
+        counting) is only forgotten: its rows are no longer under its token."""
         for held in self._held:
+            if held.written:
+                self._forget(held)
+                continue
             refund = held is not culprit or is_infrastructure_error(exc)
             self._salvage(held, refund=refund)
 

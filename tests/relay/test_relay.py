@@ -231,6 +231,49 @@ def test_an_interrupt_sending_a_batch_keeps_the_previous_batch_written_once(
     )
 
 
+def test_a_counting_failure_after_the_finalizer_wrote_leaves_the_batch_written(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The finalizer wrote the first batch's outcomes, then counting them raised
+    # (a bug after the commit). The crash salvages what is still held, but not
+    # that batch: its rows are no longer under its token, and releasing them
+    # again counted 10 leases lost.
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    account = relay_module.Relay._account
+    failed: list[frozenset[int]] = []
+
+    def fail_first_count(self: Any, batch: Any, decisions: Any, result: Any) -> None:
+        if not failed and threading.current_thread().name.startswith("outboxkit-finalize"):
+            failed.append(frozenset(r.id for r in batch.rows))
+            raise RuntimeError("injected fault counting a written batch")
+        account(self, batch, decisions, result)
+
+    monkeypatch.setattr(relay_module.Relay, "_account", fail_first_count)
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True))
+    wait_for(
+        lambda: all(r.status == "delivered" for r in rows(engine, outbox)),
+        timeout=60,
+        what="30 rows delivered",
+    )
+    assert relay.stop() == 0
+    [written] = failed
+    assert relay.metric("service_worker_restarts_total", {"worker": "relay"}) == 1
+    assert relay.metric("outbox_lease_lost_total") == 0
+    assert relay.metric("outbox_rows_delivered_total") == 30 - len(written), "the rest once"
+    assert {r.attempts for r in rows(engine, outbox)} == {1}
+    messages = consume(kafka_bootstrap, topic, expected=30)
+    assert sorted(m.headers["event_id"].decode() for m in messages) == sorted(
+        r.event_id for r in rows(engine, outbox)
+    ), "every row once"
+
+
 def _assert_key_order(engine: sa.Engine, outbox: str, messages: list[Any]) -> None:
     by_id = {m.headers["event_id"].decode(): m for m in messages}
     offsets: dict[bytes, list[int]] = defaultdict(list)
