@@ -56,6 +56,7 @@ from outboxkit.runtime.errors import (
     is_infrastructure_error,
 )
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_FAILURE
+from outboxkit.runtime.heap import HeapTrimmer
 from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_job
@@ -152,6 +153,8 @@ class Consumer:
         self._async_engine = engine
         self._owns_engine = False
         self._dispatcher = Dispatcher()
+        #: Hands the C heap's free pages back to the OS from the poll thread.
+        self.heap = HeapTrimmer(s.heap_trim_interval)
         # A stop must not wait out the poll loop's wait for room (up to 0.5 s).
         self.lifecycle.on_drain(self._dispatcher.wake_poll)
         self._kafka: Any = None
@@ -426,6 +429,7 @@ class Consumer:
         while not self.lifecycle.draining.is_set():
             try:
                 self._loop.step()
+                self.heap.maybe_trim()
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
                 if err is not None and getattr(err, "fatal", lambda: False)():

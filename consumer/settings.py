@@ -47,6 +47,10 @@ def _kafka_interval_or_off(value: float) -> str | None:
     return non_negative(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
 
 
+def _heap_trim_interval(value: float) -> str | None:
+    return non_negative(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
+
+
 def _optional_at_least_one(value: int | None) -> str | None:
     if value is None:
         return None
@@ -125,6 +129,12 @@ class ConsumerSettings(RuntimeSettings):
         True,
         help="while consuming, leave the objects that exist at start out of the garbage "
         "collector's work (gc.freeze; undone at exit; see docs/consumer.md)",
+    )
+    heap_trim_interval: float = setting(
+        1.0,
+        help="seconds between hand-backs of the C heap's free memory to the OS "
+        "(glibc's malloc_trim, from the poll thread; 0: never; see docs/consumer.md)",
+        validate=_heap_trim_interval,
     )
     commit_interval: float = setting(
         5.0,
