@@ -43,11 +43,7 @@ def _kafka_interval(value: float) -> str | None:
     return positive(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
 
 
-def _kafka_interval_or_off(value: float) -> str | None:
-    return non_negative(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
-
-
-def _heap_trim_interval(value: float) -> str | None:
+def _interval_or_off(value: float) -> str | None:
     return non_negative(value) or at_most(MAX_KAFKA_INTERVAL_S)(value)
 
 
@@ -134,7 +130,7 @@ class ConsumerSettings(RuntimeSettings):
         1.0,
         help="seconds between hand-backs of the C heap's free memory to the OS "
         "(glibc's malloc_trim, from the poll thread; 0: never; see docs/consumer.md)",
-        validate=_heap_trim_interval,
+        validate=_interval_or_off,
     )
     commit_interval: float = setting(
         5.0,
@@ -155,7 +151,7 @@ class ConsumerSettings(RuntimeSettings):
     stats_interval: float = setting(
         5.0,
         help="seconds between librdkafka statistics (consumer lag metric); 0 = off; at most 1 day",
-        validate=_kafka_interval_or_off,
+        validate=_interval_or_off,
     )
     # Only the inbox uses the database: which ones it runs on is checked in
     # validate(), with --inbox, so a consumer without it never minds the URL's kind.

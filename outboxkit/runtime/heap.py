@@ -41,8 +41,8 @@ class HeapTrimmer:
     """Call :data:`malloc_trim` at most once per ``interval`` seconds, from
     whichever thread calls :meth:`maybe_trim` (a loop that runs anyway).
 
-    ``interval`` 0 turns it off. One trim of a consumer's heap took about a
-    millisecond on the benchmark's machine (docs/consumer.md).
+    ``interval`` 0 turns it off. One trim of a consumer's heap took about half a
+    millisecond on the benchmark's machine, 5.6 ms at most (docs/consumer.md).
     """
 
     def __init__(
