@@ -336,10 +336,7 @@ class Relay:
         work raised) loses its attempt, and only if no dependency failed. A batch
         the finalizer already wrote (what raised came after its commit, e.g. while
         counting) is only forgotten: its rows are no longer under its token."""
-        for held in self._held:
-            if held.written:
-                self._forget(held)
-                continue
+        for held in self._drop_written():
             refund = held is not culprit or is_infrastructure_error(exc)
             self._salvage(held, refund=refund)
 
@@ -540,6 +537,15 @@ class Relay:
         self._forget(held)
         self._account(held.batch, decisions, result)
 
+    def _drop_written(self) -> tuple[_Held, ...]:
+        """Forget the batches the finalizer wrote (their rows are no longer under
+        their tokens: nothing is left to settle or release); return the rest,
+        oldest first."""
+        for held in self._held:
+            if held.written:
+                self._forget(held)
+        return self._held
+
     def _forget(self, held: _Held) -> None:
         """``held`` is settled: no longer ours (only the loop thread replaces ``_held``)."""
         self._held = tuple(h for h in self._held if h is not held)
@@ -588,10 +594,7 @@ class Relay:
         salvage's decisions when it got that far (acknowledged rows stay
         delivered, no second copy), else release every row."""
         self.close_finalizer()
-        for held in self._held:
-            if held.written:  # by the finalizer, after an interrupt skipped the join
-                self._forget(held)
-                continue
+        for held in self._drop_written():  # after an interrupt skipped the join
             if held.decisions is not None:
                 self._settle(held, held.decisions)
                 continue

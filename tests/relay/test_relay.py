@@ -177,6 +177,13 @@ def _slow_writes(
     return writes
 
 
+def _thirty_keys(engine: sa.Engine, outbox: str, kafka_topics: Callable[..., str]) -> str:
+    """A 3-partition topic and 30 rows for it, each of its own key."""
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    return topic
+
+
 def test_an_interrupt_sending_a_batch_keeps_the_previous_batch_written_once(
     engine: sa.Engine,
     db_url: str,
@@ -191,8 +198,7 @@ def test_an_interrupt_sending_a_batch_keeps_the_previous_batch_written_once(
     # waits for that write; the first batch is then settled, not released again
     # under a token it no longer holds (that counted 10 leases lost and the batch
     # twice in the exit record).
-    topic = kafka_topics(partitions=3)
-    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    topic = _thirty_keys(engine, outbox, kafka_topics)
     settings = fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True)
     batches: list[frozenset[int]] = []
 
@@ -244,8 +250,7 @@ def test_a_counting_failure_after_the_finalizer_wrote_leaves_the_batch_written(
     # (a bug after the commit). The crash salvages what is still held, but not
     # that batch: its rows are no longer under its token, and releasing them
     # again counted 10 leases lost.
-    topic = kafka_topics(partitions=3)
-    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    topic = _thirty_keys(engine, outbox, kafka_topics)
     account = relay_module.Relay._account
     failed: list[frozenset[int]] = []
 
@@ -338,8 +343,7 @@ def test_a_crash_sending_a_batch_waits_for_the_previous_batch_being_written(
     # batch's outcomes are being written on the finalizer thread. That write
     # completes and stands (the first batch stays delivered, counted once); the
     # second batch is released without refund, and the restarted loop sends it.
-    topic = kafka_topics(partitions=3)
-    add_events(engine, outbox, [Event(topic=topic, key=f"k{i}", payload=b"p") for i in range(30)])
+    topic = _thirty_keys(engine, outbox, kafka_topics)
     writes = _slow_writes(monkeypatch, 0.5)
     batches: list[frozenset[int]] = []
 
