@@ -554,8 +554,9 @@ class Relay:
         """After an unexpected exception inside a batch: finalize known outcomes,
         release the rest **without** refund (a row that always crashes the relay
         must still reach ``failed``), unless a dependency failed (the database or
-        Kafka went away: not the rows' fault). Failures here leave the rows
-        leased; the drain tries again (``drain.release_leftover``)."""
+        Kafka went away: not the rows' fault). A failure before the write leaves
+        the rows leased; the drain tries again (``drain.release_leftover``). A
+        failure counting what was written is logged as such: the rows are settled."""
         held.refund = refund
         try:
             reports: dict[int, Report] = {}
@@ -569,7 +570,7 @@ class Relay:
                 refund_unknown=refund,
             )
             held.decisions = decisions
-            self._settle(held, decisions)
+            result = self._write(held, decisions)
         except Exception as exc:
             log_event(
                 log,
@@ -578,6 +579,18 @@ class Relay:
                 rows=len(held.batch),
                 error=redact(f"{type(exc).__name__}: {exc}"),
                 effect="rows stay leased until their lease expires",
+            )
+            return
+        try:
+            self._settled(held, decisions, result)
+        except Exception as exc:
+            log_event(
+                log,
+                "batch-count-failed",
+                level=logging.ERROR,
+                rows=len(held.batch),
+                error=redact(f"{type(exc).__name__}: {exc}"),
+                effect="the outcomes are written; the metrics miss this batch",
             )
 
     def close_finalizer(self) -> None:

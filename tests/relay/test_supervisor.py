@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -12,6 +13,7 @@ from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay import Batch, Relay
+from outboxkit.relay import relay as relay_module
 from outboxkit.runtime import EXIT_FAILURE
 from outboxkit.runtime.testing import capture_json_logs
 
@@ -83,3 +85,49 @@ def test_exception_during_drain_is_not_restarted_and_rows_are_released(
     assert exit_line["batch_size"] == 5 and exit_line["left_leased"] == 0
     assert status_counts(engine, outbox) == {"retryable": 5}
     assert {r.attempts for r in rows(engine, outbox)} == {1}, "released without refund"
+
+
+def test_a_counting_failure_inside_a_salvage_is_not_reported_as_rows_left_leased(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A bug inside the first batch makes the relay salvage it: the rows are
+    # released (committed), then counting them raises. The log said
+    # "batch-salvage-failed ... rows stay leased until their lease expires", which
+    # sends an operator after rows that are in fact released.
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
+    crashes = iter([Boom("first")])
+    account = relay_module.Relay._account
+    counted: list[int] = []
+
+    def fault(batch: Batch) -> None:
+        exc = next(crashes, None)
+        if exc is not None:
+            raise exc
+
+    def fail_first_count(self: Relay, batch: Batch, decisions: Any, result: Any) -> None:
+        if not counted:
+            counted.append(len(batch))
+            raise RuntimeError("injected fault counting a salvaged batch")
+        account(self, batch, decisions, result)
+
+    monkeypatch.setattr(relay_module.Relay, "_account", fail_first_count)
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(fast_settings(db_url, kafka_bootstrap), on_batch=fault)
+        wait_for(lambda: status_counts(engine, outbox) == {"delivered": 5}, timeout=20, what="rows")
+        assert relay.stop() == 0
+    assert counted == [5]
+    assert not logs.events("batch-salvage-failed"), "the salvage's write committed"
+    [failed] = logs.events("batch-count-failed")
+    assert failed["rows"] == 5 and "injected fault" in str(failed["error"])
+    assert "written" in str(failed["effect"])
+    assert relay.metric("service_worker_restarts_total", {"worker": "relay"}) == 1
+    assert relay.metric("outbox_lease_lost_total") == 0
+    # The crashed claim kept its attempt (no refund), the second delivered.
+    assert {r.attempts for r in rows(engine, outbox)} == {2}
