@@ -20,7 +20,10 @@ import ctypes
 import time
 from collections.abc import Callable
 
-__all__ = ["HeapTrimmer", "malloc_trim"]
+__all__ = ["MAX_SHARE", "HeapTrimmer", "malloc_trim"]
+
+#: The largest share of the calling thread's time that trims may take.
+MAX_SHARE = 0.01
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -43,6 +46,10 @@ class HeapTrimmer:
 
     ``interval`` 0 turns it off. One trim of a consumer's heap took about half a
     millisecond on the benchmark's machine, 5.6 ms at most (docs/consumer.md).
+    A trim's time grows with the heap (it walks the free chunks), and in a large
+    host process it could stall the calling loop for longer: the wait after a
+    trim stretches so that trimming takes at most :data:`MAX_SHARE` of the
+    caller's time (a 50 ms trim is followed by at least 5 s without one).
     """
 
     def __init__(
@@ -69,6 +76,7 @@ class HeapTrimmer:
         now = self._clock()
         if now < self._next:
             return
-        self._next = now + self._interval
         self._trim(0)
+        done = self._clock()
+        self._next = done + max(self._interval, (done - now) / MAX_SHARE)
         self.trims += 1

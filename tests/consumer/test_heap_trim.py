@@ -39,6 +39,33 @@ def test_a_trim_at_most_once_per_interval() -> None:
 
 
 @pytest.mark.unit
+def test_a_slow_trim_stretches_the_wait_so_trims_take_at_most_one_percent() -> None:
+    # In a large host process a trim can take tens of milliseconds; trimming
+    # every second would then take several percent of the poll loop.
+    clock, starts = Clock(), []
+    durations = iter([0.05, 0.002, 0.0])
+
+    def slow_trim(pad: int) -> int:
+        starts.append(clock.now)
+        clock.now += next(durations)
+        return 1
+
+    trimmer = HeapTrimmer(1.0, trim=slow_trim, clock=clock)
+    clock.now = 101.0
+    trimmer.maybe_trim()  # takes 50 ms: the next one no sooner than 5 s after it ends
+    for now in (102.1, 105.9, 106.06):
+        clock.now = now
+        trimmer.maybe_trim()
+    assert starts == [101.0, 106.06]
+    clock.now = 106.062 + 0.3  # that one took 2 ms: the wait is back to 1 s, not 0.2 s
+    trimmer.maybe_trim()
+    clock.now = 107.07
+    trimmer.maybe_trim()
+    assert starts == [101.0, 106.06, 107.07]
+    assert heap.MAX_SHARE == 0.01
+
+
+@pytest.mark.unit
 def test_interval_zero_never_trims() -> None:
     clock, calls = Clock(), []
     trimmer = HeapTrimmer(0, trim=lambda pad: calls.append(pad) or 1, clock=clock)
