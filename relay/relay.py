@@ -572,25 +572,18 @@ class Relay:
             held.decisions = decisions
             result = self._write(held, decisions)
         except Exception as exc:
-            log_event(
-                log,
-                "batch-salvage-failed",
-                level=logging.ERROR,
-                rows=len(held.batch),
-                error=redact(f"{type(exc).__name__}: {exc}"),
-                effect="rows stay leased until their lease expires",
+            _log_salvage_error(
+                "batch-salvage-failed", held, exc, "rows stay leased until their lease expires"
             )
             return
         try:
             self._settled(held, decisions, result)
         except Exception as exc:
-            log_event(
-                log,
+            _log_salvage_error(
                 "batch-count-failed",
-                level=logging.ERROR,
-                rows=len(held.batch),
-                error=redact(f"{type(exc).__name__}: {exc}"),
-                effect="the outcomes are written; the metrics miss this batch",
+                held,
+                exc,
+                "the outcomes are written; the metrics miss this batch",
             )
 
     def close_finalizer(self) -> None:
@@ -783,3 +776,14 @@ class Relay:
             reraise=True,
         )
         return retrying(read)
+
+
+def _log_salvage_error(event: str, held: _Held, exc: Exception, effect: str) -> None:
+    log_event(
+        log,
+        event,
+        level=logging.ERROR,
+        rows=len(held.batch),
+        error=redact(f"{type(exc).__name__}: {exc}"),
+        effect=effect,
+    )
