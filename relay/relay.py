@@ -610,7 +610,12 @@ class Relay:
             self._settled(held, [], result)
 
     def _account(self, batch: Batch, decisions: list[Decision], result: FinalizeResult) -> None:
-        """Count a finalized batch and act on its outcomes (see relay/accounting.py)."""
+        """Count a finalized batch and act on its outcomes (see relay/accounting.py).
+
+        The exit record comes first: it is what an operator reads after a drain,
+        and a failure in the metrics below must not drop the batch from it."""
+        if self.lifecycle.draining.is_set():
+            self._exit.add(len(batch), result)
         accounting.count_outcomes(self.metrics, result)
         lost = set(result.lease_lost)
         for d in decisions:
@@ -619,8 +624,6 @@ class Relay:
             if d.row.id not in lost and d.fate is Fate.DELIVERED:
                 accounting.delivered(self.metrics, self.paused, batch, d)
         accounting.pause_topics(self.paused, decisions, lost)
-        if self.lifecycle.draining.is_set():
-            self._exit.add(len(batch), result)
 
     # -- helpers of the loop --------------------------------------------------------
 

@@ -131,3 +131,43 @@ def test_a_counting_failure_inside_a_salvage_is_not_reported_as_rows_left_leased
     assert relay.metric("outbox_lease_lost_total") == 0
     # The crashed claim kept its attempt (no refund), the second delivered.
     assert {r.attempts for r in rows(engine, outbox)} == {2}
+
+
+def test_a_counting_failure_during_the_drain_keeps_the_batch_in_the_exit_record(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A bug inside the batch in flight when the drain began: the salvage releases
+    # its rows, then counting them for the metrics raises. The exit record was
+    # added at the end of that counting, so `relay-exit` said batch_size 0 and
+    # unknown 0 for a drain that released 5 rows.
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
+    holder: list[Relay] = []
+
+    def drain_then_crash(batch: Batch) -> None:
+        holder[0].drain()
+        raise Boom("while draining")
+
+    def count_fails(*_args: Any) -> None:
+        raise RuntimeError("injected fault counting a salvaged batch")
+
+    monkeypatch.setattr(relay_module.accounting, "count_outcomes", count_fails)
+    relay = Relay(fast_settings(db_url, kafka_bootstrap), on_batch=drain_then_crash)
+    holder.append(relay)
+    codes: list[int] = []
+    with capture_json_logs(level="INFO") as logs:
+        thread = threading.Thread(target=lambda: codes.append(relay.run()))
+        thread.start()
+        thread.join(30)
+    assert codes == [EXIT_FAILURE]
+    [failed] = logs.events("batch-count-failed")
+    assert failed["rows"] == 5 and "injected fault" in str(failed["error"])
+    [exit_line] = logs.events("relay-exit")
+    assert exit_line["batch_size"] == 5, exit_line
+    assert exit_line["unknown"] == 5 and exit_line["left_leased"] == 0
+    assert status_counts(engine, outbox) == {"retryable": 5}
