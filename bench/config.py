@@ -40,6 +40,10 @@ class BenchConfig:
     #: Steady writer rates (events/s) of the latency scenario, and how long each lasts.
     latency_rates: tuple[int, ...] = (200, 1_000, 5_000)
     latency_seconds: float = 10.0
+    #: Before those seconds the writer runs at the same rate for this long; its
+    #: events are the warm-up (a relay's first batches on a new topic and table),
+    #: reported apart from the steady-state percentiles (see latency.py).
+    latency_warmup_seconds: float = 2.0
     #: The latency scenario's runs with wake-ups, with the relay's pipeline off (0)
     #: and on (1), in this order.
     latency_pipeline_modes: tuple[int, ...] = (0, 1)
@@ -67,6 +71,7 @@ class BenchConfig:
             "relay_counts": (1, 2),
             "latency_rates": (100,),
             "latency_seconds": 1.0,
+            "latency_warmup_seconds": 0.5,
             "writer_seconds": 1.0,
             "consumer_messages": 2_000,
             "consumer_concurrency": 4,

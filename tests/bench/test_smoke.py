@@ -188,6 +188,13 @@ def test_smoke_run_on_postgresql_needs_no_redis(
     latency = saved["scenarios"]["latency"]
     assert {r["wake-ups"] for r in latency["rows"]} == {False, True}
     assert f"p99_ms_{BenchConfig.smoke().latency_rates[0]}_wakeups" in latency["figures"]
+    smoke = BenchConfig.smoke()
+    written = int(smoke.latency_rates[0] * (smoke.latency_warmup_seconds + smoke.latency_seconds))
+    for row in latency["rows"]:
+        # The warm-up's events are reported apart, none lost or counted twice; the
+        # first commit always opens the warm-up.
+        assert row["events"] + row["warm-up events"] == written, row
+        assert row["warm-up events"] >= 1 and row["warm-up p99 ms"] is not None, row
     throughput = saved["scenarios"]["relay-throughput"]
     default_rows = [r for r in throughput["rows"] if r["pipeline"] == "default"]
     assert [r["relays"] for r in default_rows] == list(BenchConfig.smoke().relay_counts)
