@@ -12,8 +12,8 @@ rate. The warm-up's events are the relay's first batches on a new table and a
 new topic: its first lock and lease statements, the producer's first messages
 to each partition, the broker's first appends. They are reported apart ("warm-up
 p99 ms"): in 10 s runs without a warm-up they were one event in ten, so the
-first second set the p99 (on PostgreSQL at 1,000/s, p99 70 to 100 ms for the
-whole run against 19 to 26 ms per second from the third second on).
+first second set the p99 (on PostgreSQL at 1,000/s, p99 30 to 100 ms for the
+whole run; per second from the third second on, mostly 18 to 22 ms).
 
 The writer commits whatever is due at each step (one event per transaction at
 low rates, a few at 5,000/s), as many request threads of a service would.  Runs
