@@ -64,19 +64,7 @@ def test_exception_during_drain_is_not_restarted_and_rows_are_released(
 ) -> None:
     topic = kafka_topics(partitions=1)
     add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
-    holder: list[Relay] = []
-
-    def drain_then_crash(batch: Batch) -> None:
-        holder[0].drain()
-        raise Boom("while draining")
-
-    relay = Relay(fast_settings(db_url, kafka_bootstrap), on_batch=drain_then_crash)
-    holder.append(relay)
-    codes: list[int] = []
-    with capture_json_logs(level="INFO") as logs:
-        thread = threading.Thread(target=lambda: codes.append(relay.run()))
-        thread.start()
-        thread.join(30)
+    codes, logs = _run_crashing_once_draining(db_url, kafka_bootstrap)
     assert codes == [EXIT_FAILURE]
     assert logs.events("worker-crashed-during-drain")
     assert not logs.events("worker-crashed"), "never restarted once draining"
@@ -147,23 +135,12 @@ def test_a_counting_failure_during_the_drain_keeps_the_batch_in_the_exit_record(
     # unknown 0 for a drain that released 5 rows.
     topic = kafka_topics(partitions=1)
     add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
-    holder: list[Relay] = []
-
-    def drain_then_crash(batch: Batch) -> None:
-        holder[0].drain()
-        raise Boom("while draining")
 
     def count_fails(*_args: Any) -> None:
         raise RuntimeError("injected fault counting a salvaged batch")
 
     monkeypatch.setattr(relay_module.accounting, "count_outcomes", count_fails)
-    relay = Relay(fast_settings(db_url, kafka_bootstrap), on_batch=drain_then_crash)
-    holder.append(relay)
-    codes: list[int] = []
-    with capture_json_logs(level="INFO") as logs:
-        thread = threading.Thread(target=lambda: codes.append(relay.run()))
-        thread.start()
-        thread.join(30)
+    codes, logs = _run_crashing_once_draining(db_url, kafka_bootstrap)
     assert codes == [EXIT_FAILURE]
     [failed] = logs.events("batch-count-failed")
     assert failed["rows"] == 5 and "injected fault" in str(failed["error"])
@@ -171,3 +148,22 @@ def test_a_counting_failure_during_the_drain_keeps_the_batch_in_the_exit_record(
     assert exit_line["batch_size"] == 5, exit_line
     assert exit_line["unknown"] == 5 and exit_line["left_leased"] == 0
     assert status_counts(engine, outbox) == {"retryable": 5}
+
+
+def _run_crashing_once_draining(db_url: str, kafka_bootstrap: str) -> tuple[list[int], Any]:
+    """Run a relay whose first batch begins the drain and then raises (a bug while
+    draining): its exit codes (one, or none if it hung for 30 s) and its JSON logs."""
+    holder: list[Relay] = []
+
+    def drain_then_crash(batch: Batch) -> None:
+        holder[0].drain()
+        raise Boom("while draining")
+
+    relay = Relay(fast_settings(db_url, kafka_bootstrap), on_batch=drain_then_crash)
+    holder.append(relay)
+    codes: list[int] = []
+    with capture_json_logs(level="INFO") as logs:
+        thread = threading.Thread(target=lambda: codes.append(relay.run()))
+        thread.start()
+        thread.join(30)
+    return codes, logs
