@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,9 @@ class ConsumerProcess:
             **os.environ,
             **env,
             "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            # A child that hangs is sent SIGABRT (see wait): it then writes every
+            # thread's Python stack to stderr, even while a C call holds the GIL.
+            "PYTHONFAULTHANDLER": "1",
         }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "outboxkit", "consume", target, *args],
@@ -82,7 +86,19 @@ class ConsumerProcess:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(bound(timeout))
+        """The exit code; a child still running after ``timeout`` (bounded) is
+        aborted, and the failure shows the stacks its threads were in."""
+        try:
+            code = self.proc.wait(bound(timeout))
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            self._reader.join(5)
+            raise AssertionError(
+                f"still running {bound(timeout):g} s after the wait began; its threads "
+                f"when aborted:\n{''.join(self.raw[-120:])}"
+            ) from None
         self._reader.join(5)
         return code
 
