@@ -46,6 +46,13 @@ come back empty; the relay then settles its batch and claims without it.
 
 Everything runs in one short READ COMMITTED transaction (no gap locks that
 would block writers' inserts), on MySQL/MariaDB and PostgreSQL alike.
+
+Fence: an ownership whose hold lives on the server (PostgreSQL advisory locks)
+learns of its loss late, when the news reaches its own session's socket; a
+:class:`ClaimFence` makes the lease statement itself check that the hold is
+still there, after the rows were locked. If it is not, nothing is leased
+(``claim-fenced``), so no row is claimed after the server ended the hold,
+however late the relay hears of it.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import math
 import secrets
 import time
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +85,7 @@ from outboxkit.schema.table import (
     outbox_table,
 )
 
-__all__ = ["Batch", "ClaimedRow", "candidates", "claim_batch", "create_engine"]
+__all__ = ["Batch", "ClaimFence", "ClaimedRow", "candidates", "claim_batch", "create_engine"]
 
 log = logging.getLogger("outboxkit.relay.claim")
 
@@ -134,6 +141,24 @@ class Batch:
         """Seconds from ``row``'s ``created_at`` (database clock) to monotonic time
         ``mono``: its age at the claim plus the time since."""
         return row.age_at_claim + (mono - self.claimed_mono)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimFence:
+    """A condition the claim's lease statement must meet, checked by the server
+    after the claim locked its rows: the claim leases nothing when it is false.
+
+    ``clause`` is built once and reused (the lease statement with it is cached
+    per clause object); ``params`` are its bound values for this claim;
+    ``what`` names the hold it checks, for the ``claim-fenced`` log line."""
+
+    clause: sa.ColumnElement[bool]
+    params: Mapping[str, Any]
+    what: str
+
+
+class _Fenced(Exception):
+    """The fence was false: roll the claim back."""
 
 
 def candidates(
@@ -351,8 +376,10 @@ def claim_batch(
     excluded_topics: Collection[str] = (),
     shard_count: int | None = None,
     id_upper: int | None = None,
+    fence: ClaimFence | None = None,
 ) -> Batch | None:
-    """Lease up to ``limit`` due rows to ``owner``; None when nothing was due.
+    """Lease up to ``limit`` due rows to ``owner``; None when nothing was due,
+    or when ``fence`` was false (logged as ``claim-fenced``; nothing changed).
 
     ``id_upper``: look only at rows with ``id <= id_upper`` (a claim
     made while an earlier batch of ours is leased; see the module docstring).
@@ -366,34 +393,46 @@ def claim_batch(
         return None
     token = secrets.token_hex(16)
     lock, lease = _claim_statements(table, engine.dialect.name)
-    with engine.begin() as conn:
-        found = candidates(
-            conn,
-            table,
-            shards=shards,
-            limit=limit,
-            excluded_topics=excluded_topics,
-            shard_count=shard_count,
-            id_upper=id_upper,
+    params: dict[str, Any] = {"owner": owner, "token": token, "ttl_us": micros(lease_ttl)}
+    if fence is not None:
+        lease = _fenced_lease(lease, fence.clause)
+        params.update(fence.params)
+    try:
+        with engine.begin() as conn:
+            found = candidates(
+                conn,
+                table,
+                shards=shards,
+                limit=limit,
+                excluded_topics=excluded_topics,
+                shard_count=shard_count,
+                id_upper=id_upper,
+            )
+            if not found:
+                return None
+            locked_rows = conn.execute(lock, {"ids": [i for i, _ in found]}).all()
+            locked = _keep_key_order(found, locked_rows)
+            if not locked:
+                return None
+            claimed_mono = time.monotonic()
+            leased = conn.execute(lease, {"ids": [r[0] for r in locked], **params})
+            if fence is not None and leased.rowcount == 0:
+                raise _Fenced(len(locked))  # rolls the transaction back
+            rows = tuple(_claimed(r, shard_count) for r in locked)
+            reclaims = _record_reclaims(conn, table, owner, rows)
+    except _Fenced as fenced:
+        assert fence is not None
+        log_event(
+            log,
+            "claim-fenced",
+            level=logging.WARNING,
+            table=table,
+            rows=fenced.args[0],
+            hold=fence.what,
+            effect="nothing leased: the shard hold had ended on the server; "
+            "the rows stay for their next owner",
         )
-        if not found:
-            return None
-        locked_rows = conn.execute(lock, {"ids": [i for i, _ in found]}).all()
-        locked = _keep_key_order(found, locked_rows)
-        if not locked:
-            return None
-        claimed_mono = time.monotonic()
-        conn.execute(
-            lease,
-            {
-                "ids": [r[0] for r in locked],
-                "owner": owner,
-                "token": token,
-                "ttl_us": micros(lease_ttl),
-            },
-        )
-        rows = tuple(_claimed(r, shard_count) for r in locked)
-        reclaims = _record_reclaims(conn, table, owner, rows)
+        return None
     misplaced = [r for r in rows if r.misplaced_shard is not None]
     if misplaced:
         log_event(
@@ -514,6 +553,13 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
         )
     )
     return lock, lease
+
+
+@functools.lru_cache(maxsize=8)
+def _fenced_lease(lease: sa.Update, clause: sa.ColumnElement[bool]) -> sa.Update:
+    """The lease statement that changes nothing unless ``clause`` holds (one
+    statement object per fence clause, so it is compiled once)."""
+    return lease.where(clause)
 
 
 def _effective_shard(stored: int, key: bytes | None, event_id: str, shard_count: int | None) -> int:

@@ -28,6 +28,13 @@ with one dedicated database session per relay (autocommit, outside the pool):
   on; it reconnects with backoff, joins again and gets its share back. Rows it
   had leased stay protected by their lease tokens, and the claim's per-key rule
   holds back later rows of a key whose earlier row is still leased.
+* **Fence.** Noticing takes a moment (tens of milliseconds on a busy host), and
+  another relay may take the shards within it. So a claim does not trust this
+  relay's view: :meth:`claim_fence` gives the claim a condition its lease
+  statement checks on the server, after locking its rows, that the session
+  holding the shards is still there (it holds the membership lock). A claim
+  made after the session died leases nothing (``claim-fenced``): claims from a
+  shard stay inside the server's hold of its lock.
 * **Network partition.** TCP keepalives (about 10 s) end the client side; the
   server keeps the session, and so the locks, until *its* keepalive settings
   notice (``tcp_keepalives_idle`` etc.): the shards stall, never double-owned.
@@ -38,10 +45,13 @@ pooling mode breaks them (docs/postgresql.md).
 Log events: ``rebalance``, ``shard-acquired``, ``shard-released`` (reason
 ``handover`` or ``drain``), ``shard-lost`` (reason ``session-lost``, or
 ``session-lost-while-leaving`` when the session died during a drain),
-``shard-session-lost`` / ``shard-session-restored``. Acquisitions and releases
-carry ``db_ms``, the server's clock (ms since the epoch) read just after the
-lock was taken or just before it was let go, so every relay's logged holds of a
-shard can be compared on one clock and never overlap.
+``shard-session-lost`` / ``shard-session-restored``. Every one of these lock
+events carries ``db_ms``, the server's clock (ms since the epoch): read just
+after a lock was taken or just before one was let go, and for ``shard-lost``
+the last moment the session was seen holding its locks (its last statement; the
+server ended the locks some time after it, and the relay heard of it later
+still). So every relay's logged holds of a shard lie inside the real ones, can
+be compared on one clock, and never overlap.
 """
 
 from __future__ import annotations
@@ -55,9 +65,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from outboxkit.relay.assignment import assign_shards
+from outboxkit.relay.claim import ClaimFence
 from outboxkit.relay.pg_session import (
     ReconnectLoop,
     connect,
@@ -81,12 +93,38 @@ MEMBER_KEY = -1
 #: How often the idle thread looks at its stop flag and its session's socket.
 _IDLE_SLICE_S = 0.05
 
+#: The live members' pids, and the server's clock (as ``_NOW_MS_SQL``): the
+#: moment this session was last seen holding its locks.
 _MEMBERS_SQL = """
-SELECT pid FROM pg_locks
-WHERE locktype = 'advisory' AND objsubid = 2 AND granted
-  AND classid::bigint = %(classid)s AND objid::bigint = %(objid)s
-  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint, ARRAY(
+  SELECT pid FROM pg_locks
+  WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+    AND classid::bigint = %(classid)s AND objid::bigint = %(objid)s
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)
 """
+_LOCKS = sa.table(
+    "pg_locks",
+    sa.column("locktype", sa.Text()),
+    sa.column("objsubid", sa.Integer()),
+    sa.column("granted", sa.Boolean()),
+    sa.column("pid", sa.Integer()),
+    sa.column("classid", sa.BigInteger()),
+    sa.column("objid", sa.BigInteger()),
+)
+#: The claim fence (see the module docstring): session ``fence_pid`` holds the
+#: membership lock of the table (``fence_classid``), so it is alive and still
+#: holds every shard lock it took. One clause object: the fenced lease
+#: statement is built and compiled once.
+_FENCE = sa.exists().where(
+    _LOCKS.c.locktype == "advisory",
+    _LOCKS.c.objsubid == 2,
+    _LOCKS.c.granted,
+    _LOCKS.c.pid == sa.bindparam("fence_pid", type_=sa.Integer()),
+    sa.cast(_LOCKS.c.classid, sa.BigInteger())
+    == sa.bindparam("fence_classid", type_=sa.BigInteger()),
+    sa.cast(_LOCKS.c.objid, sa.BigInteger()) == sa.bindparam("fence_objid", type_=sa.BigInteger()),
+)
 _TRY_LOCK_SQL = "SELECT s, pg_try_advisory_lock(%(k)s, s) FROM unnest(%(shards)s::int[]) AS s"
 #: The server's clock in ms since the epoch, logged as ``db_ms`` with each lock
 #: change: read after taking a lock and before letting one go, so the logged
@@ -180,6 +218,8 @@ class PgAdvisoryShards:
         self._alive = False
         self._leaving = False
         self._pid: int | None = None
+        #: The server's clock (ms) the last time this session was seen holding its locks.
+        self._verified_ms: int | None = None
         self._members: tuple[int, ...] = ()
         self._targets: frozenset[int] = frozenset()
         self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
@@ -237,6 +277,22 @@ class PgAdvisoryShards:
                     n = self._claiming.pop(s) - 1
                     if n:
                         self._claiming[s] = n
+
+    def claim_fence(self, shards: frozenset[int]) -> ClaimFence:
+        """The condition a claim from ``shards`` (yielded by :meth:`claiming`) makes
+        its lease statement check on the server: the session that holds them is
+        still there. If this relay no longer holds them, a fence that is false."""
+        with self._lock:
+            pid = self._pid if self._alive and shards <= self._held.keys() else None
+        return ClaimFence(
+            _FENCE,
+            {
+                "fence_pid": pid or 0,  # no server process has pid 0
+                "fence_classid": self._key & 0xFFFFFFFF,
+                "fence_objid": MEMBER_KEY & 0xFFFFFFFF,
+            },
+            what=f"advisory locks of session {pid}" if pid else "advisory locks (session gone)",
+        )
 
     def release_all(self) -> None:
         """Leave: stop claiming, unlock every shard and the membership (the others
@@ -313,6 +369,7 @@ class PgAdvisoryShards:
             self._alive = False
             lost = sorted(self._held)
             self._held.clear()
+        verified_ms = self._verified_ms
         self._pid = None
         self._members = ()
         if lost and not self._leaving:
@@ -323,7 +380,7 @@ class PgAdvisoryShards:
         for shard in lost:
             log_event(
                 self.log, "shard-lost", level=logging.WARNING, table=self.table,
-                shard=shard, reason=reason,
+                shard=shard, reason=reason, db_ms=verified_ms,
             )  # fmt: skip
         self._set_owned_gauge()
 
@@ -356,8 +413,12 @@ class PgAdvisoryShards:
 
     def _follow_members(self, conn: psycopg.Connection) -> None:
         objid = MEMBER_KEY & 0xFFFFFFFF
-        rows = conn.execute(_MEMBERS_SQL, {"classid": self._key & 0xFFFFFFFF, "objid": objid})
-        members = tuple(sorted(int(r[0]) for r in rows))
+        row = conn.execute(
+            _MEMBERS_SQL, {"classid": self._key & 0xFFFFFFFF, "objid": objid}
+        ).fetchone()
+        assert row is not None
+        self._verified_ms = int(row[0])
+        members = tuple(sorted(int(pid) for pid in row[1]))
         if members == self._members:
             return
         me = str(self._pid)
@@ -404,7 +465,7 @@ class PgAdvisoryShards:
                 if self._held.get(s) is not None and s not in self._claiming and s not in inflight
             )
         for shard in ready:
-            db_ms = _db_ms(conn)
+            db_ms = self._verified_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
             with self._lock:
                 self._held.pop(shard, None)
@@ -427,7 +488,7 @@ class PgAdvisoryShards:
         got = sorted(int(s) for s, ok in rows if ok)
         if not got:
             return
-        db_ms = _db_ms(conn)
+        db_ms = self._verified_ms = _db_ms(conn)
         with self._lock:
             for shard in got:
                 self._held[shard] = None

@@ -49,7 +49,7 @@ from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.retention import start_retention
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.relay.shards import ShardOwnership, claiming, default_ownership
+from outboxkit.relay.shards import ShardOwnership, claim_fence, claiming, default_ownership
 from outboxkit.relay.wakeup import PollWaker, Waker, default_waker
 from outboxkit.runtime import (
     EXIT_CONFIG,
@@ -457,6 +457,7 @@ class Relay:
                 excluded_topics=self.paused.excluded(),
                 shard_count=self._shard_count,
                 id_upper=self._next_id_upper(shards),
+                fence=claim_fence(self._ownership, shards),
             )
             if batch is None:
                 return None

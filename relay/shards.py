@@ -28,6 +28,7 @@ from outboxkit.relay.wakeup import PollWaker, Waker
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from outboxkit.relay.claim import ClaimFence
     from outboxkit.relay.settings import RelaySettings
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "PollWaker",
     "ShardOwnership",
     "Waker",
+    "claim_fence",
     "claiming",
     "default_ownership",
 ]
@@ -107,6 +109,15 @@ def claiming(ownership: ShardOwnership) -> AbstractContextManager[frozenset[int]
     if callable(method):
         return method()  # type: ignore[no-any-return]
     return contextlib.nullcontext(ownership.claimable())
+
+
+def claim_fence(ownership: ShardOwnership, shards: frozenset[int]) -> ClaimFence | None:
+    """The condition a claim from ``shards`` (yielded by :func:`claiming`) has the
+    database check before it leases anything, for an ownership whose holds live
+    on the database server and can end before it hears of it (PostgreSQL
+    advisory locks: ``claim_fence(shards)``); None for the others."""
+    method = getattr(ownership, "claim_fence", None)
+    return method(shards) if callable(method) else None
 
 
 def default_ownership(

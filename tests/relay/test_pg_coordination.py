@@ -27,7 +27,7 @@ from relay_support import (
     fast_settings,
     wait_for,
 )
-from test_pg_shards import server_owners
+from test_pg_shards import Unnoticing, server_owners, terminate
 
 from outboxkit import Event
 from outboxkit.relay import RelaySettings
@@ -237,6 +237,52 @@ def test_a_relay_whose_session_dies_stops_claiming_then_comes_back(
     )
     assert a.stop() == 0 and b.stop() == 0
     assert len(_first_delivery_order(consume(kafka_bootstrap, topic, expected=200))) == 200
+
+
+def test_a_relay_that_has_not_heard_its_session_died_leases_nothing(
+    pg_engine: sa.Engine,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Between the server ending a relay's ownership session (and with it the
+    shard locks another relay may take at once) and the relay hearing of it,
+    the relay still believes it owns its shards. Its claims check the session
+    on the server after locking their rows, and lease nothing."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    topic = kafka_topics(partitions=1)
+    settings = fast_settings(pg_url, kafka_bootstrap)
+    a = embedded(settings)
+    ownership = _ownership(a)
+    wait_for(lambda: len(ownership.claimable()) == SHARDS, timeout=15, what="a owns every shard")
+    unnoticing = Unnoticing()
+    unnoticing.install(monkeypatch, ownership)
+    terminate(pg_engine, ownership.backend_pid)
+    events = [Event(topic=topic, key=f"k{i % 4}", payload={"n": i}) for i in range(20)]
+    add_events(pg_engine, TABLE, events)
+
+    def fenced() -> bool:
+        return any(getattr(r, "outboxkit_event", None) == "claim-fenced" for r in caplog.records)
+
+    wait_for(fenced, timeout=15, what="a claim fenced off")
+    with pg_engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(f"SELECT status, attempts, lease_owner FROM {TABLE}")
+        ).all()
+    assert len(rows) == 20
+    assert {tuple(r) for r in rows} == {("pending", 0, None)}, rows
+    assert a.metric("outbox_rows_claimed_total") == 0
+    assert len(ownership.claimable()) == SHARDS  # still unheard: only the fence held
+    unnoticing.gate.set()
+    wait_for(lambda: a.metric("outbox_rows_delivered_total") >= 20, timeout=30, what="delivery")
+    assert a.stop() == 0
+    with pg_engine.connect() as conn:
+        rows = conn.execute(sa.text(f"SELECT status, attempts FROM {TABLE}")).all()
+    assert {tuple(r) for r in rows} == {("delivered", 1)}, rows
+    assert len(_first_delivery_order(consume(kafka_bootstrap, topic, expected=20))) == 4
 
 
 def test_an_embedded_relay_given_only_a_postgresql_engine_coordinates_the_same_way(

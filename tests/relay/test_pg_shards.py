@@ -8,6 +8,7 @@ relays' own view: the lock is the ownership.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -101,6 +102,30 @@ def server_owners(engine: sa.Engine, table: str = TABLE) -> dict[int, int]:
             {"k1": key1 & 0xFFFFFFFF},
         )
         return {int(shard): int(pid) for shard, pid in rows}
+
+
+class Unnoticing:
+    """Stands in for a relay's ``PgAdvisoryShards._idle``: its session thread waits
+    on a gate instead of watching the socket, as a thread on a busy host can be
+    late to hear of its session's death (47 ms in a chaos run)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, conn: object, seconds: float) -> None:
+        self.entered.set()
+        self.gate.wait(bound(30))
+
+    def install(self, monkeypatch: pytest.MonkeyPatch, shards: PgAdvisoryShards) -> None:
+        """From the thread's next wait on, until :attr:`gate` opens."""
+        monkeypatch.setattr(shards, "_idle", self)
+        assert self.entered.wait(bound(10)), "the session thread never waited again"
+
+
+def terminate(engine: sa.Engine, pid: int | None) -> None:
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
 
 
 def settled(relays: list[PgAdvisoryShards], shard_count: int = SHARDS) -> bool:
@@ -319,3 +344,45 @@ def test_lock_changes_carry_the_database_clock_and_never_overlap(
     assert {r["event"] for r in changes} == {"shard-acquired", "shard-released"}
     assert all(isinstance(r.get("db_ms"), int) for r in changes), changes
     assert never_owned_twice(records) >= SHARDS + 2  # a's, b's and c's first holds at least
+
+
+def test_the_hold_of_a_session_that_died_unnoticed_ends_before_the_next_owner_takes_it(
+    pg_engine: sa.Engine,
+    make_shards: ShardsFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server ends a dead session's locks at once; the relay hears of it
+    later. The ``shard-lost`` lines must not stretch the hold to that moment:
+    the next owner took the shards in between, and the ownership rebuilt from
+    the log showed two owners (64 overlaps in a chaos run). They carry the last
+    moment the session was seen holding its locks instead."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    loggers = {n: logging.getLogger(f"outboxkit.test.pgshards.{n}") for n in ("a", "b")}
+    a = make_shards("relay-a", logger=loggers["a"], reconnect_min=3.0)
+    wait_for(lambda: len(a.claimable()) == SHARDS, timeout=10, what="a owns every shard")
+    unnoticing = Unnoticing()
+    unnoticing.install(monkeypatch, a)
+    terminate(pg_engine, a.backend_pid)
+    b = make_shards("relay-b", logger=loggers["b"])
+    wait_for(lambda: len(b.claimable()) == SHARDS, timeout=10, what="b takes every shard")
+    assert len(a.claimable()) == SHARDS  # a has not heard yet: the window is open
+    unnoticing.gate.set()
+    wait_for(lambda: a.backend_pid is None, timeout=5, interval=0.005, what="a hears of it")
+
+    node_of = {lg.name: n for n, lg in loggers.items()}
+    records = [
+        {
+            "event": r.outboxkit_event,  # type: ignore[attr-defined]
+            "node_id": node_of[r.name],
+            # The line's own time, as in the JSON log: the rebuild's fallback.
+            "ts": dt.datetime.fromtimestamp(r.created, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            **r.outboxkit_fields,  # type: ignore[attr-defined]
+        }
+        for r in caplog.records
+        if r.name in node_of and getattr(r, "outboxkit_event", None) in LEASE_EVENTS
+    ]
+    assert never_owned_twice(records) == 2 * SHARDS
+    lost = [r for r in records if r["event"] == "shard-lost"]
+    assert sorted(r["shard"] for r in lost) == list(range(SHARDS))
+    assert all(isinstance(r.get("db_ms"), int) for r in lost), lost
