@@ -53,6 +53,10 @@ class BenchConfig:
     consumer_messages: int = 200_000
     consumer_concurrency: int = 8
     consumer_sleep_ms: float = 1.0
+    #: The raw poll loop and the base class read the topic this many times each,
+    #: in turns (raw, base, raw, base, ...): the goal's ratio is the median of
+    #: the rounds' ratios, so one slow read of either side does not decide it.
+    consumer_rounds: int = 3
     #: SIGTERM -> exit runs per component, and the load each run drains under.
     drain_runs: int = 20
     drain_rows: int = 20_000
@@ -75,6 +79,7 @@ class BenchConfig:
             "writer_seconds": 1.0,
             "consumer_messages": 2_000,
             "consumer_concurrency": 4,
+            "consumer_rounds": 2,
             "drain_runs": 2,
             "drain_rows": 2_000,
             "timeout_seconds": 120.0,

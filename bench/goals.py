@@ -104,7 +104,12 @@ GOALS = [
     Goal(
         "consumer base class vs raw poll loop",
         ">= 0.8",
-        lambda r: _ratio(_fig(r, "consumer", "base_rate"), _fig(r, "consumer", "raw_rate")),
+        # The median of the rounds' ratios (consumer_rounds); a result saved before
+        # the rounds existed has only the one pair.
+        lambda r: (
+            _fig(r, "consumer", "base_vs_raw")
+            or _ratio(_fig(r, "consumer", "base_rate"), _fig(r, "consumer", "raw_rate"))
+        ),
         lambda v: v >= 0.8,
     ),
     Goal(

@@ -76,6 +76,20 @@ def test_smoke_run_writes_a_complete_report(
 
     _assert_memory_and_cpu(saved)
     _assert_scale_out(saved, services)
+    _assert_consumer_rounds(saved)
+
+
+def _assert_consumer_rounds(saved: dict[str, Any]) -> None:
+    """The consumer goal is the median of the raw/base rounds, each round listed."""
+    consumer = saved["scenarios"]["consumer"]
+    f = consumer["figures"]
+    assert f["base_vs_raw_min"] <= f["base_vs_raw"] <= f["base_vs_raw_max"], f
+    rounds = BenchConfig.smoke().consumer_rounds
+    listed = [n for n in consumer["notes"] if n.startswith("base class vs raw poll loop in ")]
+    assert len(listed) == 1 and f"in {rounds} rounds" in listed[0], consumer["notes"]
+    assert listed[0].count(";") == rounds, listed[0]  # one entry per round, then the median
+    goal = {g["goal"]: g for g in saved["goals"]}["consumer base class vs raw poll loop"]
+    assert goal["measured"] == f["base_vs_raw"]
 
 
 #: Figures of peak memory (MB) and CPU per 1,000 events each scenario must report.
