@@ -224,27 +224,35 @@ def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int
     ``CRC32(message_key, or event_id when keyless) MOD shard_count`` (zlib's CRC-32,
     as in :func:`outboxkit.schema.codec.shard_for`: MySQL's ``CRC32()``,
     PostgreSQL's ``outboxkit_crc32()``)."""
-    return sa.func.mod(key_crc32(t.c.message_key, t.c.event_id), shard_count)
+    return sa.func.mod(key_crc32(t.c.message_key, t.c.event_id), sql_int(shard_count))
+
+
+def sql_int(value: int) -> sa.ColumnElement[int]:
+    """An integer written into the statement, not bound (see :func:`candidates_query`)."""
+    return sa.literal_column(str(int(value)), sa.Integer())
+
+
+def sql_status(status: Status) -> sa.ColumnElement[str]:
+    """A status written into the statement as a string literal, not bound."""
+    value = status.value
+    assert value.isalpha(), value  # our own enum: nothing to quote
+    return sa.literal_column(f"'{value}'", sa.String())
 
 
 def in_list(
     column: sa.ColumnElement[Any], values: Collection[int], dialect: str | None
 ) -> sa.ColumnElement[bool]:
-    """``column IN values``: on PostgreSQL one array parameter, ``= ANY(array)``.
+    """``column IN values``, the integers written into the statement, which is
+    built once per shard set (see ``_cached_candidates_query``).
 
-    An expanding ``IN`` of 64 shards is 64 parameters, in each of the claim's
-    three arms; SQLAlchemy renders them and psycopg parses the statement anew
-    on every call once it has more than 50 (its query cache stops there):
-    about 2-4 ms of client CPU per claim, more than the claim's own SQL.
-
-    Elsewhere (MySQL/MariaDB): the integers written into the statement, which
-    is built once per shard set (see ``_cached_candidates_query``); as
-    parameters, PyMySQL escaped 64 values per claim and SQLAlchemy rendered
-    them. (On PostgreSQL a statement without parameters is planned once, when
-    psycopg prepares it: see :func:`probed_id`'s note on fresh tables.)"""
-    if dialect == "postgresql":
-        return column == sa.any_(sa.literal(sorted(values), ARRAY(sa.Integer())))
-    return column.in_([sa.literal_column(str(int(v)), sa.Integer()) for v in sorted(values)])
+    As parameters, an expanding ``IN`` of 64 shards was 64 of them in each of
+    the claim's three arms: PyMySQL escaped them on every claim, and psycopg
+    parsed the statement anew on every call (its query cache stops at 50),
+    about 2-4 ms of client CPU per claim, more than the claim's own SQL. As one
+    array parameter on PostgreSQL, the plan PostgreSQL may settle on for a
+    prepared statement (a generic one, for any value) could not see which
+    shards it was given (see :func:`candidates_query`)."""
+    return column.in_([sql_int(v) for v in sorted(values)])
 
 
 def _owned(
@@ -256,10 +264,9 @@ def _owned(
     stored = in_list(t.c.shard, shards, dialect)
     if shard_count is None:
         return stored
-    out_of_range = sa.or_(t.c.shard < 0, t.c.shard >= shard_count)
+    out_of_range = sa.or_(t.c.shard < sql_int(0), t.c.shard >= sql_int(shard_count))
     if set(shards) >= set(range(shard_count)):
-        # PostgreSQL keeps it: the shard array is then the statement's only parameter.
-        return None if dialect in MYSQL_DIALECTS else sa.or_(stored, out_of_range)
+        return None
     return sa.or_(
         stored, sa.and_(out_of_range, in_list(home_shard(t, shard_count), shards, dialect))
     )
@@ -278,7 +285,19 @@ def candidates_query(
     """The candidates of a claim. ``shard_count``: the table's shard count; without
     it, rows whose stored shard is out of range are never candidates. ``bounded``:
     only rows with ``id <=`` the bound parameter ``id_upper`` are considered.
-    ``dialect``: the database's (``engine.dialect.name``), for :func:`in_list`."""
+    ``dialect``: the database's (``engine.dialect.name``), for :func:`in_list`.
+
+    Statuses, shards, limits and the other constants are written into the
+    statement (it is built once per shard set and paused-topic set); only
+    ``id_upper`` and paused topics are bound. On PostgreSQL psycopg prepares a
+    statement it ran five times, and after five more runs PostgreSQL may keep a
+    *generic* plan, made for any parameter values. With the statuses bound
+    (``status = $1``), that plan could not tell ``pending`` from ``delivered``:
+    it walked the primary key through the whole table and scanned it for each
+    per-key check, 4-8 ms per claim instead of 0.5-1, for the relay's life. In
+    latency runs at 1,000 events/s that was p50 16 ms instead of 4-5 and p99
+    31-39 ms instead of 8-13, in about half the runs: those whose relay
+    happened to settle on the generic plan."""
     t = outbox_table(table)
     earlier = t.alias("earlier")
     now = db_now()
@@ -308,10 +327,10 @@ def candidates_query(
     # in that status (see key_probe).
     for status, hold in holds.items():
         common.append(
-            ~key_probe(sa.literal(1), earlier, table, dialect)
+            ~key_probe(sql_int(1), earlier, table, dialect)
             .where(
                 earlier.c.message_key == t.c.message_key,
-                earlier.c.status == status.value,
+                earlier.c.status == sql_status(status),
                 probed_id(earlier.c.id, dialect) < t.c.id,
                 hold,
             )
@@ -323,9 +342,9 @@ def candidates_query(
     ) -> sa.Select[tuple[int, bytes | None]]:
         return (
             sa.select(t.c.id, t.c.message_key)
-            .where(t.c.status == status.value, due, *common)
+            .where(t.c.status == sql_status(status), due, *common)
             .order_by(t.c.id)
-            .limit(limit)
+            .limit(sql_int(limit))
         )
 
     merged = sa.union_all(
@@ -333,7 +352,7 @@ def candidates_query(
         by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
         by_status(Status.DELIVERING, _lease_over(t, now)),
     ).subquery("candidates")
-    return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(limit)
+    return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(sql_int(limit))
 
 
 def key_probe(
@@ -362,7 +381,7 @@ def probed_id(column: sa.ColumnElement[int], dialect: str | None) -> sa.ColumnEl
     ``+ 0`` keeps ``(status, id)`` from serving that range, so that index
     matches one column to the key index's two and is not chosen (without
     statistics it was: 32 million row reads for one claim in test_claim.py)."""
-    return column + 0 if dialect == "postgresql" else column
+    return column + sql_int(0) if dialect == "postgresql" else column
 
 
 def claim_batch(

@@ -269,9 +269,7 @@ def test_a_relay_that_has_not_heard_its_session_died_leases_nothing(
 
     wait_for(fenced, timeout=15, what="a claim fenced off")
     with pg_engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(f"SELECT status, attempts, lease_owner FROM {TABLE}")
-        ).all()
+        rows = conn.execute(sa.text(f"SELECT status, attempts, lease_owner FROM {TABLE}")).all()
     assert len(rows) == 20
     assert {tuple(r) for r in rows} == {("pending", 0, None)}, rows
     assert a.metric("outbox_rows_claimed_total") == 0
