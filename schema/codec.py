@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import re
 import zlib
@@ -161,6 +162,32 @@ def kafka_headers(text: str | None, event_id: str) -> list[tuple[str, bytes]]:
     problem = event_id_problem(event_id)
     if problem:
         raise StoredRowError(problem)
+    if not text:
+        pairs = []
+    elif len(text) <= _CACHED_HEADERS_MAX_CHARS:
+        pairs = list(_stored_pairs_cached(text))
+    else:
+        pairs = list(_stored_pairs(text))
+    pairs.append(("event_id", event_id.encode("ascii")))
+    return pairs
+
+
+#: Stored headers up to this long are decoded once per distinct text: rows of one
+#: service mostly carry the same few header sets, and decoding them (JSON, then
+#: every name and value checked) was a tenth of the relay's loop. The bounds keep
+#: the cache small: 256 entries of at most this many characters, a few MB at worst.
+_CACHED_HEADERS_MAX_CHARS = 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_pairs_cached(text: str) -> tuple[tuple[str, bytes], ...]:
+    # A tuple of tuples of str and bytes: nothing a caller could change in place.
+    # A text that raises is not cached (lru_cache keeps results only).
+    return _stored_pairs(text)
+
+
+def _stored_pairs(text: str) -> tuple[tuple[str, bytes], ...]:
+    """The stored headers ``text`` as (name, bytes) pairs, checked (see kafka_headers)."""
     pairs: list[tuple[str, bytes]] = []
     for name, value in decode_headers(text).items():
         problem = header_name_problem(name)
@@ -174,8 +201,7 @@ def kafka_headers(text: str | None, event_id: str) -> list[tuple[str, bytes]]:
             pairs.append((name, value.encode("utf-8")))
         else:
             pairs.append((name, value))
-    pairs.append(("event_id", event_id.encode("ascii")))
-    return pairs
+    return tuple(pairs)
 
 
 def shard_for(key: bytes | None, event_id: str, shard_count: int) -> int:
