@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from bench import profile
 from bench.config import BenchConfig
 from bench.context import REPO_ROOT, Services
 from bench.report import fmt, write_docs
@@ -107,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         args.db_url = os.environ.get(
             "OUTBOXKIT_TEST_PG_URL" if args.database == "postgresql" else "OUTBOXKIT_TEST_DB_URL"
         )
+    if args.profile and not profile.available():
+        # Without it the run would go on and its tables would lack the profiles asked for.
+        print(
+            "--profile needs py-spy (pip install py-spy): not on PATH nor beside " + sys.executable
+        )
+        return 2
     if not args.db_url or not args.kafka_bootstrap:
         print('no services: run ./bench/run.sh, or eval "$(deploy/local/up.sh)" first')
         return 2

@@ -12,13 +12,24 @@ import collections
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 _LINE = re.compile(r":\d+\)")
 
 
+def executable() -> str | None:
+    """py-spy on PATH, else beside this interpreter (``pip install py-spy`` into
+    the virtualenv that runs the benchmark, not activated), else None."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.is_file() else None
+
+
 def available() -> bool:
-    return shutil.which("py-spy") is not None
+    return executable() is not None
 
 
 def attach(pid: int, out: Path, *, rate: int = 100) -> subprocess.Popen[bytes] | None:
@@ -27,12 +38,13 @@ def attach(pid: int, out: Path, *, rate: int = 100) -> subprocess.Popen[bytes] |
     Idle samples are kept: a loop waiting on the database or on Kafka is where
     the wall time goes, and that is what the summary should show.
     """
-    if not available():
+    spy = executable()
+    if spy is None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         [
-            "py-spy",
+            spy,
             "record",
             "--pid",
             str(pid),
