@@ -340,6 +340,13 @@ def candidates_query(
     def by_status(
         status: Status, due: sa.ColumnElement[bool]
     ) -> sa.Select[tuple[int, bytes | None]]:
+        if dialect == "postgresql":
+            return (
+                sa.select(t.c.id, t.c.message_key)
+                .where(*_status_range(t, status), due, *common)
+                .order_by(t.c.status, t.c.id)
+                .limit(sql_int(limit))
+            )
         return (
             sa.select(t.c.id, t.c.message_key)
             .where(t.c.status == sql_status(status), due, *common)
@@ -353,6 +360,21 @@ def candidates_query(
         by_status(Status.DELIVERING, _lease_over(t, now)),
     ).subquery("candidates")
     return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(sql_int(limit))
+
+
+def _status_range(t: sa.Table, status: Status) -> tuple[sa.ColumnElement[bool], ...]:
+    """``status`` as the closed range ``status >= s AND status <= s`` (PostgreSQL).
+
+    With ``status = s`` PostgreSQL treats the status as a constant, so ``ORDER BY
+    id`` can be served by the primary key as well as by ``(status, id)``; with
+    statistics taken while most rows were pending (a backlog, then its drain)
+    it walked the primary key through every row delivered since, filtering them
+    out one by one: the claim grew from 3 to 25 ms per 500-row batch over a
+    60,000-row drain, until autovacuum analyzed the table. A range is not a
+    constant: ``ORDER BY status, id`` then comes from ``(status, id)`` alone, and
+    the primary key would need a sort of every row it matches."""
+    value = sql_status(status)
+    return (t.c.status >= value, t.c.status <= value)
 
 
 def key_probe(
