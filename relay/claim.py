@@ -340,17 +340,15 @@ def candidates_query(
     def by_status(
         status: Status, due: sa.ColumnElement[bool]
     ) -> sa.Select[tuple[int, bytes | None]]:
+        order: tuple[sa.ColumnElement[Any], ...]
         if dialect == "postgresql":
-            return (
-                sa.select(t.c.id, t.c.message_key)
-                .where(*_status_range(t, status), due, *common)
-                .order_by(t.c.status, t.c.id)
-                .limit(sql_int(limit))
-            )
+            where, order = _status_range(t, status), (t.c.status, t.c.id)
+        else:
+            where, order = (t.c.status == sql_status(status),), (t.c.id,)
         return (
             sa.select(t.c.id, t.c.message_key)
-            .where(t.c.status == sql_status(status), due, *common)
-            .order_by(t.c.id)
+            .where(*where, due, *common)
+            .order_by(*order)
             .limit(sql_int(limit))
         )
 
