@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
 from outboxkit.relay._dbtime import micros_between
-from outboxkit.relay.claim import key_probe, probed_id
+from outboxkit.relay.claim import key_probe, key_rows
 from outboxkit.schema.table import Status, db_now, outbox_table
 
 __all__ = [
@@ -195,11 +195,7 @@ def ordering_blocked_query(
     later = outbox_table(table).alias("later")
     held = [
         key_probe(sa.func.count(), later, table, dialect)
-        .where(
-            later.c.message_key == first.c.message_key,
-            later.c.status == status.value,
-            probed_id(later.c.id, dialect) > first.c.first_id,
-        )
+        .where(*key_rows(later, first.c.message_key, status, dialect, after=first.c.first_id))
         .scalar_subquery()
         for status in (Status.PENDING, Status.RETRYABLE)
     ]

@@ -13,7 +13,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import PoolResetState
 
-__all__ = ["PING_AFTER_IDLE_S", "create_loop_engine", "gentle_connection", "transaction_open"]
+__all__ = [
+    "PING_AFTER_IDLE_S",
+    "create_loop_engine",
+    "gentle_connection",
+    "transaction_open",
+    "without_jit",
+]
 
 
 @contextmanager
@@ -59,9 +65,13 @@ def create_loop_engine(
       asked whether a transaction is open (PyMySQL's server status flags,
       psycopg's transaction status, both from the server's last reply) and the
       connection is rolled back only then, or when the driver cannot tell.
+
+    On PostgreSQL its sessions run with ``jit = off`` (:func:`without_jit`).
     """
     engine = sa.create_engine(url, pool_pre_ping=False, pool_reset_on_return=None, **kwargs)
     dialect = engine.dialect
+    if dialect.name == "postgresql":
+        sa.event.listen(engine, "do_connect", without_jit)
 
     def on_checkin(dbapi_connection: Any, record: Any) -> None:
         if record is not None:
@@ -91,6 +101,22 @@ def create_loop_engine(
     sa.event.listen(engine.pool, "checkout", on_checkout)
     sa.event.listen(engine.pool, "reset", on_reset)
     return engine
+
+
+def without_jit(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+    """``do_connect``: open the PostgreSQL session with ``jit = off``, after any
+    ``options`` of the URL (a later ``-c`` wins).
+
+    PostgreSQL compiles a statement whose estimated cost passes
+    ``jit_above_cost`` (100,000 by default) to machine code, on every run: 0.5-1 s
+    for the claim's candidates statement, which runs in a few milliseconds. Its
+    per-key checks are subplans run once per candidate, so its estimate grows
+    with the batch size (about 46 per row on a 100,000-row table: past 100,000
+    from about 2,200 rows).
+    """
+    extra = "-c jit=off"
+    given = cparams.get("options")
+    cparams["options"] = f"{given} {extra}" if given else extra
 
 
 def transaction_open(dbapi_connection: Any) -> bool | None:

@@ -199,6 +199,52 @@ def test_the_ordering_blocked_sample_reads_the_blockers_keys_not_the_backlog(
     assert read < 2_000, (read, plan)
 
 
+def test_the_ordering_blocked_sample_reads_the_blockers_keys_under_statistics_taken_before(
+    pg_url: str,
+) -> None:
+    """Statistics taken while every row was delivered, then a backlog whose first
+    rows wait for a retry: the sample still counts each blocking key's rows
+    through the key index. Believing no row pending, PostgreSQL could read every
+    pending row through ``(status, id)`` for each blocking key."""
+    engine = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, shards=8)
+        outbox = "outbox_events"
+        t = outbox_table(outbox)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"ALTER TABLE {outbox} SET (autovacuum_enabled = false)"))
+        history = [Event(topic="t", key=f"h{i % 2_000}", payload=b"x") for i in range(20_000)]
+        add_events(engine, outbox, history)
+        with engine.begin() as conn:
+            conn.execute(t.update().values(status="delivered"))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text(f"ANALYZE {outbox}"))  # every row delivered
+        backlog = [Event(topic="t", key=f"k{i % 2_000}", payload=b"x") for i in range(20_000)]
+        add_events(engine, outbox, backlog)
+        with engine.begin() as conn:
+            first = [
+                r.id
+                for r in conn.execute(
+                    sa.select(t.c.id).where(t.c.status == "pending").order_by(t.c.id).limit(5)
+                )
+            ]
+            conn.execute(
+                t.update()
+                .where(t.c.id.in_(first))
+                .values(status="retryable", next_attempt_at=db_time(600))
+            )
+        with engine.connect() as conn:
+            sql = _literal_sql(engine, ordering_blocked_query(outbox, (), "postgresql"))
+            (plan,) = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)).scalar_one()
+            assert sample_ordering_blocked(conn, outbox) == 5 * 9
+        probes = [s for s in _pg_scans(plan["Plan"]) if s.get("Alias") == "later"]
+        assert probes and all(_pg_index_of(s) == f"ix_{outbox}_key_status" for s in probes), plan
+        touched = _pg_rows_touched(plan)
+        assert touched < 2_000, (touched, plan)
+    finally:
+        engine.dispose()
+
+
 #: The states a row can be in, for the sample's model below:
 #: (status, next_attempt_at, lease_expires_at), in seconds from now (None: not set).
 _ROW_STATES = {
@@ -295,6 +341,29 @@ def _pg_rows_read(plan: dict[str, Any], alias: str = "") -> int:
         for s in _pg_scans(plan["Plan"])
         if s.get("Alias", "").startswith(alias)
     )
+
+
+def _pg_index_of(scan: dict[str, Any]) -> str | None:
+    """The index a scan node reads (a bitmap heap scan's: its bitmap index scan's)."""
+    if "Index Name" in scan:
+        return str(scan["Index Name"])
+    children = [_pg_index_of(child) for child in scan.get("Plans", [])]
+    return children[0] if len(children) == 1 else None
+
+
+def _pg_rows_touched(plan: dict[str, Any]) -> int:
+    """Rows every node of a PostgreSQL ``EXPLAIN (ANALYZE, FORMAT JSON)`` plan
+    produced or threw away, over all its loops: scans, joins and materialized
+    rows read again alike."""
+
+    def walk(node: dict[str, Any]) -> int:
+        own = sum(
+            node.get(k, 0)
+            for k in ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter")
+        ) * node.get("Actual Loops", 1)
+        return own + sum(walk(child) for child in node.get("Plans", []))
+
+    return walk(plan["Plan"])
 
 
 def _bounded(query: sa.Select[Any]) -> bool:
@@ -454,6 +523,92 @@ def test_claim_stays_flat_while_a_backlog_drains_under_statistics_taken_before(
             assert read < 1_000, (read, plan)
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "plan_of", [_pg_literal_plan, _pg_generic_plan], ids=["literal", "generic"]
+)
+def test_a_claim_beside_a_leased_batch_checks_each_key_by_its_index_under_statistics_taken_before(
+    pg_url: str, plan_of: Callable[[sa.Connection, sa.Select[Any]], dict[str, Any]]
+) -> None:
+    """Statistics taken while every row was pending, then one batch leased, as the
+    pipelined relay's claim of batch N+1 meets batch N: each candidate's per-key
+    check still seeks its key's rows. Believing no row ``delivering``,
+    PostgreSQL read the leased rows once and compared every candidate with each
+    of them (500 x 500 join filter rows per claim, 32 ms of the relay's 50 ms
+    per batch), and the pipelined relay was slower than the plain one."""
+    engine = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, shards=8)
+        outbox = "outbox_events"
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"ALTER TABLE {outbox} SET (autovacuum_enabled = false)"))
+        add_events(
+            engine,
+            outbox,
+            [Event(topic="t", key=f"k{i % 10_000}", payload=b"x") for i in range(20_000)],
+        )
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text(f"ANALYZE {outbox}"))  # every row pending
+        leased = claim_batch(engine, outbox, owner="a", shards=ALL, limit=500, lease_ttl=60.0)
+        assert leased is not None and len(leased) == 500
+        pg = "postgresql"
+        for query in (
+            candidates_query(outbox, ALL, 500, dialect=pg),
+            candidates_query(outbox, range(4), 500, shard_count=8, bounded=True, dialect=pg),
+        ):
+            with engine.begin() as conn:
+                plan = plan_of(conn, query)
+            # The scans run for each candidate (more than once) seek the key index;
+            # the leased rows' keys are read once (a hashed subplan).
+            checks = [
+                s
+                for s in _pg_scans(plan["Plan"])
+                if s.get("Alias", "").startswith("earlier") and s.get("Actual Loops", 1) > 1
+            ]
+            assert checks, plan
+            assert all(_pg_index_of(s) == f"ix_{outbox}_key_status" for s in checks), plan
+            # 500 candidates (fewer for 4 shards of 8), a check or two each that
+            # find nothing: a few thousand rows, not one per candidate and leased row.
+            touched = _pg_rows_touched(plan)
+            assert touched < 10_000, (touched, plan)
+    finally:
+        engine.dispose()
+
+
+def test_the_relays_postgresql_sessions_do_not_compile_its_claims(pg_url: str) -> None:
+    """The candidates statement's per-key checks run once per candidate, so its
+    estimated cost grows with the batch: past ``jit_above_cost`` at 5,000 rows
+    here, and PostgreSQL compiled it to machine code on every claim (about a
+    second, for a statement that runs in milliseconds). The relay's sessions run
+    with ``jit = off``, after the URL's own ``options``, which still apply."""
+    url = sa.make_url(pg_url).update_query_dict({"options": "-c lock_timeout=7000"})
+    engine = create_engine(fast_settings(url.render_as_string(False), "127.0.0.1:1"))
+    plain = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, shards=8)
+        add_events(
+            engine,
+            "outbox_events",
+            [Event(topic="t", key=f"k{i}", payload=b"x") for i in range(6_000)],
+        )
+        with plain.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("ANALYZE outbox_events"))
+        explain = "EXPLAIN (ANALYZE, FORMAT JSON) " + _literal_sql(
+            engine, candidates_query("outbox_events", ALL, 5_000, dialect="postgresql")
+        )
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SHOW jit")).scalar_one() == "off"
+            assert conn.execute(sa.text("SHOW lock_timeout")).scalar_one() == "7s"
+            (plan,) = conn.execute(sa.text(explain)).scalar_one()
+        assert "JIT" not in plan, plan["JIT"]
+        with plain.connect() as conn:
+            if conn.execute(sa.text("SELECT pg_jit_available()")).scalar_one():
+                (plan,) = conn.execute(sa.text(explain)).scalar_one()
+                assert "JIT" in plan  # what the relay's sessions no longer pay
+    finally:
+        engine.dispose()
+        plain.dispose()
 
 
 def test_claims_on_postgresql_send_few_parameters_and_one_text_per_statement(
