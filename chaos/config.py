@@ -69,6 +69,9 @@ class RunConfig:
     #: How relays share shards: "redis" (shard leases, either database) or
     #: "advisory" (PostgreSQL session advisory locks; the relays get no Redis).
     ownership: str = "redis"
+    #: The relays overlap two batches (``OUTBOXKIT_PIPELINE``; off by default, as
+    #: the relay's own default).
+    pipeline: bool = False
     keep: bool = False
     timings: Timings = field(default_factory=Timings)
 
@@ -162,6 +165,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         help="how relays share shards: Redis leases (default on MariaDB) or PostgreSQL "
         "advisory locks (default on PostgreSQL; the relays then get no Redis)",
     )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="run the relays with the pipeline on (two batches in flight; docs/relay.md)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the named instances' state")
     a = p.parse_args(argv)
     ownership = a.ownership or ("advisory" if a.database == "postgresql" else "redis")
@@ -192,5 +200,5 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         # The relays use no Redis then (nor does anything else): its faults would test nothing.
         faults = {k: n for k, n in faults.items() if not k.startswith("redis-")}
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
-    values.update(database=a.database, ownership=ownership)
+    values.update(database=a.database, ownership=ownership, pipeline=a.pipeline)
     return RunConfig(name=name, seed=seed, faults=faults, keep=a.keep, **values)  # type: ignore[arg-type]

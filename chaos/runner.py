@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     say(
         f"run {run_id}: seed {cfg.seed} (replay: ./chaos/run.sh"
         f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed}"
-        f" --database {cfg.database} --ownership {cfg.ownership})"
+        f" --database {cfg.database} --ownership {cfg.ownership}"
+        f"{' --pipeline' if cfg.pipeline else ''})"
     )
     say(
         f"{cfg.events} events, {cfg.keys} keys, {cfg.relays} relays, {cfg.consumers} consumers, "

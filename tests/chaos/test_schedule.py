@@ -3,11 +3,15 @@ replays the same faults, and every requested fault is in it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chaos.config import KINDS, parse_args
+from chaos.fleet import Fleet
 from chaos.schedule import make_schedule
 
 pytestmark = pytest.mark.unit
@@ -41,3 +45,15 @@ def test_the_full_run_has_the_faults_the_issue_asks_for() -> None:
     assert (cfg.relays, cfg.consumers) == (3, 2)
     assert cfg.total_faults >= 200 and cfg.faults["relay-redeploy"] >= 100
     assert set(cfg.faults) == set(KINDS)
+
+
+@pytest.mark.parametrize(("argv", "setting"), [([], "false"), (["--pipeline"], "true")])
+def test_the_relays_run_pipelined_only_when_asked(argv: list[str], setting: str) -> None:
+    """``--pipeline`` reaches every relay of the run as ``OUTBOXKIT_PIPELINE``
+    (the fleet passes no ``OUTBOXKIT_`` variable of its own environment on)."""
+    cfg = parse_args(["--smoke", "--seed", "1", "--database", "postgresql", *argv])
+    cluster = SimpleNamespace(relay_db_url="db", relay_bootstrap="kafka", relay_redis_url="r")
+    fleet = Fleet(cfg, cluster, "t", Path("."))  # type: ignore[arg-type]
+    env = fleet.relay_env("relay-0")
+    assert env["OUTBOXKIT_PIPELINE"] == setting
+    assert cfg.describe()["pipeline"] is (setting == "true")
