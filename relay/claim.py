@@ -338,6 +338,8 @@ def candidates_query(
         )
         if dialect == "postgresql" and status is Status.DELIVERING:
             unheld = sa.or_(t.c.message_key.not_in(_leased_keys(earlier, hold)), unheld)
+        elif dialect == "postgresql":
+            unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
         common.append(unheld)
 
     def by_status(
@@ -378,6 +380,19 @@ def _leased_keys(
     IN`` list makes it unknown for every key)."""
     return sa.select(earlier.c.message_key).where(
         *_status_range(earlier, Status.DELIVERING), earlier.c.message_key.is_not(None), hold
+    )
+
+
+def _any_holding(earlier: sa.FromClause, status: Status, hold: sa.ColumnElement[bool]) -> sa.Exists:
+    """PostgreSQL: whether any row in ``status`` holds its key back (``hold``), asked
+    once per claim (an uncorrelated ``EXISTS`` is an *initplan*): while none does,
+    as in a healthy drain with no retry waiting, no candidate pays for its
+    per-key probe in that status (2-3 ms per 500-row claim)."""
+    return (
+        sa.select(sql_int(1))
+        .select_from(earlier)
+        .where(*_status_range(earlier, status), hold)
+        .exists()
     )
 
 

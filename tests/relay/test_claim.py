@@ -552,6 +552,14 @@ def test_a_claim_beside_a_leased_batch_checks_each_key_by_its_index_under_statis
             conn.execute(sa.text(f"ANALYZE {outbox}"))  # every row pending
         leased = claim_batch(engine, outbox, owner="a", shards=ALL, limit=500, lease_ttl=60.0)
         assert leased is not None and len(leased) == 500
+        t = outbox_table(outbox)
+        with engine.begin() as conn:  # a few retries waiting: every candidate's key is probed
+            last = conn.execute(sa.select(sa.func.max(t.c.id))).scalar_one()
+            conn.execute(
+                t.update()
+                .where(t.c.id > last - 5)
+                .values(status="retryable", next_attempt_at=db_time(600))
+            )
         pg = "postgresql"
         for query in (
             candidates_query(outbox, ALL, 500, dialect=pg),
