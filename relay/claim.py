@@ -34,11 +34,12 @@ probe is a subplan run per candidate, written so only that index serves it
 (``key_probe``, ``key_rows``), and the ``delivering`` probe runs only for a
 candidate whose key is among the keys held in flight, read once per claim
 (``_leased_keys``): planned from statistics taken before any row was leased,
-PostgreSQL had compared every candidate with every leased row instead. The candidates are
-then locked by primary key with ``FOR UPDATE SKIP LOCKED`` and re-checked, so
-two relays racing for a row cannot both get it: the loser either skips the
-locked row or, once the winner committed, sees it ``delivering`` with a live
-lease.
+PostgreSQL had compared every candidate with every leased row instead. The
+other probes run only while some row in their status holds a key back
+(``_any_holding``). The candidates are then locked by primary key with
+``FOR UPDATE SKIP LOCKED`` and re-checked, so two relays racing for a row
+cannot both get it: the loser either skips the locked row or, once the winner
+committed, sees it ``delivering`` with a live lease.
 
 A claim made while this relay's previous batch is still leased (``id_upper``,
 the pipelined relay) looks only at rows with ``id <= id_upper`` (a prefix of
