@@ -366,6 +366,18 @@ def _pg_rows_touched(plan: dict[str, Any]) -> int:
     return walk(plan["Plan"])
 
 
+def _pg_analyzed_backlog(engine: sa.Engine, outbox: str, *, rows: int, keys: int) -> None:
+    """``rows`` pending events over ``keys`` keys, analyzed now, on a table that
+    autovacuum leaves alone: statistics taken before what the test does next."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {outbox} SET (autovacuum_enabled = false)"))
+    add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i % keys}", payload=b"x") for i in range(rows)]
+    )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text(f"ANALYZE {outbox}"))
+
+
 def _bounded(query: sa.Select[Any]) -> bool:
     return "id_upper" in query.compile(dialect=postgresql.dialect()).binds
 
@@ -493,15 +505,7 @@ def test_claim_stays_flat_while_a_backlog_drains_under_statistics_taken_before(
         apply_schema(engine, shards=8)
         outbox = "outbox_events"
         t = outbox_table(outbox)
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"ALTER TABLE {outbox} SET (autovacuum_enabled = false)"))
-        add_events(
-            engine,
-            outbox,
-            [Event(topic="t", key=f"k{i % 500}", payload=b"x") for i in range(20_000)],
-        )
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(sa.text(f"ANALYZE {outbox}"))  # every row pending
+        _pg_analyzed_backlog(engine, outbox, rows=20_000, keys=500)  # every row pending
         with engine.begin() as conn:
             (last,) = conn.execute(sa.select(sa.func.max(t.c.id))).one()
             conn.execute(t.update().where(t.c.id <= last - 100).values(status="delivered"))
@@ -541,15 +545,7 @@ def test_a_claim_beside_a_leased_batch_checks_each_key_by_its_index_under_statis
     try:
         apply_schema(engine, shards=8)
         outbox = "outbox_events"
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"ALTER TABLE {outbox} SET (autovacuum_enabled = false)"))
-        add_events(
-            engine,
-            outbox,
-            [Event(topic="t", key=f"k{i % 10_000}", payload=b"x") for i in range(20_000)],
-        )
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(sa.text(f"ANALYZE {outbox}"))  # every row pending
+        _pg_analyzed_backlog(engine, outbox, rows=20_000, keys=10_000)  # every row pending
         leased = claim_batch(engine, outbox, owner="a", shards=ALL, limit=500, lease_ttl=60.0)
         assert leased is not None and len(leased) == 500
         t = outbox_table(outbox)
