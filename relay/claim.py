@@ -35,7 +35,7 @@ probe is a subplan run per candidate, written so only that index serves it
 candidate whose key is among the keys held in flight, read once per claim
 (``_leased_keys``): planned from statistics taken before any row was leased,
 PostgreSQL had compared every candidate with every leased row instead. The
-other probes run only while some row in their status holds a key back
+``retryable`` probe runs only while some retry holds a key back
 (``_any_holding``). The candidates are then locked by primary key with
 ``FOR UPDATE SKIP LOCKED`` and re-checked, so two relays racing for a row
 cannot both get it: the loser either skips the locked row or, once the winner
@@ -339,7 +339,7 @@ def candidates_query(
         )
         if dialect == "postgresql" and status is Status.DELIVERING:
             unheld = sa.or_(t.c.message_key.not_in(_leased_keys(earlier, hold)), unheld)
-        elif dialect == "postgresql":
+        elif dialect == "postgresql" and status is Status.RETRYABLE:
             unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
         common.append(unheld)
 
@@ -388,7 +388,11 @@ def _any_holding(earlier: sa.FromClause, status: Status, hold: sa.ColumnElement[
     """PostgreSQL: whether any row in ``status`` holds its key back (``hold``), asked
     once per claim (an uncorrelated ``EXISTS`` is an *initplan*): while none does,
     as in a healthy drain with no retry waiting, no candidate pays for its
-    per-key probe in that status (2-3 ms per 500-row claim)."""
+    per-key probe in that status (2-3 ms per 500-row claim).
+
+    For ``retryable`` only: finding no such row reads the retryable rows, which
+    the claim reads anyway. The ``pending`` hold (a paused topic's rows) is not
+    gated: with none of them pending, the question would read the whole backlog."""
     return (
         sa.select(sql_int(1))
         .select_from(earlier)
