@@ -69,9 +69,9 @@ class RunConfig:
     #: How relays share shards: "redis" (shard leases, either database) or
     #: "advisory" (PostgreSQL session advisory locks; the relays get no Redis).
     ownership: str = "redis"
-    #: The relays overlap two batches (``OUTBOXKIT_PIPELINE``; off by default, as
-    #: the relay's own default).
-    pipeline: bool = False
+    #: The relays overlap two batches (``OUTBOXKIT_PIPELINE``): True or False as
+    #: asked; None leaves the relay's own default (on with PostgreSQL only).
+    pipeline: bool | None = None
     keep: bool = False
     timings: Timings = field(default_factory=Timings)
 
@@ -167,8 +167,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     )
     p.add_argument(
         "--pipeline",
-        action="store_true",
-        help="run the relays with the pipeline on (two batches in flight; docs/relay.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the relays with the pipeline on (two batches in flight) or off; "
+        "default: the relay's own default, on with PostgreSQL only (docs/relay.md)",
     )
     p.add_argument("--keep", action="store_true", help="keep the named instances' state")
     a = p.parse_args(argv)

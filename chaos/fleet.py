@@ -75,7 +75,11 @@ class Fleet:
             "OUTBOXKIT_SHARD_RENEW_INTERVAL": str(t.shard_renew_s),
             "OUTBOXKIT_CONNECT_TIMEOUT": "15",
             "OUTBOXKIT_METRICS_INTERVAL": "5",
-            "OUTBOXKIT_PIPELINE": "true" if self.cfg.pipeline else "false",
+            **(
+                {}
+                if self.cfg.pipeline is None  # the relay's own default
+                else {"OUTBOXKIT_PIPELINE": "true" if self.cfg.pipeline else "false"}
+            ),
             # Advisory-lock ownership (PostgreSQL): the relays get no Redis at all, so
             # they own shards by advisory locks and wake up on the writer's NOTIFY.
             **(

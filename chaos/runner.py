@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         f"run {run_id}: seed {cfg.seed} (replay: ./chaos/run.sh"
         f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed}"
         f" --database {cfg.database} --ownership {cfg.ownership}"
-        f"{' --pipeline' if cfg.pipeline else ''})"
+        f"{'' if cfg.pipeline is None else ' --pipeline' if cfg.pipeline else ' --no-pipeline'})"
     )
     say(
         f"{cfg.events} events, {cfg.keys} keys, {cfg.relays} relays, {cfg.consumers} consumers, "

@@ -133,6 +133,9 @@ class Relay:
         self.backoff = Backoff(base=settings.retry_backoff_base, cap=settings.retry_backoff_cap)
         self._engine = engine
         self._own_engine = engine is None
+        #: ``settings.pipeline``, or the database's default once connected
+        #: (:meth:`RelaySettings.effective_pipeline`).
+        self._pipelined = bool(settings.pipeline)
         self._ownership = ownership
         self._waker: Waker = waker if waker is not None else PollWaker()
         self._own_waker = waker is None
@@ -311,7 +314,7 @@ class Relay:
             self._join_settled(previous, pending)
         if held is None:
             return
-        if not self.settings.pipeline or held.inflight is None:
+        if not self._pipelined or held.inflight is None:
             self._finish(held)  # nothing was sent: settle it now, not a turn later
 
     def _finish(self, held: _Held) -> None:
@@ -699,6 +702,7 @@ class Relay:
                         f"(got {self.engine.dialect.name})",
                     )
                 )
+            self._pipelined = s.effective_pipeline(self.engine.dialect.name)
             shard_count = self._read_shard_count()
             self._shard_count = shard_count
             self._publisher = Publisher(s)
@@ -731,6 +735,7 @@ class Relay:
             table=s.table,
             shards=shard_count,
             health_port=self.health.port,
+            pipeline=self._pipelined,
             settings=describe(s),
             **frozen,
         )

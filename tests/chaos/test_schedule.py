@@ -47,13 +47,16 @@ def test_the_full_run_has_the_faults_the_issue_asks_for() -> None:
     assert set(cfg.faults) == set(KINDS)
 
 
-@pytest.mark.parametrize(("argv", "setting"), [([], "false"), (["--pipeline"], "true")])
-def test_the_relays_run_pipelined_only_when_asked(argv: list[str], setting: str) -> None:
-    """``--pipeline`` reaches every relay of the run as ``OUTBOXKIT_PIPELINE``
-    (the fleet passes no ``OUTBOXKIT_`` variable of its own environment on)."""
+@pytest.mark.parametrize(
+    ("argv", "setting"), [([], None), (["--pipeline"], "true"), (["--no-pipeline"], "false")]
+)
+def test_the_relays_run_pipelined_as_asked(argv: list[str], setting: str | None) -> None:
+    """``--pipeline`` / ``--no-pipeline`` reach every relay of the run as
+    ``OUTBOXKIT_PIPELINE`` (the fleet passes no ``OUTBOXKIT_`` variable of its own
+    environment on); neither leaves the relay's own default."""
     cfg = parse_args(["--smoke", "--seed", "1", "--database", "postgresql", *argv])
     cluster = SimpleNamespace(relay_db_url="db", relay_bootstrap="kafka", relay_redis_url="r")
     fleet = Fleet(cfg, cluster, "t", Path("."))  # type: ignore[arg-type]
     env = fleet.relay_env("relay-0")
-    assert env["OUTBOXKIT_PIPELINE"] == setting
-    assert cfg.describe()["pipeline"] is (setting == "true")
+    assert env.get("OUTBOXKIT_PIPELINE") == setting
+    assert cfg.describe()["pipeline"] is (None if setting is None else setting == "true")

@@ -1,12 +1,15 @@
-"""Which shard ownership and which wake-ups the relay picks, per database and Redis.
+"""Which shard ownership, wake-ups and pipeline the relay picks, per database and Redis.
 
 ``--shard-ownership auto`` keeps MySQL/MariaDB as it was (Redis leases with
 ``--redis-url``, else every shard) and picks advisory locks on PostgreSQL
 without Redis. Wake-ups on PostgreSQL are ``NOTIFY``, with or without Redis.
+The pipeline is on by default on PostgreSQL and off on MySQL/MariaDB; a given
+``--pipeline`` / ``--no-pipeline`` wins on either.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 from outboxkit.relay.settings import SHARD_OWNERSHIPS, RelaySettings
 from outboxkit.runtime import ConfigError, load
+from outboxkit.runtime.settings import add_arguments
 
 pytestmark = pytest.mark.unit
 
@@ -100,3 +104,36 @@ def test_advisory_on_mysql_exits_2_naming_the_setting() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "--shard-ownership" in proc.stderr and "PostgreSQL" in proc.stderr
     assert "secret-pw" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("given", "dialect", "expected"),
+    [
+        (None, "postgresql", True),
+        (None, "mysql", False),
+        (True, "mysql", True),
+        (False, "postgresql", False),
+        (True, "postgresql", True),
+        (False, "mysql", False),
+    ],
+)
+def test_the_pipeline_defaults_to_on_with_postgresql_only(
+    given: bool | None, dialect: str, expected: bool
+) -> None:
+    s = RelaySettings(db_url=URLS[dialect], kafka_bootstrap="127.0.0.1:1", pipeline=given)
+    assert s.validate() == []
+    assert s.effective_pipeline(dialect) is expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, None), ("", None), ("true", True), ("0", False)]
+)
+def test_the_pipeline_is_unset_unless_given(value: str | None, expected: bool | None) -> None:
+    env = {"OUTBOXKIT_DB_URL": URLS["postgresql"], "OUTBOXKIT_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    if value is not None:
+        env["OUTBOXKIT_PIPELINE"] = value
+    assert load(RelaySettings, environ=env).pipeline is expected
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, RelaySettings)
+    flagged = load(RelaySettings, args=parser.parse_args(["--no-pipeline"]), environ=env)
+    assert flagged.pipeline is False
