@@ -193,6 +193,7 @@ def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -
             report.actions.append(f"added column {table.name}.{column.name}")
     if not created:
         _upgrade_collations(conn, table, report)
+        _add_storage_parameters(conn, table, report)
     indexes = {i["name"] for i in inspector.get_indexes(table.name)}
     for index in table.indexes:
         if index.name not in indexes:
@@ -200,6 +201,28 @@ def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -
             if not created:
                 report.actions.append(f"added index {index.name}")
     conn.commit()
+
+
+def _add_storage_parameters(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
+    """PostgreSQL: set the storage parameters the table definition gives
+    (``postgresql_with``, e.g. the outbox's autovacuum settings) that an existing
+    table lacks; a value already set, by an operator or an earlier apply, stays."""
+    wanted: dict[str, str] = table.dialect_kwargs.get("postgresql_with") or {}
+    if conn.dialect.name != "postgresql" or not wanted:
+        return
+    options = conn.execute(
+        sa.text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:name)"),
+        {"name": table.name},
+    ).scalar()
+    present = {o.split("=", 1)[0] for o in options or ()}
+    missing = {k: v for k, v in wanted.items() if k not in present}
+    if not missing:
+        return
+    for name, value in missing.items():  # our own constants: nothing to quote
+        assert name.replace("_", "").isalpha() and value.replace(".", "").isdigit(), (name, value)
+    settings = ", ".join(f"{k} = {v}" for k, v in missing.items())
+    conn.execute(sa.text(f"ALTER TABLE {table.name} SET ({settings})"))
+    report.actions.append(f"set {settings} on {table.name}")
 
 
 def _upgrade_collations(conn: Connection, table: sa.Table, report: ApplyReport) -> None:

@@ -351,6 +351,40 @@ def test_concurrent_upgrade_from_two_processes_changes_once(engine: sa.Engine, d
     assert _dump(engine) == before
 
 
+def _reloptions(engine: sa.Engine, table: str) -> dict[str, str]:
+    with engine.connect() as conn:
+        options = conn.execute(
+            sa.text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"), {"t": table}
+        ).scalar()
+    return dict(o.split("=", 1) for o in options or ())
+
+
+def test_the_postgresql_outbox_is_vacuumed_by_dead_rows_not_by_its_size(pg_url: str) -> None:
+    """Every status change leaves a dead row version that the claim's scans step
+    over until VACUUM: ``schema apply`` creates the outbox with autovacuum
+    settings for a queue, adds them to a table made without them, and keeps a
+    value an operator set."""
+    engine = sa.create_engine(pg_url)
+    wanted = {"autovacuum_vacuum_scale_factor": "0", "autovacuum_vacuum_threshold": "20000",
+              "autovacuum_vacuum_cost_delay": "0"}  # fmt: skip
+    try:
+        apply_schema(engine, table="vac_outbox", shards=4)
+        assert _reloptions(engine, "vac_outbox") == wanted
+        assert _reloptions(engine, "outbox_inbox") == {}  # inserts, few updates
+        with engine.begin() as conn:  # as a table of an earlier release, tuned by hand
+            conn.execute(sa.text("ALTER TABLE vac_outbox RESET (autovacuum_vacuum_scale_factor, "
+                                 "autovacuum_vacuum_cost_delay)"))  # fmt: skip
+            conn.execute(sa.text("ALTER TABLE vac_outbox SET (autovacuum_vacuum_threshold = 500)"))
+        report = apply_schema(engine, table="vac_outbox", shards=4)
+        assert report.actions == [
+            "set autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_cost_delay = 0 on vac_outbox"
+        ]
+        assert _reloptions(engine, "vac_outbox") == {**wanted, "autovacuum_vacuum_threshold": "500"}
+        assert apply_schema(engine, table="vac_outbox", shards=4).actions == []
+    finally:
+        engine.dispose()
+
+
 def test_printed_postgresql_ddl_runs_twice(pg_url: str) -> None:
     """``schema sql --dialect postgresql`` is a script an operator can run, and run again."""
     engine = sa.create_engine(pg_url)
