@@ -246,9 +246,9 @@ class RelaySettings(RuntimeSettings):
     def effective_pipeline(self, dialect: str) -> bool:
         """Whether the relay overlaps two batches on a database of ``dialect``
         (SQLAlchemy's dialect name). Unset means on with PostgreSQL, where the
-        pipeline moved 1.5-1.7 x the rows for the same database CPU, and off with
-        MySQL/MariaDB, where it gained less than its second connection costs
-        (docs/relay.md, "Why off by default on MySQL/MariaDB")."""
+        pipeline moved 1.3-1.7 x the rows of one relay for the same database CPU,
+        and off with MySQL/MariaDB, where it gained 1.04-1.26 x with one relay and
+        lost a little with several (docs/relay.md, "the pipeline")."""
         if self.pipeline is not None:
             return self.pipeline
         return dialect == "postgresql"
