@@ -137,16 +137,23 @@ def copy_backlog(
                     f"(SELECT COALESCE(MAX(id), 0) + 1 FROM {dst}), false)"
                 )
             )
-    analyze(engine, dst)
+    analyze(engine, dst, vacuum=True)
     return FillResult(rows, time.perf_counter() - start)
 
 
-def analyze(engine: sa.Engine, table: str) -> None:
-    """Fresh planner statistics for ``table`` (its index choices depend on them)."""
+def analyze(engine: sa.Engine, table: str, *, vacuum: bool = False) -> None:
+    """Fresh planner statistics for ``table`` (its index choices depend on them).
+
+    ``vacuum``: on PostgreSQL also VACUUM it first. A backlog that built up while
+    the relays were down has been vacuumed by autovacuum long before they drain
+    it; one copied in a single statement a moment ago has not, and autovacuum's
+    first pass over it (for the inserts: to set the visibility map) then ran
+    beside the first seconds of the drain in some runs and not in others.
+    MySQL/MariaDB: no such pass (InnoDB purges as it goes)."""
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
-            conn.execute(sa.text(f"ANALYZE {table}"))
-            conn.commit()
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            conn.execute(sa.text(f"{'VACUUM (ANALYZE)' if vacuum else 'ANALYZE'} {table}"))
         else:
             conn.execute(sa.text(f"ANALYZE TABLE {table}")).all()
 

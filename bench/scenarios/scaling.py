@@ -44,6 +44,10 @@ class PurgeLag:
         self.table = table
         self.interval = interval
         self.largest = 0
+        #: PostgreSQL: autovacuum's passes over the table, and the server setting
+        #: that spaces them.
+        self.vacuums = 0
+        self.naptime: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-purge-lag", daemon=True)
 
@@ -59,14 +63,29 @@ class PurgeLag:
     def label(self) -> str:
         return "max dead rows" if self.engine.dialect.name == "postgresql" else "max history list"
 
+    def note(self, what: str) -> str | None:
+        if self.naptime is None:
+            return None
+        return f"{what}: {self.vacuums} autovacuum passes (autovacuum_naptime {self.naptime})"
+
     def _sample(self) -> int:
         with self.engine.connect() as conn:
             if self.engine.dialect.name == "postgresql":
-                dead = conn.execute(
-                    sa.text("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = :t"),
+                row = conn.execute(
+                    sa.text(
+                        "SELECT n_dead_tup, autovacuum_count FROM pg_stat_user_tables"
+                        " WHERE relname = :t"
+                    ),
                     {"t": self.table},
-                ).scalar()
-                return int(dead or 0)
+                ).one_or_none()
+                if row is None:
+                    return 0
+                # The table is made for the drain and dropped after it: the most
+                # seen is how many times autovacuum took it up (up to the last sample).
+                self.vacuums = max(self.vacuums, int(row.autovacuum_count or 0))
+                if self.naptime is None:
+                    self.naptime = str(conn.execute(sa.text("SHOW autovacuum_naptime")).scalar())
+                return int(row.n_dead_tup or 0)
             status = conn.execute(sa.text("SHOW ENGINE INNODB STATUS")).one()[-1]
         m = _HISTORY.search(str(status))
         return int(m.group(1)) if m else 0
@@ -131,6 +150,9 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         if out.peak_rss_mb is not None:
             res.figures[f"rss_mb{suffix}"] = out.peak_rss_mb
         res.notes.extend(out.notes)
+        vacuum_note = lag.note(f"{n:,}-row drain ({'delete' if delete else 'mark delivered'})")
+        if vacuum_note:
+            res.notes.append(vacuum_note)
         if out.profile:
             mode = "delete" if delete else "mark delivered"
             res.tables[f"profile of the relay ({mode}), share of its loop's wall time"] = (

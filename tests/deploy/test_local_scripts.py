@@ -118,6 +118,9 @@ def test_postgres_runs_unprivileged_on_loopback_and_survives_a_crash(state_dir: 
         assert _run([script, "start", "--name", name, "--port", str(port)], env=env).returncode == 0
         pid = _pid(state_dir, "postgres", name)
         assert Path(f"/proc/{pid}").stat().st_uid != 0
+        # Autovacuum looks at a draining outbox every 10 s, not every minute
+        # (docs/postgresql.md, server settings).
+        assert _pg_setting(state_dir, name, port, "autovacuum_naptime") == "10s"
         assert _run([script, "kill", "--name", name], env=env).returncode == 0
         assert _run([script, "status", "--name", name], env=env).returncode == 3
         restart = _run([script, "start", "--name", name], env=env)
@@ -125,6 +128,30 @@ def test_postgres_runs_unprivileged_on_loopback_and_survives_a_crash(state_dir: 
         assert _run([script, "status", "--name", name], env=env).returncode == 0
     finally:
         _run([script, "stop", "--name", name], env=env)
+
+
+def _pg_setting(state: Path, name: str, port: int, setting: str) -> str:
+    run_dir = state / f"postgres-{name}" / "run"
+    psql = "/usr/lib/postgresql/15/bin/psql"
+    out = _run(
+        [
+            psql,
+            "-X",
+            "-At",
+            "-h",
+            str(run_dir),
+            "-p",
+            str(port),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+            "-c",
+            f"SHOW {setting}",
+        ]
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
 
 
 def _fake_apt(tmp_path: Path, *, fail: bool) -> dict[str, str]:
