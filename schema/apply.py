@@ -3,15 +3,17 @@
 ``apply_schema`` takes a database-wide named lock (MySQL/MariaDB ``GET_LOCK``,
 PostgreSQL session advisory lock), waiting at most 60 s for it, so that several
 pods running ``outboxkit schema apply`` at once serialise: the first creates,
-the others find everything in place. On PostgreSQL the status ENUM is a type of
-its own (``outbox_status``, shared by every outbox table of the database),
-created before the first table that uses it, and so is the function
-``outboxkit_crc32(bytea)`` the relay's claim needs there (``schema.crc32``). An
-upgrade adds what is missing (columns, indexes) and, on MySQL/MariaDB, moves
-identifier columns to their byte-exact collation (``ALTER TABLE ... MODIFY``, one
-statement per table, reported one line per column). It never drops a column, an
-index or a row, and never changes a value: a binary collation only tells apart
-values that the old one took for equal, so no unique index can break.
+the others find everything in place. Each of its DDL statements then waits at
+most 10 s for its lock on a table (``_table_lock_bound``). On PostgreSQL the
+status ENUM is a type of its own (``outbox_status``, shared by every outbox
+table of the database), created before the first table that uses it, and so
+is the function ``outboxkit_crc32(bytea)`` the relay's claim needs there
+(``schema.crc32``). An upgrade adds what is missing (columns, indexes) and, on
+MySQL/MariaDB, moves identifier columns to their byte-exact collation (``ALTER
+TABLE ... MODIFY``, one statement per table, reported one line per column). It
+never drops a column, an index or a row, and never changes a value: a binary
+collation only tells apart values that the old one took for equal, so no
+unique index can break.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ log = logging.getLogger("outboxkit.schema")
 
 _LOCK_NAME = "outboxkit_schema_apply"
 _LOCK_TIMEOUT_S = 60
+#: How long one DDL statement waits for its lock on a table (see ``_table_lock_bound``).
+_TABLE_LOCK_TIMEOUT_S = 10
 #: PostgreSQL's SQLSTATE for "canceling statement due to lock timeout".
 _PG_LOCK_NOT_AVAILABLE = "55P03"
+#: MySQL/MariaDB: "Lock wait timeout exceeded" (row locks and metadata locks alike).
+_MYSQL_LOCK_WAIT_TIMEOUT = 1205
 
 
 @dataclass
@@ -90,10 +96,22 @@ def apply_schema(
     with engine.connect() as conn:
         for t in tables:
             _check_name_lengths(conn.dialect, t)
-    with engine.connect() as conn, _schema_lock(conn):
+    with engine.connect() as conn, _schema_lock(conn), _table_lock_bound(conn):
         _create_functions(conn, report)
         for t in tables:
-            _create_or_upgrade(conn, t, report)
+            try:
+                _create_or_upgrade(conn, t, report)
+            except sa.exc.OperationalError as exc:
+                if not _lock_wait_timed_out(exc):
+                    raise
+                conn.rollback()
+                done = "; ".join(report.actions) or "nothing"
+                raise SchemaError(
+                    f"could not lock table {t.name} within {_TABLE_LOCK_TIMEOUT_S} s to change "
+                    "it: another session holds it (a long transaction; on PostgreSQL also a "
+                    "VACUUM run to prevent wraparound, which does not give way). Done before: "
+                    f"{done}. Run `outboxkit schema apply` again once it is over"
+                ) from None
         report.shard_count = _ensure_meta_row(conn, table, shards, report)
     return report
 
@@ -294,6 +312,50 @@ def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyRep
         conn.commit()
         report.actions.append(f"schema version of {table} -> {SCHEMA_VERSION}")
     return stored
+
+
+@contextmanager
+def _table_lock_bound(conn: Connection) -> Iterator[None]:
+    """Bound how long each DDL statement waits for its lock on a table.
+
+    Left alone, an ``ALTER TABLE`` or ``CREATE INDEX`` on a table that another
+    session holds (an open transaction that wrote to it; on PostgreSQL a VACUUM
+    run to prevent wraparound, which, unlike an ordinary autovacuum, does not
+    give way) waits as long as that lasts: on MySQL/MariaDB up to
+    ``lock_wait_timeout``, a day or a year by default, and on PostgreSQL with no
+    bound at all. Worse, while a statement that needs the table to itself waits,
+    both databases queue the service's own reads and writes of the table behind
+    it. So each waits at most ``_TABLE_LOCK_TIMEOUT_S``, then ``apply`` fails
+    saying so. Set for the session while the schema lock is held (committed, so
+    a rollback keeps it), and reset before the connection goes back to the pool.
+    """
+    dialect = conn.dialect.name
+    if dialect in MYSQL_DIALECTS:
+        setting, reset = (
+            f"SET SESSION lock_wait_timeout = {int(_TABLE_LOCK_TIMEOUT_S)}",
+            "SET SESSION lock_wait_timeout = DEFAULT",
+        )
+    elif dialect == "postgresql":
+        setting, reset = f"SET lock_timeout = '{int(_TABLE_LOCK_TIMEOUT_S)}s'", "RESET lock_timeout"
+    else:
+        yield
+        return
+    conn.execute(sa.text(setting))
+    conn.commit()
+    try:
+        yield
+    finally:
+        conn.rollback()
+        conn.execute(sa.text(reset))
+        conn.commit()
+
+
+def _lock_wait_timed_out(exc: sa.exc.OperationalError) -> bool:
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
+        return True
+    args = getattr(orig, "args", ())
+    return bool(args) and args[0] == _MYSQL_LOCK_WAIT_TIMEOUT
 
 
 @contextmanager

@@ -9,12 +9,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from support.databases import on_both_databases
 
+import outboxkit
 from outboxkit.errors import SchemaError
 from outboxkit.schema import (
     apply_schema,
@@ -116,6 +118,62 @@ def test_upgrade_adds_a_missing_column_and_index(engine: sa.Engine) -> None:
     assert "added index ix_outbox_events_key_status" in report.actions
     cols, idx = table_shape(engine)
     assert "kafka_offset" in cols and "ix_outbox_events_key_status" in idx
+
+
+def _session_lock_bound(conn: sa.Connection) -> tuple[str, str]:
+    """The session's wait for a table lock, and the server's default for it."""
+    if conn.dialect.name == "postgresql":
+        row = conn.execute(
+            sa.text("SELECT setting, reset_val FROM pg_settings WHERE name = 'lock_timeout'")
+        ).one()
+    else:
+        row = conn.execute(
+            sa.text("SELECT @@SESSION.lock_wait_timeout, @@GLOBAL.lock_wait_timeout")
+        ).one()
+    return str(row[0]), str(row[1])
+
+
+@on_both_databases
+def test_an_upgrade_waits_for_a_busy_table_only_so_long_and_says_so(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upgrade's ``ALTER TABLE`` on a table another session holds (a transaction
+    that read it and stays open) waits at most the bound, then ``apply`` fails
+    naming the table; once that session is done, ``apply`` goes through. The
+    bound is reset before the connection goes back to the pool. Before, the
+    statement waited as long as the other transaction lasted (MariaDB: up to
+    ``lock_wait_timeout``, a day; PostgreSQL: for ever)."""
+    from outboxkit.schema import apply as apply_module
+
+    apply_schema(engine, shards=4)
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
+    monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", 1)
+    own = sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+            holder.execute(sa.text("SELECT COUNT(*) FROM outbox_events")).one()
+            waiting = pool.submit(apply_schema, own, shards=4)
+            try:
+                error = waiting.exception(timeout=60)
+            except TimeoutError:
+                holder.rollback()  # let the waiting statement finish
+                pytest.fail("apply still waited for the table after 60 s")
+            assert isinstance(error, SchemaError), error
+            assert str(error) == (
+                "could not lock table outbox_events within 1 s to change it: another session "
+                "holds it (a long transaction; on PostgreSQL also a VACUUM run to prevent "
+                "wraparound, which does not give way). Done before: nothing. Run `outboxkit "
+                "schema apply` again once it is over"
+            )
+        assert "kafka_offset" not in table_shape(engine)[0]
+        with own.connect() as conn:
+            session, default = _session_lock_bound(conn)
+            assert session == default
+        report = apply_schema(own, shards=4)
+        assert report.actions == ["added column outbox_events.kafka_offset"]
+    finally:
+        own.dispose()
 
 
 @on_both_databases
@@ -381,6 +439,40 @@ def test_the_postgresql_outbox_is_vacuumed_by_dead_rows_not_by_its_size(pg_url: 
         ]
         assert _reloptions(engine, "vac_outbox") == {**wanted, "autovacuum_vacuum_threshold": "500"}
         assert apply_schema(engine, table="vac_outbox", shards=4).actions == []
+    finally:
+        engine.dispose()
+
+
+def test_setting_the_vacuum_parameters_gives_up_on_a_running_vacuum(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Setting the outbox's autovacuum parameters on an upgraded table needs the
+    lock a VACUUM holds; an autovacuum run to prevent wraparound does not give
+    it up. ``apply`` waits at most the bound (here a session holds the lock as
+    VACUUM does), and the table's writers never wait: the lock leaves them be."""
+    from outboxkit.schema import apply as apply_module
+
+    engine = sa.create_engine(pg_url)
+    try:
+        apply_schema(engine, table="vac_busy", shards=4)
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE vac_busy RESET (autovacuum_vacuum_threshold)"))
+        monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", 1)
+        with engine.connect() as vacuum, ThreadPoolExecutor(1) as pool:
+            vacuum.execute(sa.text("LOCK TABLE vac_busy IN SHARE UPDATE EXCLUSIVE MODE"))
+            waiting = pool.submit(apply_schema, engine, table="vac_busy", shards=4)
+            with engine.begin() as writer:  # not blocked by the lock, nor by apply's wait
+                writer.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
+                outboxkit.enqueue(writer, topic="t", payload=b"{}", key="k", table="vac_busy")
+            try:
+                error = waiting.exception(timeout=60)
+            except TimeoutError:
+                vacuum.rollback()
+                pytest.fail("apply still waited for the table after 60 s")
+            assert isinstance(error, SchemaError), error
+            assert "could not lock table vac_busy within 1 s" in str(error)
+        report = apply_schema(engine, table="vac_busy", shards=4)
+        assert report.actions == ["set autovacuum_vacuum_threshold = 20000 on vac_busy"]
     finally:
         engine.dispose()
 
