@@ -354,7 +354,7 @@ def _lock_wait_timed_out(exc: sa.exc.OperationalError) -> bool:
     orig = exc.orig
     if getattr(orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
         return True
-    args = getattr(orig, "args", ())
+    args: tuple[object, ...] = getattr(orig, "args", ())
     return bool(args) and args[0] == _MYSQL_LOCK_WAIT_TIMEOUT
 
 
