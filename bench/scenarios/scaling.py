@@ -130,6 +130,12 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         p = out.progress
         first = 0.1 * n / (p.time_at(0.1 * n) - p.first_nonzero())
         last = p.rate_between(0.9 * n, n)
+        # Every tenth, so the two the goal compares can be read against the spread.
+        tenths = [first] + [p.rate_between(i * n / 10, (i + 1) * n / 10) for i in range(1, 10)]
+        res.tables.setdefault("events/s in each tenth of the drain", []).append(
+            {"finalize": "delete" if delete else "mark delivered"}
+            | {str(i + 1): rate for i, rate in enumerate(tenths)}
+        )
         res.rows.append(
             {
                 "finalize": "delete" if delete else "mark delivered",
