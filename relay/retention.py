@@ -37,7 +37,7 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.runtime.db import gentle_connection
+from outboxkit.runtime.db import deadlocked, gentle_connection, lock_wait_timed_out
 from outboxkit.runtime.logs import log_event
 from outboxkit.runtime.supervisor import Supervisor
 from outboxkit.schema.recovery import record_recovery
@@ -64,10 +64,6 @@ __all__ = [
 _log = logging.getLogger("outboxkit.relay.retention")
 P = ParamSpec("P")
 
-#: MySQL/MariaDB errors after which the same batch may simply be tried again.
-_LOCK_WAIT_TIMEOUT, _DEADLOCK = 1205, 1213
-#: The same for PostgreSQL (SQLSTATE): deadlock_detected, lock_not_available.
-_PG_RETRYABLE = ("40P01", "55P03")
 _BATCH_RETRIES = 3
 #: How often a pause looks at ``stop()``.
 _STOP_POLL_S = 0.05
@@ -255,12 +251,7 @@ def _cutoff(engine: Engine, older_than_s: float) -> dt.datetime:
 
 def _is_lock_conflict(exc: BaseException) -> bool:
     """A lock wait timeout or deadlock: the same batch may simply be tried again."""
-    if not isinstance(exc, sa.exc.OperationalError) or exc.orig is None:
-        return False
-    sqlstate = getattr(exc.orig, "sqlstate", None)  # psycopg
-    if sqlstate is not None:
-        return sqlstate in _PG_RETRYABLE
-    return bool(exc.orig.args) and exc.orig.args[0] in (_LOCK_WAIT_TIMEOUT, _DEADLOCK)
+    return lock_wait_timed_out(exc) or deadlocked(exc)
 
 
 def _log_batch_retry(state: tenacity.RetryCallState) -> None:

@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from outboxkit.errors import SchemaError, SchemaNotAppliedError
+from outboxkit.runtime.db import lock_wait_timed_out
 from outboxkit.schema.crc32 import PG_CRC32_FUNCTION, has_pg_crc32, pg_crc32_ddl
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
@@ -53,10 +54,6 @@ _LOCK_NAME = "outboxkit_schema_apply"
 _LOCK_TIMEOUT_S = 60
 #: How long one DDL statement waits for its lock on a table (see ``_table_lock_bound``).
 _TABLE_LOCK_TIMEOUT_S = 10
-#: PostgreSQL's SQLSTATE for "canceling statement due to lock timeout".
-_PG_LOCK_NOT_AVAILABLE = "55P03"
-#: MySQL/MariaDB: "Lock wait timeout exceeded" (row locks and metadata locks alike).
-_MYSQL_LOCK_WAIT_TIMEOUT = 1205
 
 
 @dataclass
@@ -102,7 +99,7 @@ def apply_schema(
             try:
                 _create_or_upgrade(conn, t, report)
             except sa.exc.OperationalError as exc:
-                if not _lock_wait_timed_out(exc):
+                if not lock_wait_timed_out(exc):
                     raise
                 conn.rollback()
                 done = "; ".join(report.actions) or "nothing"
@@ -350,14 +347,6 @@ def _table_lock_bound(conn: Connection) -> Iterator[None]:
         conn.commit()
 
 
-def _lock_wait_timed_out(exc: sa.exc.OperationalError) -> bool:
-    orig = exc.orig
-    if getattr(orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
-        return True
-    args: tuple[object, ...] = getattr(orig, "args", ())
-    return bool(args) and args[0] == _MYSQL_LOCK_WAIT_TIMEOUT
-
-
 @contextmanager
 def _schema_lock(conn: Connection) -> Iterator[None]:
     dialect = conn.dialect.name
@@ -381,7 +370,7 @@ def _schema_lock(conn: Connection) -> Iterator[None]:
         try:
             conn.execute(sa.text("SELECT pg_advisory_lock(hashtext(:n))"), {"n": _LOCK_NAME})
         except sa.exc.OperationalError as exc:
-            if getattr(exc.orig, "sqlstate", None) != _PG_LOCK_NOT_AVAILABLE:
+            if not lock_wait_timed_out(exc):
                 raise
             conn.rollback()
             raise SchemaError(

@@ -16,7 +16,9 @@ from sqlalchemy.pool import PoolResetState
 __all__ = [
     "PING_AFTER_IDLE_S",
     "create_loop_engine",
+    "deadlocked",
     "gentle_connection",
+    "lock_wait_timed_out",
     "transaction_open",
     "without_jit",
 ]
@@ -134,3 +136,40 @@ def transaction_open(dbapi_connection: Any) -> bool | None:
 
 #: MySQL protocol ``SERVER_STATUS_IN_TRANS``.
 _MYSQL_IN_TRANS = 0x0001
+
+
+#: MySQL/MariaDB error numbers (PyMySQL, asyncmy): a lock wait that gave up (row and
+#: metadata locks alike), a deadlock.
+_MYSQL_LOCK_WAIT_TIMEOUT, _MYSQL_DEADLOCK = 1205, 1213
+#: PostgreSQL SQLSTATEs (psycopg): ``lock_not_available`` (``lock_timeout``), ``deadlock_detected``.
+_PG_LOCK_NOT_AVAILABLE, _PG_DEADLOCK = "55P03", "40P01"
+
+
+def lock_wait_timed_out(exc: BaseException) -> bool:
+    """``exc`` is a statement that gave up waiting for a lock another session holds:
+    MySQL/MariaDB error 1205 (``innodb_lock_wait_timeout``, ``lock_wait_timeout``),
+    PostgreSQL's ``lock_timeout``. Nothing of the statement was done."""
+    return _server_code(exc) in (_MYSQL_LOCK_WAIT_TIMEOUT, _PG_LOCK_NOT_AVAILABLE)
+
+
+def deadlocked(exc: BaseException) -> bool:
+    """``exc`` is the server ending a deadlock by failing this side of it (both
+    databases roll back that side's transaction)."""
+    return _server_code(exc) in (_MYSQL_DEADLOCK, _PG_DEADLOCK)
+
+
+def _server_code(exc: BaseException) -> int | str | None:
+    """The database's code for a driver error wrapped by SQLAlchemy: MySQL's error
+    number (an int), else PostgreSQL's SQLSTATE (a string); None for anything else.
+
+    The number comes first: PyMySQL (from 1.1) also gives MySQL's SQLSTATE, which
+    is ``HY000`` for most errors (a lock wait timeout among them) and ``40001``
+    for a deadlock, so it cannot tell them apart from PostgreSQL's codes.
+    """
+    if not isinstance(exc, sa.exc.DBAPIError) or exc.orig is None:
+        return None
+    args: tuple[object, ...] = getattr(exc.orig, "args", ())
+    if args and isinstance(args[0], int):  # PyMySQL, asyncmy: (errno, message)
+        return args[0]
+    sqlstate = getattr(exc.orig, "sqlstate", None)  # psycopg
+    return sqlstate if isinstance(sqlstate, str) else None

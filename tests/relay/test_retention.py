@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
@@ -10,7 +14,7 @@ from relay_support import EmbeddedRelay, add_events, db_time, fast_settings, row
 from support.databases import on_both_databases
 
 from outboxkit import Event
-from outboxkit.relay.retention import _retention_lock
+from outboxkit.relay.retention import _retention_lock, purge
 from outboxkit.schema import outbox_table, recovery_table
 
 pytestmark = [pytest.mark.integration, on_both_databases]
@@ -70,3 +74,57 @@ def test_one_relay_per_table_purges_at_a_time(engine: sa.Engine, outbox: str) ->
             assert other, "one lock per table"
     with _retention_lock(engine, outbox) as again:
         assert again
+
+
+class _Seen(logging.Handler):
+    """Sets ``event`` when a record whose message starts with ``prefix`` is logged."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix, self.event, self.messages = prefix, threading.Event(), list[str]()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(self.prefix):
+            self.messages.append(record.getMessage())
+            self.event.set()
+
+
+def test_a_purge_batch_that_waits_too_long_for_a_row_is_tried_again(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """A batch whose DELETE gives up waiting for a row another session holds
+    (the purge's lock wait is 1 s here) is rolled back and tried again, and
+    the purge then deletes every old row. Before, on MariaDB the lock wait
+    timeout ended the purge with the error: the check read PyMySQL's SQLSTATE
+    (HY000) as if it were PostgreSQL's and never looked at MySQL's error number."""
+    ids = add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"x") for i in range(10)]
+    )
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(t.update().values(status="delivered", delivered_at=db_time(-3 * 86400)))
+    short_wait = (
+        {"options": "-c lock_timeout=1000"}
+        if engine.dialect.name == "postgresql"
+        else {"init_command": "SET SESSION innodb_lock_wait_timeout = 1"}
+    )
+    purger = sa.create_engine(engine.url, connect_args=short_wait)
+    retried = _Seen("purge-batch-retry")
+    log = logging.getLogger("outboxkit.relay.retention")
+    log.addHandler(retried)
+    try:
+        with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+            holder.execute(sa.select(t.c.id).where(t.c.event_id == ids[0]).with_for_update()).one()
+            running = pool.submit(purge, purger, outbox, older_than_s=86400.0, pause_s=0)
+            deadline = time.monotonic() + 60
+            while not retried.event.wait(0.05) and not running.done():
+                assert time.monotonic() < deadline, "the purge neither retried nor ended"
+            holder.rollback()
+            assert retried.event.is_set(), running.exception()
+            result = running.result(timeout=60)
+    finally:
+        log.removeHandler(retried)
+        purger.dispose()
+    assert result.deleted == 10
+    assert rows(engine, outbox) == []
+    assert retried.messages[0] == "purge-batch-retry error=OperationalError attempts_left=2"
