@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +171,69 @@ def test_an_upgrade_waits_for_a_busy_table_only_so_long_and_says_so(
         with own.connect() as conn:
             session, default = _session_lock_bound(conn)
             assert session == default
+        report = apply_schema(own, shards=4)
+        assert report.actions == ["added column outbox_events.kafka_offset"]
+    finally:
+        own.dispose()
+
+
+def _session_id(conn: sa.Connection) -> int:
+    query = (
+        "SELECT pg_backend_pid()" if conn.dialect.name == "postgresql" else "SELECT CONNECTION_ID()"
+    )
+    return int(conn.execute(sa.text(query)).scalar_one())
+
+
+def _waits_for_a_lock(conn: sa.Connection, session: int) -> bool:
+    if conn.dialect.name == "postgresql":
+        query = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :s"
+    else:
+        query = (
+            "SELECT state LIKE 'Waiting for table metadata lock%' "
+            "FROM information_schema.processlist WHERE id = :s"
+        )
+    return bool(conn.execute(sa.text(query), {"s": session}).scalar())
+
+
+@on_both_databases
+def test_a_session_killed_while_apply_waits_for_a_table_shows_its_own_error(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If apply's session dies while its ``ALTER TABLE`` waits for the table (an
+    operator kills it), the error apply raises is that statement's, not one from
+    the clean-up that resets the lock bound and releases the schema lock (those
+    run on a new session: the pool replaces the dead one), and the next apply
+    goes through: the server dropped the dead session's locks."""
+    from outboxkit.schema import apply as apply_module
+
+    apply_schema(engine, shards=4)
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
+    monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", 60)
+    own = sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+    try:
+        with own.connect() as conn:
+            session = _session_id(conn)
+        with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
+            holder.execute(sa.text("SELECT COUNT(*) FROM outbox_events")).one()
+            waiting = pool.submit(apply_schema, own, shards=4)
+            with engine.connect() as watcher:
+                deadline = time.monotonic() + 30
+                while not _waits_for_a_lock(watcher, session):
+                    assert time.monotonic() < deadline, "apply never waited for the table"
+                    assert not waiting.done(), waiting.exception()
+                    time.sleep(0.05)
+                kill = (
+                    "SELECT pg_terminate_backend(:s)"
+                    if engine.dialect.name == "postgresql"
+                    else "KILL CONNECTION :s"
+                )
+                watcher.execute(sa.text(kill), {"s": session})
+                watcher.commit()
+            error = waiting.exception(timeout=60)
+            holder.rollback()
+        assert isinstance(error, sa.exc.OperationalError), repr(error)
+        assert error.statement is not None and error.statement.startswith("ALTER TABLE"), error
         report = apply_schema(own, shards=4)
         assert report.actions == ["added column outbox_events.kafka_offset"]
     finally:
