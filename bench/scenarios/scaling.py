@@ -20,6 +20,7 @@ import threading
 
 import sqlalchemy as sa
 
+from bench.activity import DbActivity
 from bench.context import BenchContext
 from bench.report import ScenarioResult
 from bench.scenarios import Results
@@ -123,7 +124,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     res.notes.extend(out.notes)
     for delete in (False, True):
         label = "scale-delete" if delete else "scale"
-        with PurgeLag(ctx.engine, table_for(label)) as lag:
+        with PurgeLag(ctx.engine, table_for(label)) as lag, DbActivity(ctx.engine) as activity:
             out = drain_backlog(
                 ctx, source=source, rows=n, relays=1, label=label, delete_on_deliver=delete
             )
@@ -132,10 +133,16 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         last = p.rate_between(0.9 * n, n)
         # Every tenth, so the two the goal compares can be read against the spread.
         tenths = [first] + [p.rate_between(i * n / 10, (i + 1) * n / 10) for i in range(1, 10)]
+        mode = "delete" if delete else "mark delivered"
         res.tables.setdefault("events/s in each tenth of the drain", []).append(
-            {"finalize": "delete" if delete else "mark delivered"}
-            | {str(i + 1): rate for i, rate in enumerate(tenths)}
+            {"finalize": mode} | {str(i + 1): rate for i, rate in enumerate(tenths)}
         )
+        # PostgreSQL: what the server's sessions did in each tenth, to tell a
+        # slow tenth's cause on the database's side from one on the relay's.
+        bounds = [p.first_nonzero()] + [p.time_at(i * n / 10) for i in range(1, 11)]
+        labels = [f"{i + 1} ({rate:,.0f}/s)" for i, rate in enumerate(tenths)]
+        if stretches := activity.by_stretch(bounds, labels):
+            res.tables[f"PostgreSQL sessions in each tenth ({mode})"] = stretches
         res.rows.append(
             {
                 "finalize": "delete" if delete else "mark delivered",
@@ -160,7 +167,6 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         if vacuum_note:
             res.notes.append(vacuum_note)
         if out.profile:
-            mode = "delete" if delete else "mark delivered"
             res.tables[f"profile of the relay ({mode}), share of its loop's wall time"] = (
                 out.profile
             )
