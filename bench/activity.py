@@ -3,7 +3,7 @@
 A drain's rate can dip for reasons on either side of the connection. Sampled
 every ``interval`` seconds (``pg_stat_activity``), then split by stretches of
 the drain (:meth:`DbActivity.by_stretch`), it tells them apart: the relay's
-sessions busy in the server and what they wait on, open transactions the relay
+sessions busy in the server, in which statements and on what they wait, open transactions the relay
 is not using (it is on Kafka or on its own CPU), an autovacuum worker at work, a
 checkpoint being written. MySQL/MariaDB: not sampled.
 """
@@ -22,7 +22,7 @@ import sqlalchemy as sa
 #: (LISTEN, shard ownership), and the server's workers that compete with them.
 _QUERY = sa.text(
     """
-    SELECT backend_type, state, wait_event_type, wait_event
+    SELECT backend_type, state, wait_event_type, wait_event, left(query, 200) AS query
     FROM pg_stat_activity
     WHERE pid <> pg_backend_pid()
       AND (backend_type IN ('autovacuum worker', 'checkpointer')
@@ -40,6 +40,7 @@ class _Sample:
     autovacuum: bool = False
     checkpoint: bool = False
     waits: collections.Counter[str] = field(default_factory=collections.Counter)
+    statements: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class DbActivity:
@@ -47,6 +48,9 @@ class DbActivity:
         self.engine = engine
         self.interval = interval
         self.samples: list[_Sample] = []
+        #: Whether the server's own processes are visible to this user (superuser
+        #: or ``pg_read_all_stats``); else autovacuum and checkpoints are not known.
+        self.sees_server = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-db-activity", daemon=True)
 
@@ -69,9 +73,11 @@ class DbActivity:
                         sample.autovacuum = True
                     elif row.backend_type == "checkpointer":
                         # Between checkpoints it sleeps in CheckpointerMain.
+                        self.sees_server = True
                         sample.checkpoint = row.wait_event != "CheckpointerMain"
                     elif row.state == "active":
                         sample.active += 1
+                        sample.statements[_statement(row.query or "")] += 1
                         sample.waits[
                             f"{row.wait_event_type}:{row.wait_event}" if row.wait_event else "CPU"
                         ] += 1
@@ -93,6 +99,10 @@ class DbActivity:
             for s in inside:
                 waits.update(s.waits)
             top = ", ".join(f"{w} {c / n:.2f}" for w, c in waits.most_common(3))
+            statements: collections.Counter[str] = collections.Counter()
+            for s in inside:
+                statements.update(s.statements)
+            busiest = ", ".join(f"{w} {c / n:.2f}" for w, c in statements.most_common(3))
             rows.append(
                 {
                     "stretch": label,
@@ -100,8 +110,18 @@ class DbActivity:
                     "sessions in a statement": sum(s.active for s in inside) / n,
                     "idle in transaction": sum(s.idle_in_tx for s in inside) / n,
                     "top waits (sessions)": top,
-                    "autovacuum share": sum(s.autovacuum for s in inside) / n,
-                    "checkpoint share": sum(s.checkpoint for s in inside) / n,
+                    "statements (sessions)": busiest,
+                    "autovacuum share": (
+                        sum(s.autovacuum for s in inside) / n if self.sees_server else None
+                    ),
+                    "checkpoint share": (
+                        sum(s.checkpoint for s in inside) / n if self.sees_server else None
+                    ),
                 }
             )
         return rows
+
+
+def _statement(query: str) -> str:
+    """A statement told apart from the relay's others by its first 48 characters."""
+    return " ".join(query.split())[:48] or "?"

@@ -131,6 +131,9 @@ start() {
 SELECT 'CREATE ROLE outboxkit LOGIN CREATEDB' WHERE NOT EXISTS
     (SELECT FROM pg_roles WHERE rolname = 'outboxkit')\gexec
 ALTER ROLE outboxkit WITH LOGIN CREATEDB PASSWORD 'outboxkit';
+-- Lets the benchmark see autovacuum workers and the checkpointer in
+-- pg_stat_activity (bench/activity.py); read-only statistics, nothing else.
+GRANT pg_read_all_stats TO outboxkit;
 SELECT 'CREATE DATABASE outboxkit_test OWNER outboxkit' WHERE NOT EXISTS
     (SELECT FROM pg_database WHERE datname = 'outboxkit_test')\gexec
 SQL
