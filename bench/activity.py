@@ -3,9 +3,11 @@
 A drain's rate can dip for reasons on either side of the connection. Sampled
 every ``interval`` seconds (``pg_stat_activity``), then split by stretches of
 the drain (:meth:`DbActivity.by_stretch`), it tells them apart: the relay's
-sessions busy in the server, in which statements and on what they wait, open transactions the relay
-is not using (it is on Kafka or on its own CPU), an autovacuum worker at work, a
-checkpoint being written. MySQL/MariaDB: not sampled.
+sessions busy in the server, in which statements and on what they wait;
+transactions it left open while it is elsewhere (on Kafka, on its own CPU);
+an autovacuum worker at work; a checkpoint being written. Autovacuum and
+checkpoints are only visible to a superuser or a member of
+``pg_read_all_stats``. MySQL/MariaDB: not sampled.
 """
 
 from __future__ import annotations
