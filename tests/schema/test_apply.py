@@ -134,6 +134,21 @@ def _session_lock_bound(conn: sa.Connection) -> tuple[str, str]:
     return str(row[0]), str(row[1])
 
 
+def _upgrade_to_do(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, *, table_lock_timeout_s: int
+) -> sa.Engine:
+    """An applied schema missing a column (the next apply adds it with an ALTER
+    TABLE), apply's bound on table locks set, and an engine of one connection
+    for apply to run on."""
+    from outboxkit.schema import apply as apply_module
+
+    apply_schema(engine, shards=4)
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
+    monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", table_lock_timeout_s)
+    return sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+
+
 @on_both_databases
 def test_an_upgrade_waits_for_a_busy_table_only_so_long_and_says_so(
     engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
@@ -144,13 +159,7 @@ def test_an_upgrade_waits_for_a_busy_table_only_so_long_and_says_so(
     bound is reset before the connection goes back to the pool. Before, the
     statement waited as long as the other transaction lasted (MariaDB: up to
     ``lock_wait_timeout``, a day; PostgreSQL: for ever)."""
-    from outboxkit.schema import apply as apply_module
-
-    apply_schema(engine, shards=4)
-    with engine.begin() as conn:
-        conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
-    monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", 1)
-    own = sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+    own = _upgrade_to_do(engine, monkeypatch, table_lock_timeout_s=1)
     try:
         with engine.connect() as holder, ThreadPoolExecutor(1) as pool:
             holder.execute(sa.text("SELECT COUNT(*) FROM outbox_events")).one()
@@ -204,13 +213,7 @@ def test_a_session_killed_while_apply_waits_for_a_table_shows_its_own_error(
     the clean-up that resets the lock bound and releases the schema lock (those
     run on a new session: the pool replaces the dead one), and the next apply
     goes through: the server dropped the dead session's locks."""
-    from outboxkit.schema import apply as apply_module
-
-    apply_schema(engine, shards=4)
-    with engine.begin() as conn:
-        conn.execute(sa.text("ALTER TABLE outbox_events DROP COLUMN kafka_offset"))
-    monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", 60)
-    own = sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+    own = _upgrade_to_do(engine, monkeypatch, table_lock_timeout_s=60)
     try:
         with own.connect() as conn:
             session = _session_id(conn)
