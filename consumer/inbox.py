@@ -131,7 +131,10 @@ def _v1_fallback_of_another_record(row: _InboxRow, message: Message) -> bool:
 
 #: libpq's ``PQTRANS_INERROR``: in a transaction that failed (psycopg 3 and 2 alike).
 _PQTRANS_INERROR = 3
-#: SQLSTATE ``serialization_failure``.
+#: SQLSTATE ``serialization_failure``. PyMySQL gives MySQL's SQLSTATE too, and a
+#: MySQL/MariaDB deadlock (1213) has this one: the inbox insert runs before the
+#: handler, so the rolled-back transaction held nothing else, and "not inserted"
+#: (a duplicate if the row is there, else retried) is right for it as well.
 _SERIALIZATION_FAILURE = "40001"
 
 
