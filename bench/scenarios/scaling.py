@@ -145,7 +145,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
             res.tables[f"PostgreSQL sessions in each tenth ({mode})"] = stretches
         res.rows.append(
             {
-                "finalize": "delete" if delete else "mark delivered",
+                "finalize": mode,
                 "rows": n,
                 "seconds": out.seconds,
                 "events/s": out.rate,

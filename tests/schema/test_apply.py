@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from support.databases import on_both_databases
+from support.waiting import wait_for
 
 import outboxkit
 from outboxkit.errors import SchemaError
@@ -221,11 +221,12 @@ def test_a_session_killed_while_apply_waits_for_a_table_shows_its_own_error(
             holder.execute(sa.text("SELECT COUNT(*) FROM outbox_events")).one()
             waiting = pool.submit(apply_schema, own, shards=4)
             with engine.connect() as watcher:
-                deadline = time.monotonic() + 30
-                while not _waits_for_a_lock(watcher, session):
-                    assert time.monotonic() < deadline, "apply never waited for the table"
-                    assert not waiting.done(), waiting.exception()
-                    time.sleep(0.05)
+                wait_for(
+                    lambda: waiting.done() or _waits_for_a_lock(watcher, session),
+                    timeout=10,
+                    what="apply to wait for the table",
+                )
+                assert not waiting.done(), waiting.exception()
                 kill = (
                     "SELECT pg_terminate_backend(:s)"
                     if engine.dialect.name == "postgresql"
