@@ -13,10 +13,13 @@ Guarantees:
 * each batch is its own short transaction that deletes by primary key (record
   locks only, no gap locks in front of the service's inserts), followed by a
   pause, so the service's own writes keep flowing;
-* ``stop()`` is checked before every batch and during every pause: once it is
-  true no further batch starts (the relay passes "draining", so retention never
-  runs during shutdown). A batch already running commits or rolls back as a
-  whole; nothing is left half done.
+* each DELETE waits at most ``LOCK_WAIT_S`` for a row another transaction
+  holds (an operator's open session, a report reading ``FOR UPDATE``), then the
+  batch is rolled back and tried again, up to three times in all;
+* ``stop()`` is checked before every batch, during every pause and before a
+  batch is tried again: once it is true no further batch starts (the relay
+  passes "draining", so retention never runs during shutdown). A batch already
+  running commits or rolls back as a whole; nothing is left half done.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.runtime.db import deadlocked, gentle_connection, lock_wait_timed_out
+from outboxkit.runtime.db import (
+    deadlocked,
+    gentle_connection,
+    lock_wait_bound,
+    lock_wait_timed_out,
+)
 from outboxkit.runtime.logs import log_event
 from outboxkit.runtime.supervisor import Supervisor
 from outboxkit.schema.recovery import record_recovery
@@ -65,6 +73,11 @@ _log = logging.getLogger("outboxkit.relay.retention")
 P = ParamSpec("P")
 
 _BATCH_RETRIES = 3
+#: How long one DELETE waits for a row lock (a shorter bound of the session is
+#: kept). Without it the wait is PostgreSQL's statement timeout (the relay's
+#: lease, 60 s by default; none at all for ``admin purge``) or MySQL's
+#: ``innodb_lock_wait_timeout`` (50 s): longer than the relay's shutdown budget.
+LOCK_WAIT_S = 2
 #: How often a pause looks at ``stop()``.
 _STOP_POLL_S = 0.05
 
@@ -115,7 +128,10 @@ def purge(
     deleted = batches = 0
     last_id = 0
     stopped = False
-    with gentle_connection(engine) as conn:
+    with (
+        gentle_connection(engine) as conn,
+        lock_wait_bound(conn, LOCK_WAIT_S, mysql_variable="innodb_lock_wait_timeout"),
+    ):
         while True:
             if stop():
                 stopped = True
@@ -138,7 +154,10 @@ def purge(
             if not ids:
                 break
             last_id = ids[-1]
-            n = _delete_batch(conn, t, list(ids), cutoff)
+            n = _delete_batch(conn, t, list(ids), cutoff, stop)
+            if n is None:
+                stopped = True
+                break
             deleted += n
             batches += 1
             if on_batch is not None:
@@ -274,7 +293,21 @@ _BATCH_RETRY = tenacity.Retrying(
 )
 
 
-def _delete_batch(conn: Connection, t: sa.Table, ids: list[int], cutoff: dt.datetime) -> int:
+class _Stopping(tenacity.stop.stop_base):
+    """Retry no more once ``stop()`` is true."""
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        self._stop = stop
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._stop()
+
+
+def _delete_batch(
+    conn: Connection, t: sa.Table, ids: list[int], cutoff: dt.datetime, stop: Callable[[], bool]
+) -> int | None:
+    """Delete one batch; None when ``stop()`` came true while it waited for a lock
+    (rolled back, left for the next run), so a drain does not wait for retries."""
     stmt = t.delete().where(
         t.c.id.in_(ids),
         t.c.status == Status.DELIVERED.value,
@@ -290,7 +323,14 @@ def _delete_batch(conn: Connection, t: sa.Table, ids: list[int], cutoff: dt.date
             raise
         return int(n)
 
-    return _BATCH_RETRY.copy()(attempt)
+    retrying = _BATCH_RETRY.copy(stop=tenacity.stop_after_attempt(_BATCH_RETRIES) | _Stopping(stop))
+    try:
+        return retrying(attempt)
+    except sa.exc.OperationalError as exc:
+        if _is_lock_conflict(exc) and stop():
+            log_event(_log, "purge-batch-left", reason="stopping", error=type(exc).__name__)
+            return None
+        raise
 
 
 def _pause(seconds: float, stop: Callable[[], bool]) -> bool:

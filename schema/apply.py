@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from outboxkit.errors import SchemaError, SchemaNotAppliedError
-from outboxkit.runtime.db import lock_wait_timed_out
+from outboxkit.runtime.db import lock_wait_bound, lock_wait_timed_out
 from outboxkit.schema.crc32 import PG_CRC32_FUNCTION, has_pg_crc32, pg_crc32_ddl
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
@@ -323,28 +323,11 @@ def _table_lock_bound(conn: Connection) -> Iterator[None]:
     bound at all. Worse, while a statement that needs the table to itself waits,
     both databases queue the service's own reads and writes of the table behind
     it. So each waits at most ``_TABLE_LOCK_TIMEOUT_S``, then ``apply`` fails
-    saying so. Set for the session while the schema lock is held (committed, so
-    a rollback keeps it), and reset before the connection goes back to the pool.
+    saying so. Set for the session while the schema lock is held, and the
+    session's own value put back before the connection returns to the pool.
     """
-    dialect = conn.dialect.name
-    if dialect in MYSQL_DIALECTS:
-        setting, reset = (
-            f"SET SESSION lock_wait_timeout = {int(_TABLE_LOCK_TIMEOUT_S)}",
-            "SET SESSION lock_wait_timeout = DEFAULT",
-        )
-    elif dialect == "postgresql":
-        setting, reset = f"SET lock_timeout = '{int(_TABLE_LOCK_TIMEOUT_S)}s'", "RESET lock_timeout"
-    else:
+    with lock_wait_bound(conn, _TABLE_LOCK_TIMEOUT_S, mysql_variable="lock_wait_timeout"):
         yield
-        return
-    conn.execute(sa.text(setting))
-    conn.commit()
-    try:
-        yield
-    finally:
-        conn.rollback()
-        conn.execute(sa.text(reset))
-        conn.commit()
 
 
 @contextmanager

@@ -18,6 +18,7 @@ __all__ = [
     "create_loop_engine",
     "deadlocked",
     "gentle_connection",
+    "lock_wait_bound",
     "lock_wait_timed_out",
     "transaction_open",
     "without_jit",
@@ -36,6 +37,53 @@ def gentle_connection(engine: Engine) -> Iterator[Connection]:
         if conn.dialect.name in ("mysql", "mariadb", "postgresql"):
             conn = conn.execution_options(isolation_level="READ COMMITTED")
         yield conn
+
+
+#: The MySQL/MariaDB variables that bound a lock wait: row locks, metadata (table) locks.
+_MYSQL_LOCK_WAITS = ("innodb_lock_wait_timeout", "lock_wait_timeout")
+
+
+@contextmanager
+def lock_wait_bound(conn: Connection, seconds: int, *, mysql_variable: str) -> Iterator[None]:
+    """Within the block, this session waits at most ``seconds`` for any one lock
+    another session holds; the statement then fails (:func:`lock_wait_timed_out`).
+
+    PostgreSQL: ``lock_timeout`` (row and table locks alike; none by default).
+    MySQL/MariaDB: ``mysql_variable``, ``innodb_lock_wait_timeout`` for row locks
+    (50 s by default) or ``lock_wait_timeout`` for table locks (a year). A
+    shorter bound the session already has is kept. The setting is the
+    session's and committed, so a rollback inside the block keeps it; at the end
+    the session's own value is put back, before the connection returns to the
+    pool. Other dialects: nothing.
+    """
+    if mysql_variable not in _MYSQL_LOCK_WAITS:
+        raise ValueError(f"mysql_variable must be one of {_MYSQL_LOCK_WAITS}")
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 1:
+        raise ValueError(f"seconds must be an integer >= 1 (got {seconds!r})")
+    dialect = conn.dialect.name
+    if dialect in ("mysql", "mariadb"):
+        read, unit = f"SELECT @@SESSION.{mysql_variable}", 1
+        assign = f"SET SESSION {mysql_variable} = {{}}"
+    elif dialect == "postgresql":  # pg_settings gives milliseconds, 0 for none
+        read, unit = "SELECT setting FROM pg_settings WHERE name = 'lock_timeout'", 1000
+        assign = "SET lock_timeout = {}"
+    else:
+        yield
+        return
+    before = int(conn.execute(sa.text(read)).scalar_one())
+    bound = seconds * unit
+    if 0 < before <= bound:
+        conn.commit()
+        yield
+        return
+    conn.execute(sa.text(assign.format(bound)))
+    conn.commit()
+    try:
+        yield
+    finally:
+        conn.rollback()
+        conn.execute(sa.text(assign.format(before)))
+        conn.commit()
 
 
 #: A pooled connection that sat in the pool longer than this is pinged before use:

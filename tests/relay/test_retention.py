@@ -127,3 +127,69 @@ def test_a_purge_batch_that_waits_too_long_for_a_row_is_tried_again(
     assert result.deleted == 10
     assert rows(engine, outbox) == []
     assert retried.messages[0] == "purge-batch-retry error=OperationalError attempts_left=2"
+
+
+def _purge_waiting(engine: sa.Engine) -> bool:
+    """A DELETE of another session of this user is running (here: waiting for a row)."""
+    if engine.dialect.name == "postgresql":
+        query = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE state = 'active' AND query LIKE 'DELETE FROM%%'"
+        )
+    else:
+        query = (
+            "SELECT count(*) FROM information_schema.PROCESSLIST"
+            " WHERE command = 'Query' AND info LIKE 'DELETE FROM%%'"
+        )
+    with engine.connect() as conn:
+        return bool(conn.exec_driver_sql(query).scalar())
+
+
+def test_a_drain_does_not_wait_out_its_budget_for_a_purge_behind_a_held_row(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    embedded: Callable[..., EmbeddedRelay],
+    kafka_bootstrap: str,
+) -> None:
+    """A transaction left open on one old delivered row (an operator's session,
+    a report that reads ``FOR UPDATE``) makes the purge's DELETE wait for it.
+    Before, that wait had no bound of the purge's own: none at all on
+    PostgreSQL, ``innodb_lock_wait_timeout`` (50 s by default) on MySQL/MariaDB.
+    A drain then waited out its whole budget for retention and exited
+    ``forced`` (code 4) with ``worker-abandoned``, as if the database had frozen.
+    Now each DELETE waits at most a few seconds and is not tried again once the
+    drain began, so the relay exits clean and the rows wait for the next run."""
+    ids = add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i}", payload=b"x") for i in range(10)]
+    )
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(t.update().values(status="delivered", delivered_at=db_time(-3 * 86400)))
+    abandoned = _Seen("worker-abandoned")
+    relay_log = logging.getLogger("outboxkit.relay")
+    relay_log.addHandler(abandoned)
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.select(t.c.id).where(t.c.event_id == ids[0]).with_for_update()).one()
+            relay = embedded(
+                fast_settings(
+                    db_url,
+                    kafka_bootstrap,
+                    table=outbox,
+                    retention=86400.0,
+                    retention_interval=0.2,
+                    # As with the defaults (60 s and 30 s): a statement may
+                    # outlast the drain's budget.
+                    lease_ttl=20.0,
+                    shutdown_timeout=8.0,
+                )
+            )
+            wait_for(lambda: _purge_waiting(engine), timeout=20, what="the purge to wait")
+            code = relay.stop()
+            holder.rollback()
+    finally:
+        relay_log.removeHandler(abandoned)
+    assert abandoned.messages == []
+    assert code == 0
+    assert len(rows(engine, outbox)) == 10, "the held batch is left for the next run"

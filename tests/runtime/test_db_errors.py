@@ -1,5 +1,6 @@
 """Which database errors mean "a lock conflict": read from errors the servers
-really raise, so a driver or server that reports them differently shows here."""
+really raise, so a driver or server that reports them differently shows here;
+and the bound that makes a lock wait give up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from support.databases import on_both_databases
 
-from outboxkit.runtime.db import deadlocked, lock_wait_timed_out
+from outboxkit.runtime.db import deadlocked, lock_wait_bound, lock_wait_timed_out
 
 pytestmark = [pytest.mark.integration, on_both_databases]
 
@@ -76,3 +77,80 @@ def test_other_errors_are_neither(engine: sa.Engine, two_rows: str) -> None:
     for exc in (caught.value, ValueError("1205"), RuntimeError()):
         assert not lock_wait_timed_out(exc)
         assert not deadlocked(exc)
+
+
+def _row_lock_wait(conn: sa.Connection) -> int:
+    """The session's row-lock wait: seconds (MySQL/MariaDB), ms (PostgreSQL, 0: none)."""
+    if conn.dialect.name == "postgresql":
+        query = "SELECT setting FROM pg_settings WHERE name = 'lock_timeout'"
+    else:
+        query = "SELECT @@SESSION.innodb_lock_wait_timeout"
+    return int(conn.execute(sa.text(query)).scalar_one())
+
+
+def _one_session(engine: sa.Engine, row_lock_wait: int) -> sa.Engine:
+    """An engine of one pooled session whose own row-lock wait is ``row_lock_wait``."""
+    args = (
+        {"options": f"-c lock_timeout={row_lock_wait}"}
+        if engine.dialect.name == "postgresql"
+        else {"init_command": f"SET SESSION innodb_lock_wait_timeout = {row_lock_wait}"}
+    )
+    return sa.create_engine(engine.url, connect_args=args, pool_size=1, max_overflow=0)
+
+
+def test_a_lock_wait_bound_ends_the_wait_then_gives_the_session_its_own_back(
+    engine: sa.Engine, two_rows: str
+) -> None:
+    """PostgreSQL waits with no bound by default (0), MySQL/MariaDB 50 s; with
+    the bound a waiting statement gives up after it, and the pooled session gets
+    its own setting back afterwards (a rollback inside the block keeps the bound)."""
+    pg = engine.dialect.name == "postgresql"
+    setting = 0 if pg else 90  # PostgreSQL: none; MySQL/MariaDB: longer than the default
+    waiter = _one_session(engine, setting)
+    try:
+        with engine.connect() as holder, waiter.connect() as conn:
+            _bump(holder, 1)
+            with lock_wait_bound(conn, 1, mysql_variable="innodb_lock_wait_timeout"):
+                assert _row_lock_wait(conn) == (1000 if pg else 1)
+                conn.rollback()
+                with pytest.raises(sa.exc.DBAPIError) as caught:
+                    _bump(conn, 1)
+            holder.rollback()
+        assert lock_wait_timed_out(caught.value)
+        with waiter.connect() as again:  # the same session, back from the pool
+            assert _row_lock_wait(again) == setting
+    finally:
+        waiter.dispose()
+
+
+def test_a_shorter_lock_wait_of_the_session_is_kept(engine: sa.Engine) -> None:
+    short = 300 if engine.dialect.name == "postgresql" else 1
+    waiter = _one_session(engine, short)
+    try:
+        with waiter.connect() as conn:
+            with lock_wait_bound(conn, 5, mysql_variable="innodb_lock_wait_timeout"):
+                assert _row_lock_wait(conn) == short
+            assert _row_lock_wait(conn) == short
+    finally:
+        waiter.dispose()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "variable"),
+    [
+        (0, "innodb_lock_wait_timeout"),
+        (1.5, "lock_wait_timeout"),
+        (True, "lock_wait_timeout"),
+        (2, "wait_timeout"),
+        (2, "innodb_lock_wait_timeout; DROP TABLE x"),
+    ],
+)
+def test_a_lock_wait_bound_refuses_what_it_cannot_set(
+    engine: sa.Engine, seconds: object, variable: str
+) -> None:
+    with (
+        engine.connect() as conn,
+        pytest.raises(ValueError),
+        lock_wait_bound(conn, seconds, mysql_variable=variable),  # type: ignore[arg-type]
+    ):
+        pass
