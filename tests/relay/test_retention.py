@@ -130,16 +130,17 @@ def test_a_purge_batch_that_waits_too_long_for_a_row_is_tried_again(
 
 
 def _purge_waiting(engine: sa.Engine) -> bool:
-    """A DELETE of another session of this user is running (here: waiting for a row)."""
+    """A DELETE of another session in this test's database is running (here:
+    waiting for a row)."""
     if engine.dialect.name == "postgresql":
         query = (
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE state = 'active' AND query LIKE 'DELETE FROM%%'"
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND state = 'active' AND query LIKE 'DELETE FROM%%'"
         )
     else:
         query = (
-            "SELECT count(*) FROM information_schema.PROCESSLIST"
-            " WHERE command = 'Query' AND info LIKE 'DELETE FROM%%'"
+            "SELECT count(*) FROM information_schema.PROCESSLIST WHERE db = DATABASE()"
+            " AND command = 'Query' AND info LIKE 'DELETE FROM%%'"
         )
     with engine.connect() as conn:
         return bool(conn.exec_driver_sql(query).scalar())
