@@ -617,10 +617,11 @@ class Relay:
         """Count a finalized batch and act on its outcomes (see relay/accounting.py).
 
         The exit record comes first: it is what an operator reads after a drain,
-        and a failure in the metrics below must not drop the batch from it."""
+        and a failure in the metrics below must not drop the batch from it. The
+        outcome counters come last: a scrape that counts a row delivered also
+        finds its latency observed."""
         if self.lifecycle.draining.is_set():
             self._exit.add(len(batch), result)
-        accounting.count_outcomes(self.metrics, result)
         lost = set(result.lease_lost)
         for d in decisions:
             # Reported even when the lease was lost: the copy is in the partition.
@@ -628,6 +629,7 @@ class Relay:
             if d.row.id not in lost and d.fate is Fate.DELIVERED:
                 accounting.delivered(self.metrics, self.paused, batch, d)
         accounting.pause_topics(self.paused, decisions, lost)
+        accounting.count_outcomes(self.metrics, result)
 
     # -- helpers of the loop --------------------------------------------------------
 

@@ -280,6 +280,46 @@ def test_a_counting_failure_after_the_finalizer_wrote_leaves_the_batch_written(
     _assert_every_row_once(engine, outbox, kafka_bootstrap, topic)
 
 
+def test_a_scrape_never_counts_a_row_delivered_before_its_latency(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The delivered counter was raised by the whole batch before each row's
+    # latency was observed: a scrape in between read more rows delivered than
+    # latencies (the 20,000-row test above read 19,215 of 20,000 on a busy
+    # machine). Observing each latency is slowed here to widen that window.
+    topic = _thirty_keys(engine, outbox, kafka_topics)
+    observe = relay_module.accounting.delivered
+
+    def slow_observe(*args: Any) -> None:
+        time.sleep(0.005)
+        observe(*args)
+
+    monkeypatch.setattr(relay_module.accounting, "delivered", slow_observe)
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10))
+    ahead: list[tuple[float, float]] = []
+
+    def scrape() -> bool:
+        # The counter first: the latency count only grows, so read after it,
+        # it is at least what it was when the counter was raised.
+        delivered = relay.metric("outbox_rows_delivered_total")
+        latencies = relay.metric("outbox_publish_latency_seconds_count")
+        if delivered > latencies:
+            ahead.append((delivered, latencies))
+        return delivered >= 30
+
+    wait_for(scrape, timeout=60, interval=0.001, what="30 rows delivered")
+    assert relay.stop() == 0
+    assert not ahead, f"(delivered, latencies observed) read by a scrape: {ahead[:5]}"
+    assert relay.metric("outbox_publish_latency_seconds_count") == 30
+    _assert_every_row_once(engine, outbox, kafka_bootstrap, topic)
+
+
 def _assert_every_row_once(engine: sa.Engine, outbox: str, bootstrap: str, topic: str) -> None:
     table = rows(engine, outbox)
     messages = consume(bootstrap, topic, expected=len(table))
