@@ -55,9 +55,11 @@ def say(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     schedule = make_schedule(cfg)
-    run_id = f"{cfg.name}-{cfg.seed}-{time.strftime('%Y%m%dT%H%M%S')}"
+    # The database and the process id keep two runs started in the same second
+    # (the suite's two smoke runs, on two workers) out of each other's logs.
+    run_id = f"{cfg.name}-{cfg.database}-{cfg.seed}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     logs = RESULTS / run_id
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=False)
     say(
         f"run {run_id}: seed {cfg.seed} (replay: ./chaos/run.sh"
         f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed}"

@@ -15,7 +15,10 @@ PATH="$PATH:/usr/local/go/bin"
 command -v go >/dev/null || { echo "go is needed to build toxiproxy (golang.org/dl)" >&2; exit 1; }
 mkdir -p "$BIN_DIR"
 echo "[chaos] building toxiproxy $VERSION with go install" >&2
-GOBIN="$BIN_DIR/gobin" go install "github.com/Shopify/toxiproxy/v2/cmd/server@$VERSION" >&2
-mv "$BIN_DIR/gobin/server" "$TARGET"
-rmdir "$BIN_DIR/gobin" 2>/dev/null || true
+# A folder of this call's own, then one rename: two runs building at once (the
+# suite's two chaos smoke runs on two workers) each install a whole binary.
+GOBIN="$(mktemp -d "$BIN_DIR/gobin.XXXXXX")"
+trap 'rm -rf "$GOBIN"' EXIT
+GOBIN="$GOBIN" go install "github.com/Shopify/toxiproxy/v2/cmd/server@$VERSION" >&2
+mv -f "$GOBIN/server" "$TARGET"
 echo "$TARGET"
