@@ -56,8 +56,14 @@ services_up() {
 
 run_pytest() {
     local rc=0
+    # Two workers (pytest-xdist): the suite spends much of its time waiting on
+    # services and on the processes it starts, so two tests at once fill a
+    # 2-core machine. Each test has its own database, topics, Redis prefix and
+    # instances, so they do not meet. OUTBOXKIT_TEST_WORKERS=0 runs them one by
+    # one in this process; a `-n` among the arguments wins.
     # The slowest tests are listed at the end, to keep the suite's time in view.
-    "$PY" -m pytest --durations=20 "$@" </dev/null || rc=$?
+    "$PY" -m pytest --durations=20 -n "${OUTBOXKIT_TEST_WORKERS:-2}" --dist worksteal "$@" \
+        </dev/null || rc=$?
     if [[ $rc -eq 5 ]]; then
         echo "pytest collected no tests: treating as a failure" >&2
     fi
