@@ -291,6 +291,34 @@ def test_a_record_is_a_duplicate_exactly_when_its_event_was_handled_before(
         inbox.release()
 
 
+@on_both_databases
+def test_cursor_event_hooks_see_the_inbox_insert(engine: sa.Engine) -> None:
+    """The inbox's INSERT runs as the driver's SQL: statement logging and
+    tracing hooked on cursor events (docs/consumer.md) still see it, once per
+    message, a duplicate's included."""
+    apply_schema(engine, shards=8)
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "outbox_inbox" in statement and statement.lstrip().upper().startswith("INSERT"):
+            seen.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    inbox = Inbox(engine, group_id="billing", table="outbox_inbox")
+    try:
+        handled: list[Message] = []
+        assert inbox.run(_message(("orders", 0, 1), b"e-1"), handled.append) is False
+        assert inbox.run(_message(("orders", 0, 1), b"e-1"), handled.append) is True
+        assert len(handled) == 1
+    finally:
+        inbox.release()
+        sa.event.remove(engine, "before_cursor_execute", record)
+    assert len(seen) == 2, seen
+    with engine.connect() as conn:
+        count = conn.execute(sa.select(sa.func.count()).select_from(inbox_table())).scalar()
+    assert count == 1
+
+
 def test_a_record_handled_before_the_upgrade_is_still_a_duplicate(engine: sa.Engine) -> None:
     """Release 1 keyed a record without event id as ``topic/partition/offset``."""
     apply_schema(engine, shards=8)
