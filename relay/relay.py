@@ -618,18 +618,21 @@ class Relay:
 
         The exit record comes first: it is what an operator reads after a drain,
         and a failure in the metrics below must not drop the batch from it. The
-        outcome counters come last: a scrape that counts a row delivered also
-        finds its latency observed."""
+        outcome counters come last (a scrape that counts a row delivered also
+        finds its latency observed), and count what was written even when
+        something before them failed."""
         if self.lifecycle.draining.is_set():
             self._exit.add(len(batch), result)
         lost = set(result.lease_lost)
-        for d in decisions:
-            # Reported even when the lease was lost: the copy is in the partition.
-            accounting.warn_acked_out_of_order(self.metrics, d)
-            if d.row.id not in lost and d.fate is Fate.DELIVERED:
-                accounting.delivered(self.metrics, self.paused, batch, d)
-        accounting.pause_topics(self.paused, decisions, lost)
-        accounting.count_outcomes(self.metrics, result)
+        try:
+            for d in decisions:
+                # Reported even when the lease was lost: the copy is in the partition.
+                accounting.warn_acked_out_of_order(self.metrics, d)
+                if d.row.id not in lost and d.fate is Fate.DELIVERED:
+                    accounting.delivered(self.metrics, self.paused, batch, d)
+            accounting.pause_topics(self.paused, decisions, lost)
+        finally:
+            accounting.count_outcomes(self.metrics, result)
 
     # -- helpers of the loop --------------------------------------------------------
 

@@ -320,6 +320,42 @@ def test_a_scrape_never_counts_a_row_delivered_before_its_latency(
     _assert_every_row_once(engine, outbox, kafka_bootstrap, topic)
 
 
+def test_a_failure_observing_a_latency_still_counts_the_written_batch(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The outcome counters come after the per-row accounting; a fault there (a
+    # bug, a broken metrics hook) must not leave a written batch uncounted.
+    topic = _thirty_keys(engine, outbox, kafka_topics)
+    observe = relay_module.accounting.delivered
+    failed: list[bool] = []
+
+    def fail_once(*args: Any) -> None:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("injected fault observing a latency")
+        observe(*args)
+
+    monkeypatch.setattr(relay_module.accounting, "delivered", fail_once)
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10))
+    wait_for(
+        lambda: relay.metric("outbox_rows_delivered_total") >= 30,
+        timeout=60,
+        what="30 rows counted delivered",
+    )
+    assert relay.stop() == 0
+    assert failed
+    assert relay.metric("service_worker_restarts_total", {"worker": "relay"}) == 1
+    assert relay.metric("outbox_rows_delivered_total") == 30, "the failed batch counted once"
+    assert {(r.status, r.attempts) for r in rows(engine, outbox)} == {("delivered", 1)}
+    _assert_every_row_once(engine, outbox, kafka_bootstrap, topic)
+
+
 def _assert_every_row_once(engine: sa.Engine, outbox: str, bootstrap: str, topic: str) -> None:
     table = rows(engine, outbox)
     messages = consume(bootstrap, topic, expected=len(table))
