@@ -155,8 +155,9 @@ def test_a_drain_does_not_wait_out_its_budget_for_a_purge_behind_a_held_row(
 ) -> None:
     """A transaction left open on one old delivered row (an operator's session,
     a report that reads ``FOR UPDATE``) makes the purge's DELETE wait for it.
-    Before, that wait had no bound of the purge's own: none at all on
-    PostgreSQL, ``innodb_lock_wait_timeout`` (50 s by default) on MySQL/MariaDB.
+    Before, that wait had no bound of the purge's own: on PostgreSQL the
+    relay's statement timeout (its lease TTL, 60 s by default), on MySQL/MariaDB
+    ``innodb_lock_wait_timeout`` (50 s by default).
     A drain then waited out its whole budget for retention and exited
     ``forced`` (code 4) with ``worker-abandoned``, as if the database had frozen.
     Now each DELETE waits at most a few seconds and is not tried again once the
