@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from support import services
 from support.databases import on_both_databases
 from support.procs import run_captured
 
@@ -98,3 +101,71 @@ def test_redis_answers(redis_url: str, redis_prefix: str) -> None:
     client.set(redis_prefix + "x", "1", px=10_000)
     assert client.get(redis_prefix + "x") == b"1"
     client.close()
+
+
+# -- ports for the suite's own instances -------------------------------------
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return int(low), int(high)
+
+
+@pytest.mark.unit
+def test_free_ports_lie_below_the_kernels_ephemeral_range() -> None:
+    """No outgoing connection can take a port between the probe and the service's bind."""
+    low, _ = _ephemeral_range()
+    ports = services.free_ports(40)
+    assert len(set(ports)) == 40
+    assert all(port < low for port in ports), ports
+    for port in ports:  # each one free right now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("workers", [1, 2, 3, 8, 120])
+def test_each_worker_has_a_port_block_of_its_own(workers: int) -> None:
+    low, _ = _ephemeral_range()
+    seen: set[int] = set()
+    for i in range(workers):
+        block = services.port_block(f"gw{i}", workers)
+        assert len(block) >= services.MIN_PORT_BLOCK
+        assert seen.isdisjoint(block)
+        seen.update(block)
+        assert block.start >= 1024 and block.stop <= low
+    with pytest.raises(ValueError, match=f"not one of {workers} workers"):
+        services.port_block(f"gw{workers}", workers)
+
+
+@pytest.mark.unit
+def test_port_blocks_refuse_what_they_cannot_split() -> None:
+    assert services.port_block() == services.port_block(
+        os.environ.get("PYTEST_XDIST_WORKER", "gw0"),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+    )
+    assert services.port_block("gw0", 1) == services.TEST_PORTS
+    with pytest.raises(ValueError, match="1 to 120 workers, not 121"):
+        services.port_block("gw0", 121)
+    with pytest.raises(ValueError, match="not 0"):
+        services.port_block("gw0", 0)
+    with pytest.raises(ValueError, match="not a pytest-xdist worker id"):
+        services.port_block("master", 2)
+
+
+@pytest.mark.unit
+def test_free_ports_pass_over_a_bound_port_and_do_not_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    block = services.port_block()
+    monkeypatch.setattr(services, "_port_cursor", itertools.count(0))
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", block[0]))
+        taken.listen()
+        first = services.free_ports(3)
+    second = services.free_ports(3)
+    assert block[0] not in first
+    assert all(port in block for port in first + second)
+    assert len(set(first + second)) == 6
+    assert first == sorted(first) and first[0] == min(first + second)

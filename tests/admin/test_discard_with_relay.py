@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from admin.test_requeue_with_relay import event_ids_in, free_port, wait_for
+from admin.test_requeue_with_relay import event_ids_in, wait_for
 from support.databases import on_both_databases
+from support.services import free_port
 
 from outboxkit.schema import outbox_table
 

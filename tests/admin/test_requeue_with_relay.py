@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from support.databases import on_both_databases
+from support.services import free_port
 from support.waiting import bound
 
 from outboxkit.schema import outbox_table
 
 pytestmark = [pytest.mark.integration, on_both_databases]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

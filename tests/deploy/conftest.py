@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.services import free_port
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 
@@ -56,12 +56,6 @@ def pushgateway_url() -> str:
     if not url:
         _missing("OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set (run deploy/local/up.sh)")
     return str(url)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str) -> bytes | None:
@@ -99,7 +93,7 @@ def prometheus(tmp_path: Path, pushgateway_url: str) -> Iterator[str]:
         "    honor_labels: true\n"
         f"    static_configs: [{{targets: ['{target}']}}]\n"
     )
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -10,6 +9,7 @@ import uuid
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import delete_from_gateway
+from support.services import free_port
 
 from outboxkit.runtime import ServiceMetrics, push_metrics
 from outboxkit.runtime.testing import capture_json_logs
@@ -17,12 +17,6 @@ from outboxkit.runtime.testing import capture_json_logs
 pytestmark = pytest.mark.unit
 
 PUSHGATEWAY = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY", "http://127.0.0.1:9091")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_service_metrics_names() -> None:

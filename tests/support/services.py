@@ -12,7 +12,9 @@ disturbing the shared default instances that other tests use::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,23 +31,81 @@ STATE_DIR = Path(os.environ.get("OUTBOXKIT_LOCAL_STATE", LOCAL_DIR / ".state"))
 SCRIPT_TIMEOUT_S = 300.0
 
 
+#: Ports for the suite's own instances and servers come from below the kernel's
+#: ephemeral range (32768-60999 by default on Linux), split evenly between the
+#: pytest-xdist workers. ``bind(("127.0.0.1", 0))`` would hand out a port from
+#: that range and free it again at once: between then and the service's own
+#: bind, any outgoing connection of any process may take it as its local port,
+#: and the other worker, probing the same way, may be handed it too. Below the
+#: range the kernel assigns no port on its own, and the blocks keep the workers
+#: apart.
+TEST_PORTS = range(20000, 32000)
+MIN_PORT_BLOCK = 100
+
+
+def port_block(worker: str | None = None, workers: int | None = None) -> range:
+    """The ports this test process hands out: its pytest-xdist worker's block.
+
+    ``worker`` and ``workers`` default to ``PYTEST_XDIST_WORKER`` (``gw0``,
+    ``gw1``, ...) and ``PYTEST_XDIST_WORKER_COUNT``; a run without workers, and
+    the chaos runner on its own, have all of :data:`TEST_PORTS`.
+    """
+    if worker is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if workers is None:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not (worker.startswith("gw") and worker[2:].isdigit()):
+        raise ValueError(f"not a pytest-xdist worker id: {worker!r}")
+    most = len(TEST_PORTS) // MIN_PORT_BLOCK
+    if not 1 <= workers <= most:
+        raise ValueError(f"the suite's ports are shared by 1 to {most} workers, not {workers}")
+    index = int(worker[2:])
+    if index >= workers:
+        raise ValueError(f"worker {worker} is not one of {workers} workers")
+    size = len(TEST_PORTS) // workers
+    start = TEST_PORTS.start + index * size
+    return range(start, start + size)
+
+
+_port_cursor: itertools.count[int] | None = None
+
+
+def _port_is_free(port: int) -> bool:
+    """Nothing is bound to ``port`` on 127.0.0.1 (or on every address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (sockets held open together so none repeats)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``count`` free ports from this process's block, none handed out before.
+
+    The block is walked in turn from a random start, so ports are not reused
+    until it wraps (6,000 ports with two workers; a whole run hands out a few
+    hundred), and a port something is bound to is passed over.
+    """
+    global _port_cursor
+    block = port_block()
+    if _port_cursor is None:
+        _port_cursor = itertools.count(random.randrange(len(block)))
+    ports: list[int] = []
+    for _ in range(len(block)):
+        port = block[next(_port_cursor) % len(block)]
+        if _port_is_free(port):
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(
+        f"fewer than {count} free ports in {block.start}-{block.stop - 1} on 127.0.0.1"
+    )
 
 
 class ServiceInstance:
