@@ -12,16 +12,16 @@ import importlib
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from support.services import free_port
+from support.waiting import wait_for
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 
@@ -67,14 +67,6 @@ def http_get(url: str) -> bytes | None:
         return None
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.25)
-
-
 @pytest.fixture
 def prometheus(tmp_path: Path, pushgateway_url: str) -> Iterator[str]:
     """A real Prometheus with every rule file, scraping the test Pushgateway every
@@ -107,7 +99,9 @@ def prometheus(tmp_path: Path, pushgateway_url: str) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: http_get(url + "/-/ready") is not None, 30, "prometheus ready")
+        wait_for(
+            lambda: http_get(url + "/-/ready") is not None, timeout=30, what="prometheus ready"
+        )
         yield url
     finally:
         proc.terminate()

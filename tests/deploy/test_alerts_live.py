@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
+from support.waiting import wait_for
 
 from outboxkit.runtime import push_metrics
 
@@ -37,13 +38,36 @@ def _get(url: str) -> bytes | None:
         return None
 
 
-def _wait(predicate: object, timeout: float, what: str) -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.25)
+def _query(prom: str, expr: str) -> list[dict[str, Any]]:
+    body = _get(f"{prom}/api/v1/query?query={urllib.parse.quote(expr)}")
+    assert body is not None, "Prometheus does not answer"
+    result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
+    return result
+
+
+def _last_evaluation(prom: str, alertname: str) -> str:
+    """When the rule ``alertname`` was last evaluated (Prometheus' own timestamp)."""
+    body = _get(f"{prom}/api/v1/rules")
+    assert body is not None, "Prometheus does not answer"
+    for group in json.loads(body)["data"]["groups"]:
+        for rule in group["rules"]:
+            if rule.get("name") == alertname:
+                return str(rule["lastEvaluation"])
+    raise AssertionError(f"no rule {alertname} loaded")
+
+
+def _wait_for_evaluations(prom: str, alertname: str, count: int) -> None:
+    """Return after ``count`` evaluations of the rule that began from now on
+    (the first change may be one already running)."""
+    seen = [_last_evaluation(prom, alertname)]
+
+    def evaluated() -> bool:
+        last = _last_evaluation(prom, alertname)
+        if last != seen[-1]:
+            seen.append(last)
+        return len(seen) > count
+
+    wait_for(evaluated, timeout=30, interval=0.1, what=f"{count} evaluations of {alertname}")
 
 
 def _alert_states(prom: str, instance: str) -> list[str]:
@@ -73,14 +97,31 @@ def test_shutdown_pending_alert_fires_on_a_pushed_value_and_resolves_on_zero(
     instance = f"relay-test-{uuid.uuid4().hex[:8]}"
     try:
         _push(pushgateway_url, instance, 0)
-        time.sleep(3)  # a few scrapes and evaluations of the clean value
+        # No alert once the rules were evaluated over the scraped clean value.
+        wait_for(
+            lambda: _query(prometheus, f'outbox_shutdown_pending{{instance="{instance}"}}'),
+            timeout=30,
+            interval=0.25,
+            what="the clean value scraped",
+        )
+        _wait_for_evaluations(prometheus, "OutboxShutdownPending", count=2)
         assert _alert_states(prometheus, instance) == []
 
         _push(pushgateway_url, instance, 7)  # an exit that left 7 rows leased
-        _wait(lambda: _alert_states(prometheus, instance) == ["firing"], 30, "firing")
+        wait_for(
+            lambda: _alert_states(prometheus, instance) == ["firing"],
+            timeout=30,
+            interval=0.25,
+            what="firing",
+        )
 
         _push(pushgateway_url, instance, 0)  # the next clean exit
-        _wait(lambda: _alert_states(prometheus, instance) == [], 30, "resolved")
+        wait_for(
+            lambda: _alert_states(prometheus, instance) == [],
+            timeout=30,
+            interval=0.25,
+            what="resolved",
+        )
     finally:
         req = urllib.request.Request(  # noqa: S310 - loopback test URL
             f"{pushgateway_url}/metrics/job/outboxkit_relay/instance/{instance}", method="DELETE"

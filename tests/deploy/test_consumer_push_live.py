@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 from support.services import free_port
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +56,6 @@ def _get(url: str) -> bytes | None:
             return bytes(resp.read())
     except OSError:
         return None
-
-
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.25)
 
 
 def _pushed_groups(url: str) -> list[dict[str, Any]]:
@@ -194,7 +186,12 @@ def test_a_forced_consumer_exit_pushes_exit_metrics_under_the_rules_convention(
     prometheus: str,
 ) -> None:
     proc, node_id, health = consumer_process()
-    _wait(lambda: _scraped_lag(health) > 0, 60, "a consumer lag > 0 on /metrics")
+    wait_for(
+        lambda: _scraped_lag(health) > 0,
+        timeout=60,
+        interval=0.25,
+        what="a consumer lag > 0 on /metrics",
+    )
 
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
@@ -208,10 +205,11 @@ def test_a_forced_consumer_exit_pushes_exit_metrics_under_the_rules_convention(
     assert float(forced) == 1.0
 
     # The real rules on a real Prometheus scraping this Pushgateway.
-    _wait(
+    wait_for(
         lambda: _firing(prometheus, "OutboxForcedShutdown", node_id),
-        60,
-        "OutboxForcedShutdown firing for the consumer",
+        timeout=60,
+        interval=0.25,
+        what="OutboxForcedShutdown firing for the consumer",
     )
     selector = _lag_rule_selector()
     assert _query(prometheus, f'{selector[:-1]},instance="{node_id}"}}') == []

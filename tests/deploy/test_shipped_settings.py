@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -41,6 +41,7 @@ from typing import Any
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 from support.services import free_port
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -235,14 +236,6 @@ def _ready(port: int) -> bool:
         return False
 
 
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
-
-
 def _records(stderr: str) -> list[dict[str, Any]]:
     out = []
     for line in stderr.splitlines():
@@ -326,7 +319,12 @@ def test_shipped_settings_start_and_drain_within_the_grace_period(
     node_id = env.get("OUTBOXKIT_NODE_ID")
     try:
         try:
-            _wait(lambda: proc.poll() is not None or _ready(port), 60, f"{source} ready")
+            wait_for(
+                lambda: proc.poll() is not None or _ready(port),
+                timeout=60,
+                interval=0.25,
+                what=f"{source} ready",
+            )
         except AssertionError:
             proc.kill()
             raise
