@@ -8,12 +8,21 @@ implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
   ``node_id:token`` with a PX TTL, taken with ``SET NX PX``. Renewal (PEXPIRE)
   and release (DEL) run as Lua compare-and-set on the exact value, so a relay
   never extends or deletes a lease it cannot prove is its own.
-* **Proof of ownership** is local and monotonic: a shard is claimable only while
+* **Proof of ownership** is local: a shard is claimable only while
   ``now < t + ttl - safety_margin``, where ``t`` is the moment the last
   successful acquire or renew command was *sent* (Redis starts the TTL later,
   so the local deadline always falls first). The margin is one renew period
   plus the relay's batch budget: a relay that cannot renew stops claiming early
-  enough for its last batch to finish before the lease can expire.
+  enough for its last batch to finish before the lease can expire. The
+  deadline is kept twice, on the monotonic clock and on the wall clock, and
+  both must hold. The monotonic clock alone misses a pause of the whole
+  virtual machine (a snapshot, a live migration) where it stands still while
+  Redis's TTLs, on Redis's clock, run out: on resume the wall clock has been
+  set forward and ends the proof, before another relay that took the shard
+  meanwhile and this one could both claim from it. A wall clock set back
+  changes nothing (the monotonic deadline still holds); one set forward by
+  more than what is left of a proof only stops claims until the next renewal
+  proves the lease again.
 * **Membership**: a sorted set ``{prefix}outboxkit:{table}:members`` scored with
   each relay's heartbeat expiry (Redis server time). Every relay computes the
   same deterministic split of shards over the live members
@@ -133,8 +142,14 @@ class LeaseSettings:
 class _Held:
     value: str
     valid_until: float  # monotonic; claimable before this
+    wall_until: float  # wall clock (time.time()); and before this
     surplus_since: float | None = None  # monotonic; set when no longer a target
     unproven: bool = False  # the deadline passed without a successful renew
+
+
+def _proven(h: _Held, now: float, wall: float) -> bool:
+    """Whether ``h`` is proven ours at monotonic ``now`` and wall clock ``wall``."""
+    return now < h.valid_until and wall < h.wall_until
 
 
 @dataclass(slots=True)
@@ -241,13 +256,13 @@ class RedisShardLeases:
     def claimable(self) -> frozenset[int]:
         """Shards a claim could use now (introspection; claims use :meth:`claiming`)."""
         with self._lock:
-            return self._claimable_locked(time.monotonic())
+            return self._claimable_locked(time.monotonic(), time.time())
 
-    def _claimable_locked(self, now: float) -> frozenset[int]:
+    def _claimable_locked(self, now: float, wall: float) -> frozenset[int]:
         if self._leaving:
             return frozenset()
         return frozenset(
-            s for s, h in self._held.items() if h.surplus_since is None and now < h.valid_until
+            s for s, h in self._held.items() if h.surplus_since is None and _proven(h, now, wall)
         )
 
     @contextlib.contextmanager
@@ -256,7 +271,7 @@ class RedisShardLeases:
         rows in ``inflight_shards()`` before it ends. None of these shards is
         released or forgotten while the block is open."""
         with self._lock:
-            shards = self._claimable_locked(time.monotonic())
+            shards = self._claimable_locked(time.monotonic(), time.time())
             for s in shards:
                 self._claiming[s] = self._claiming.get(s, 0) + 1
         try:
@@ -366,6 +381,9 @@ class RedisShardLeases:
         with self._lock:
             if self._leaving:
                 return
+        # First, with no round trip: after a pause the proofs that ran out meanwhile
+        # are marked before Redis says who holds the shards now.
+        self._check_deadlines()
         try:
             # Renew before the heartbeat: our heartbeat then expires a moment after
             # our leases, so whoever sees us gone finds the leases free already.
@@ -425,7 +443,7 @@ class RedisShardLeases:
             held = {s: h.value for s, h in self._held.items()}
         if not held:
             return
-        sent = time.monotonic()
+        sent, sent_wall = time.monotonic(), time.time()
         results, redis_ms = self._call_cas(self._renew, held)
         with self._lock:
             for shard, result in results.items():
@@ -433,7 +451,8 @@ class RedisShardLeases:
                 if h is None or h.value != held[shard]:
                     continue
                 if result == 1:
-                    h.valid_until = sent + self.settings.ttl - self.settings.safety_margin
+                    h.valid_until = self._deadline(sent)
+                    h.wall_until = self._deadline(sent_wall)
                     if h.unproven:
                         h.unproven = False
                         log_event(
@@ -526,7 +545,7 @@ class RedisShardLeases:
         if not wanted or self._fenced():
             return
         values = {s: f"{self.node_id}:{secrets.token_hex(8)}" for s in wanted}
-        sent = time.monotonic()
+        sent, sent_wall = time.monotonic(), time.time()
         results, redis_ms = self._call_cas(self._acquire, values)
         with self._lock:
             for shard, result in results.items():
@@ -534,7 +553,8 @@ class RedisShardLeases:
                     continue
                 self._held[shard] = _Held(
                     value=values[shard],
-                    valid_until=sent + self.settings.ttl - self.settings.safety_margin,
+                    valid_until=self._deadline(sent),
+                    wall_until=self._deadline(sent_wall),
                 )
                 self.metrics.acquired.inc()
                 log_event(
@@ -581,16 +601,24 @@ class RedisShardLeases:
         *raw, redis_ms = script(keys=keys, args=args)
         return {s: int(r) for s, r in zip(shards, raw, strict=True)}, int(redis_ms)
 
+    def _deadline(self, sent: float) -> float:
+        """Until when a lease whose acquire or renew was sent at ``sent`` is proven."""
+        return sent + self.settings.ttl - self.settings.safety_margin
+
     def _check_deadlines(self) -> None:
-        now = time.monotonic()
+        """Log each lease whose proof ran out, once. ``trusted_until_ms`` is when it
+        did, on the wall clock: after a pause of the machine that is long past, and
+        no claim began after it."""
+        now, wall = time.monotonic(), time.time()
         with self._lock:
             for shard, h in self._held.items():
-                if not h.unproven and now >= h.valid_until:
+                if not h.unproven and not _proven(h, now, wall):
                     h.unproven = True
                     self.metrics.lost.inc()
+                    until = min(h.wall_until, wall - (now - h.valid_until))
                     log_event(
                         self.log, "shard-lost", level=logging.WARNING, table=self.table,
-                        shard=shard, reason="lease-unproven",
+                        shard=shard, reason="lease-unproven", trusted_until_ms=int(until * 1000),
                     )  # fmt: skip
 
     def _redis_state(self, ok: bool, exc: Exception | None = None) -> None:

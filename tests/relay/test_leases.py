@@ -19,6 +19,7 @@ import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from support.databases import on_both_databases
+from support.ownership import assert_never_owned_twice
 from support.services import RedisInstance, free_port
 from support.waiting import bound
 
@@ -606,3 +607,124 @@ def test_a_restarted_redis_lends_no_shard_that_an_old_owner_may_still_hold(
     finally:
         for leases in made:
             leases.close()
+
+
+class _StandingClock:
+    """The leases module's ``time``, whose monotonic clock stands still while
+    :meth:`stand` is on and then goes on from where it stood, as in a virtual
+    machine that is stopped and resumed (a snapshot, a live migration). The wall
+    clock and Redis's clock count the whole time."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self._lost = 0.0
+        self._since: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def monotonic(self) -> float:
+        since = self._since
+        return (since if since is not None else self._real.monotonic()) - self._lost
+
+    def stand(self) -> None:
+        self._since = self._real.monotonic()
+
+    def resume(self) -> None:
+        assert self._since is not None
+        self._lost += self._real.monotonic() - self._since
+        self._since = None
+
+
+class _Gate:
+    """Holds a relay's lease thread before its next tick while closed."""
+
+    def __init__(self, leases: RedisShardLeases) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.parked = threading.Event()
+        tick = leases._tick
+
+        def gated() -> None:
+            if not self.open.is_set():
+                self.parked.set()
+                self.open.wait()
+                self.parked.clear()
+            tick()
+
+        leases._tick = gated  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self.open.clear()
+        wait_until(self.parked.is_set, timeout=5)
+
+
+@pytest.mark.integration
+def test_a_pause_of_the_machine_ends_the_proof_before_another_relay_takes_the_shards(
+    make_leases: LeasesFactory,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The whole machine stops for longer than the lease TTL; its monotonic clock
+    does not count the pause, Redis's TTLs do. On resume the relay that held the
+    shards must not claim from them: by the time it learns from Redis that they
+    were taken, the other relay may already claim from them."""
+    import outboxkit.relay.leases as leases_module
+
+    clock = _StandingClock(leases_module.time)
+    monkeypatch.setattr(leases_module, "time", clock)
+    caplog.set_level(logging.INFO, logger="outboxkit.relay.leases")
+    # A proof lasts ttl - renew - budget = 3 s after each renewal: longer than a
+    # renewal period plus the time the checks below take, shorter than the pause.
+    slow = LeaseSettings(ttl=4.0, renew_interval=0.5, batch_budget=0.5)
+    log_a = logging.getLogger("outboxkit.relay.leases.a")
+    a = make_leases("relay-a", shards=16, settings=slow, logger=log_a)
+    b = make_leases(
+        "relay-b", shards=16, settings=slow, logger=logging.getLogger("outboxkit.relay.leases.b")
+    )
+    relays = [a, b]
+    wait_until(lambda: settled(relays, 16), timeout=10, tick=lambda: claimable_of(relays))
+    held_by_a = a.claimable()
+    gates = [_Gate(a), _Gate(b)]
+    for gate in gates:
+        gate.close()
+
+    clock.stand()  # the machine stops; Redis's clock runs on
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [lease_key(redis_prefix, TABLE, s) for s in range(16)]
+        wait_until(lambda: client.exists(*keys) == 0, timeout=10)  # every lease expired
+    finally:
+        client.close()
+    clock.resume()
+
+    assert a.claimable() == frozenset(), "a lease Redis let expire during the pause"
+    gates[1].open.set()  # b resumes first and takes every shard
+    wait_until(
+        lambda: b.claimable() == frozenset(range(16)), timeout=10, tick=lambda: claimable_of(relays)
+    )
+    gates[0].open.set()
+    wait_until(lambda: settled(relays, 16), timeout=10, tick=lambda: claimable_of(relays))
+
+    records = []
+    for r in caplog.records:
+        if r.name.startswith("outboxkit.relay.leases.") and hasattr(r, "outboxkit_event"):
+            records.append(
+                {
+                    "event": r.outboxkit_event,
+                    "node_id": "relay-" + r.name.rsplit(".", 1)[1],
+                    "ts": dt.datetime.fromtimestamp(r.created, dt.UTC).strftime(
+                        "%Y-%m-%dT%H:%M:%S.%fZ"
+                    ),
+                    **getattr(r, "outboxkit_fields", {}),
+                }
+            )
+    unproven = {
+        int(r["shard"]): int(r["trusted_until_ms"])
+        for r in records
+        if r["node_id"] == "relay-a" and r.get("reason") == "lease-unproven"
+    }
+    assert set(unproven) == held_by_a
+    assert assert_never_owned_twice(records) > 0
