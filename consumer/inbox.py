@@ -299,13 +299,7 @@ class Inbox:
         the rows already inserted stay and the group can still commit. Any other
         database error is raised: the caller rolls the whole group back.
         """
-        key = inbox_key(message)
-        if key.startswith(RESERVED_PREFIX):
-            return False
-        try:
-            return self._insert_rows(conn, [message], [key]) == 1
-        except sa.exc.IntegrityError:
-            return False
+        return self.claim_all(conn, [message])
 
     def commit_group(self, conn: sa.Connection) -> None:
         """Commit the group (refused, as :meth:`run` does, if PostgreSQL aborted it)."""
