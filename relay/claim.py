@@ -89,6 +89,7 @@ from outboxkit.schema.table import (
     db_now,
     key_status_index,
     outbox_table,
+    undelivered,
 )
 
 __all__ = ["Batch", "ClaimFence", "ClaimedRow", "candidates", "claim_batch", "create_engine"]
@@ -487,8 +488,9 @@ def key_rows(
             sa.tuple_(*columns) <= sa.tuple_(*this_key),
         )
     # The key's equality too: it gives the estimate of a probe (rows per key),
-    # which the row comparisons do not.
-    return (alias.c.message_key == key, *ends)
+    # which the row comparisons do not; and the index's predicate, which they
+    # do not imply either (the index holds no delivered row).
+    return (alias.c.message_key == key, *ends, undelivered(alias))
 
 
 def claim_batch(

@@ -209,6 +209,7 @@ def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -
     if not created:
         _upgrade_collations(conn, table, report)
         _add_storage_parameters(conn, table, report)
+        _advise_partial_indexes(conn, table)
     indexes = {i["name"] for i in inspector.get_indexes(table.name)}
     for index in table.indexes:
         if index.name not in indexes:
@@ -216,6 +217,35 @@ def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -
             if not created:
                 report.actions.append(f"added index {index.name}")
     conn.commit()
+
+
+def _advise_partial_indexes(conn: Connection, table: sa.Table) -> None:
+    """PostgreSQL: warn of an index this release makes partial that an earlier
+    release made whole (``ix_<table>_key_status``, which now leaves delivered
+    rows out). The whole one still serves every query, so it is kept (an apply
+    drops no index); docs/postgresql.md gives the online swap."""
+    if conn.dialect.name != "postgresql":
+        return
+    wanted = {
+        str(i.name) for i in table.indexes if i.dialect_options["postgresql"]["where"] is not None
+    }
+    if not wanted:
+        return
+    whole = conn.execute(
+        sa.text(
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE i.indrelid = to_regclass(:table) AND i.indpred IS NULL"
+        ),
+        {"table": table.name},
+    ).scalars()
+    for name in sorted(wanted.intersection(whole)):
+        log.warning(
+            "index %s of %s also holds delivered rows; this release makes it partial, "
+            "which writes less per delivered row: see 'A partial key index' in "
+            "docs/postgresql.md to swap it online",
+            name,
+            table.name,
+        )
 
 
 def _add_storage_parameters(conn: Connection, table: sa.Table, report: ApplyReport) -> None:

@@ -6,6 +6,8 @@ of release-1 tables (collations) is MariaDB/MySQL only.
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 import sys
 import zlib
@@ -18,7 +20,9 @@ from support.databases import on_both_databases
 from support.waiting import wait_for
 
 import outboxkit
+from outboxkit import Event, enqueue_many
 from outboxkit.errors import SchemaError
+from outboxkit.relay.claim import claim_batch
 from outboxkit.schema import (
     apply_schema,
     inbox_table,
@@ -507,6 +511,76 @@ def test_the_postgresql_outbox_is_vacuumed_by_dead_rows_not_by_its_size(pg_url: 
         ]
         assert _reloptions(engine, "vac_outbox") == {**wanted, "autovacuum_vacuum_threshold": "500"}
         assert apply_schema(engine, table="vac_outbox", shards=4).actions == []
+    finally:
+        engine.dispose()
+
+
+def _swap_statements(table: str) -> list[str]:
+    """The online swap of docs/postgresql.md's "A partial key index", as written."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "postgresql.md").read_text()
+    section = page[page.index("\n## A partial key index") :]
+    block = re.search(r"^```sql\n(.*?)^```", section, re.S | re.M)
+    assert block is not None
+    return [line.replace("outbox_events", table) for line in block[1].splitlines() if line]
+
+
+def _index_entries(engine: sa.Engine, table: str) -> dict[str, int]:
+    """Entries of each index of ``table`` once VACUUM has counted them."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text(f"VACUUM {table}"))
+        rows = conn.execute(
+            sa.text("SELECT c.relname, c.reltuples FROM pg_index i JOIN pg_class c"
+                    " ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass(:t)"),
+            {"t": table},
+        ).all()  # fmt: skip
+    return {str(name): int(n) for name, n in rows}
+
+
+def test_the_postgresql_key_index_leaves_delivered_rows_out(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On PostgreSQL marking a row delivered adds no entry to the per-key index,
+    which holds the backlog, not the history. A table of an earlier release keeps
+    its whole index (an apply drops none) with a warning, until the online swap
+    of docs/postgresql.md, run here as written, makes it partial."""
+    engine = sa.create_engine(pg_url)
+    table, index = "pk_outbox", "ix_pk_outbox_key_status"
+    try:
+        apply_schema(engine, table=table, shards=4)
+        with engine.begin() as conn:
+            enqueue_many(
+                conn, [Event(topic="t", key=f"k{i % 30}", payload=b"x") for i in range(300)],
+                table=table,
+            )  # fmt: skip
+        t = outbox_table(table)
+        with engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id <= 200).values(status="delivered"))
+        entries = _index_entries(engine, table)
+        assert entries[index] == 100, entries  # the backlog
+        assert entries[f"ix_{table}_status_id"] == 300, entries  # whole: the purge reads it
+        with engine.begin() as conn:  # as an earlier release made it
+            conn.execute(sa.text(f"DROP INDEX {index}"))
+            conn.execute(sa.text(f"CREATE INDEX {index} ON {table} (message_key, status, id)"))
+        assert _index_entries(engine, table)[index] == 300
+        # The relay works with the whole index: it claims the 100 undelivered rows.
+        batch = claim_batch(engine, table, owner="a", shards=range(4), limit=100, lease_ttl=30,
+                            shard_count=4)  # fmt: skip
+        assert batch is not None and sorted(r.id for r in batch.rows) == list(range(201, 301))
+        with caplog.at_level(logging.WARNING, logger="outboxkit.schema"):
+            assert apply_schema(engine, table=table, shards=4).actions == []
+        assert [r.getMessage() for r in caplog.records] == [
+            f"index {index} of {table} also holds delivered rows; this release makes it "
+            "partial, which writes less per delivered row: see 'A partial key index' in "
+            "docs/postgresql.md to swap it online"
+        ]
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for statement in _swap_statements(table):
+                conn.exec_driver_sql(statement)
+        assert _index_entries(engine, table)[index] == 100
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="outboxkit.schema"):
+            assert apply_schema(engine, table=table, shards=4).actions == []
+        assert caplog.records == []
     finally:
         engine.dispose()
 
