@@ -14,10 +14,10 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
+from support.prometheus import http_get, prom_query
 from support.waiting import wait_for
 
 from outboxkit.runtime import push_metrics
@@ -30,24 +30,9 @@ RULES = (
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback test URL
-            return bytes(resp.read())
-    except OSError:
-        return None
-
-
-def _query(prom: str, expr: str) -> list[dict[str, Any]]:
-    body = _get(f"{prom}/api/v1/query?query={urllib.parse.quote(expr)}")
-    assert body is not None, "Prometheus does not answer"
-    result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
-    return result
-
-
 def _last_evaluation(prom: str, alertname: str) -> str:
     """When the rule ``alertname`` was last evaluated (Prometheus' own timestamp)."""
-    body = _get(f"{prom}/api/v1/rules")
+    body = http_get(f"{prom}/api/v1/rules")
     assert body is not None, "Prometheus does not answer"
     for group in json.loads(body)["data"]["groups"]:
         for rule in group["rules"]:
@@ -71,7 +56,7 @@ def _wait_for_evaluations(prom: str, alertname: str, count: int) -> None:
 
 
 def _alert_states(prom: str, instance: str) -> list[str]:
-    body = _get(prom + "/api/v1/alerts")
+    body = http_get(prom + "/api/v1/alerts")
     if body is None:
         return []
     alerts = json.loads(body)["data"]["alerts"]
@@ -99,7 +84,7 @@ def test_shutdown_pending_alert_fires_on_a_pushed_value_and_resolves_on_zero(
         _push(pushgateway_url, instance, 0)
         # No alert once the rules were evaluated over the scraped clean value.
         wait_for(
-            lambda: _query(prometheus, f'outbox_shutdown_pending{{instance="{instance}"}}'),
+            lambda: prom_query(prometheus, f'outbox_shutdown_pending{{instance="{instance}"}}'),
             timeout=30,
             interval=0.25,
             what="the clean value scraped",

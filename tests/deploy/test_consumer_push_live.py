@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Producer
+from support.prometheus import http_get, prom_query
 from support.services import free_port
 from support.waiting import wait_for
 
@@ -50,16 +51,8 @@ EXIT_METRICS = {
 }
 
 
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - loopback test URL
-            return bytes(resp.read())
-    except OSError:
-        return None
-
-
 def _pushed_groups(url: str) -> list[dict[str, Any]]:
-    body = _get(f"{url}/api/v1/metrics")
+    body = http_get(f"{url}/api/v1/metrics")
     assert body is not None, "Pushgateway API unreachable"
     groups: list[dict[str, Any]] = json.loads(body)["data"]
     return groups
@@ -82,7 +75,7 @@ def _families(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _scraped_lag(health: str) -> float:
-    body = _get(f"{health}/metrics") or b""
+    body = http_get(f"{health}/metrics") or b""
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in body.decode().splitlines()
@@ -91,15 +84,8 @@ def _scraped_lag(health: str) -> float:
     return max(values, default=0.0)
 
 
-def _query(prom: str, expr: str) -> list[dict[str, Any]]:
-    body = _get(f"{prom}/api/v1/query?query={urllib.parse.quote(expr)}")
-    assert body is not None
-    result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
-    return result
-
-
 def _firing(prom: str, alertname: str, instance: str) -> bool:
-    body = _get(f"{prom}/api/v1/alerts")
+    body = http_get(f"{prom}/api/v1/alerts")
     if body is None:
         return False
     return any(
@@ -212,5 +198,5 @@ def test_a_forced_consumer_exit_pushes_exit_metrics_under_the_rules_convention(
         what="OutboxForcedShutdown firing for the consumer",
     )
     selector = _lag_rule_selector()
-    assert _query(prometheus, f'{selector[:-1]},instance="{node_id}"}}') == []
-    assert _query(prometheus, f'worker_consumer_lag{{instance="{node_id}"}}') == []
+    assert prom_query(prometheus, f'{selector[:-1]},instance="{node_id}"}}') == []
+    assert prom_query(prometheus, f'worker_consumer_lag{{instance="{node_id}"}}') == []
