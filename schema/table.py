@@ -181,27 +181,25 @@ PG_OUTBOX_AUTOVACUUM: dict[str, str] = {
 }
 
 
-#: PostgreSQL: the predicate of the per-key index ``(message_key, status, id)``,
-#: which holds only rows not yet delivered. Marking a row delivered then writes
-#: no entry into it, and it stays the size of the backlog however much delivered
-#: history the table keeps.
-#:
-#: A query can use a partial index only when the planner proves its conditions
-#: imply the predicate, and with statistics taken while no row was waiting
-#: PostgreSQL believes a partial index empty and scans all of it for anything
-#: it may: written ``status <> 'delivered'``, the ordering sample's blockers
-#: (``status = 'retryable' OR ...``) read every waiting row through it. Written
-#: ``IS DISTINCT FROM``, which the planner does not derive from comparisons of
-#: the status, only the per-key probes reach it, carrying :func:`undelivered`
-#: word for word. The ``(status, id)`` index stays whole for the same reason
-#: (a probe must not be able to scan it), and the purge reads delivered rows
-#: through it.
-_UNDELIVERED = sa.text(f"status IS DISTINCT FROM '{Status.DELIVERED.value}'")
-
-
 def undelivered(t: sa.FromClause) -> sa.ColumnElement[bool]:
-    """``t.status IS DISTINCT FROM 'delivered'``, the status written as a
-    constant: the PostgreSQL per-key index's predicate, for the probes that use it."""
+    """``t.status IS DISTINCT FROM 'delivered'``, the status written as a constant:
+    on PostgreSQL the predicate of the per-key index ``(message_key, status, id)``,
+    and the condition the per-key probes state to use it.
+
+    The index then holds only rows not yet delivered: marking a row delivered
+    writes no entry into it, and it stays the size of the backlog however much
+    delivered history the table keeps.
+
+    A query can use a partial index only when the planner proves its conditions
+    imply the predicate, and with statistics taken while no row was waiting
+    PostgreSQL believes a partial index empty and scans all of it for anything
+    it may: written ``status <> 'delivered'``, the ordering sample's blockers
+    (``status = 'retryable' OR ...``) read every waiting row through it. Written
+    ``IS DISTINCT FROM``, which the planner does not derive from comparisons of
+    the status, only the probes reach it, stating this expression word for word.
+    The ``(status, id)`` index stays whole for the same reason (a probe must not
+    be able to scan it), and the purge reads delivered rows through it.
+    """
     return t.c.status.is_distinct_from(
         sa.literal_column(f"'{Status.DELIVERED.value}'", sa.String())
     )
@@ -217,12 +215,12 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
       after ``batch_size`` rows, so its cost does not grow with delivered history;
     * ``(message_key, status, id)``: "is there an earlier undelivered row for this
       key?", the per-key ordering check; on PostgreSQL only of undelivered rows
-      (see ``_UNDELIVERED``);
+      (see :func:`undelivered`);
     * unique ``event_id``: the idempotency key.
     """
     validate_identifier(name)
     md = sa.MetaData()
-    return sa.Table(
+    t = sa.Table(
         name,
         md,
         sa.Column(
@@ -257,13 +255,19 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("kafka_offset", sa.BigInteger(), nullable=True),
         sa.UniqueConstraint("event_id", name=f"uq_{name}_event_id"),
         sa.Index(f"ix_{name}_status_id", "status", "id"),
-        sa.Index(
-            key_status_index(name), "message_key", "status", "id", postgresql_where=_UNDELIVERED
-        ),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
         postgresql_with=dict(PG_OUTBOX_AUTOVACUUM),
     )
+    # The probes state the predicate with the same function (see undelivered).
+    sa.Index(
+        key_status_index(name),
+        t.c.message_key,
+        t.c.status,
+        t.c.id,
+        postgresql_where=undelivered(t),
+    )
+    return t
 
 
 @functools.cache

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
