@@ -31,17 +31,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME
 
 from bench import data
+from bench.activity import DbActivity
 from bench.context import BenchContext
 from bench.kafka import Progress, read_all
-from bench.procs import Proc, relay_settings
+from bench.procs import Proc, ServiceCpu, cpu_share, relay_settings
 from bench.report import Row, ScenarioResult, percentile
 from bench.scenarios import Results
 from bench.scenarios.common import batch_size
@@ -127,15 +129,73 @@ def insert_rate(
     return n / (time.perf_counter() - start)
 
 
+@dataclass
+class SteadyWindow:
+    """CPU of the relay, the services and the machine while the writer runs at its
+    steady rate (after the warm-up), and what the database server did meanwhile:
+    what a slow run's p99 is read against."""
+
+    relay: Proc
+    services: ServiceCpu
+    activity: DbActivity
+    started: float | None = None
+    wall: float = 0.0
+    relay_cpu: float | None = None
+    used: dict[str, float] = field(default_factory=dict)
+    machine: float | None = None
+    _relay_start: float | None = None
+
+    def begin(self) -> None:
+        self.started = time.monotonic()
+        self._relay_start = self.relay.cpu()
+        self.services.begin()
+
+    def end(self) -> None:
+        if self.started is None:
+            return
+        self.wall = time.monotonic() - self.started
+        now = self.relay.cpu()
+        if now is not None and self._relay_start is not None:
+            self.relay_cpu = now - self._relay_start
+        self.used = self.services.used()
+        self.machine = self.services.machine_used()
+
+    def row(self) -> Row:
+        out: Row = {"relay cpu": cpu_share(self.relay_cpu, self.wall)}
+        for name, used in self.used.items():
+            if name != "redis":
+                out[f"{name} cpu"] = cpu_share(used, self.wall)
+        out["machine cpu"] = cpu_share(self.machine, self.wall)
+        if self.started is not None:
+            bounds = [self.started, self.started + self.wall]
+            for stretch in self.activity.by_stretch(bounds, ["steady"]):
+                out["autovacuum share"] = stretch["autovacuum share"]
+                out["checkpoint share"] = stretch["checkpoint share"]
+        return out
+
+
 def steady_writer(
-    engine: sa.Engine, table: str, topic: str, rate: float, seconds: float, keys: int, size: int
+    engine: sa.Engine,
+    table: str,
+    topic: str,
+    rate: float,
+    seconds: float,
+    keys: int,
+    size: int,
+    *,
+    warmup: float = 0.0,
+    on_steady: Callable[[], None] | None = None,
 ) -> tuple[dict[str, float], float]:
-    """Write at ``rate`` events/s for ``seconds``; return commit times (ms) by event id."""
+    """Write at ``rate`` events/s for ``seconds``; return commit times (ms) by event id.
+    ``on_steady`` is called once, when the first ``warmup`` seconds are over."""
     committed: dict[str, float] = {}
     n = 0
     start = time.perf_counter()
     total = int(rate * seconds)
     while n < total:
+        if on_steady is not None and time.perf_counter() - start >= warmup:
+            on_steady()
+            on_steady = None
         due = min(total, int((time.perf_counter() - start) * rate) + 1) - n
         if due > 0:
             batch = [
@@ -187,15 +247,27 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool, pipeline: bool =
     topic = ctx.topic(label)
     apply_schema(ctx.engine, table=table, shards=cfg.shards, inbox=None)
     progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
+    services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap, ctx.services.redis_url)
     try:
         with (
             writer_engine(ctx, wakeups=wakeups) as engine,
-            relay(ctx, table, label, wakeups=wakeups, pipeline=pipeline),
+            relay(ctx, table, label, wakeups=wakeups, pipeline=pipeline) as proc,
+            DbActivity(ctx.engine) as activity,
         ):
+            window = SteadyWindow(proc, services, activity)
             seconds = cfg.latency_warmup_seconds + cfg.latency_seconds
             committed, achieved = steady_writer(
-                engine, table, topic, rate, seconds, cfg.keys, cfg.payload_bytes
+                engine,
+                table,
+                topic,
+                rate,
+                seconds,
+                cfg.keys,
+                cfg.payload_bytes,
+                warmup=cfg.latency_warmup_seconds,
+                on_steady=window.begin,
             )
+            window.end()
             progress.wait_for(len(committed), cfg.timeout_seconds)
     finally:
         progress.stop()
@@ -222,6 +294,7 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool, pipeline: bool =
         "max ms": max(lat),
         "warm-up events": len(warmup),
         "warm-up p99 ms": percentile(warmup, 99) if warmup else None,
+        **window.row(),
     }
 
 
