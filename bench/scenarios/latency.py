@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -66,10 +68,45 @@ def wakeups_available(ctx: BenchContext) -> str | None:
     return None
 
 
+class RelayBatches:
+    """Batches a relay process claimed so far and their rows, read from its
+    ``/metrics`` (``outbox_batch_size``)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:  # a free port for the relay's health server
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+
+    def read(self) -> tuple[float, float] | None:
+        """``(batches, rows)``, or None when the relay did not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("outbox_batch_size_count", "outbox_batch_size_sum"):
+                found[name] = float(value)
+        if len(found) < 2:
+            return None
+        return found["outbox_batch_size_count"], found["outbox_batch_size_sum"]
+
+
 @contextmanager
 def relay(
-    ctx: BenchContext, table: str, label: str, *, wakeups: bool, pipeline: bool = False
+    ctx: BenchContext,
+    table: str,
+    label: str,
+    *,
+    wakeups: bool,
+    pipeline: bool = False,
+    batches: RelayBatches | None = None,
 ) -> Iterator[Proc]:
+    extra = {"OUTBOXKIT_WAKEUPS": "true" if wakeups else "false"}
+    if batches is not None:
+        extra["OUTBOXKIT_HEALTH_PORT"] = str(batches.port)
     settings = relay_settings(
         db_url=ctx.db_url,
         bootstrap=ctx.services.kafka_bootstrap,
@@ -80,7 +117,7 @@ def relay(
         redis_url=ctx.services.redis_url if wakeups and not ctx.postgresql else None,
         redis_prefix=ctx.redis_prefix,
         pipeline=pipeline,
-        extra={"OUTBOXKIT_WAKEUPS": "true" if wakeups else "false"},
+        extra=extra,
     )
     proc = Proc.start("relay", ["relay"], settings, ctx.log_dir / label)
     try:
@@ -138,16 +175,20 @@ class SteadyWindow:
     relay: Proc
     services: ServiceCpu
     activity: DbActivity
+    batches: RelayBatches
     started: float | None = None
     wall: float = 0.0
     relay_cpu: float | None = None
     used: dict[str, float] = field(default_factory=dict)
     machine: float | None = None
+    claimed: tuple[float, float] | None = None
     _relay_start: float | None = None
+    _claimed_start: tuple[float, float] | None = None
 
     def begin(self) -> None:
         self.started = time.monotonic()
         self._relay_start = self.relay.cpu()
+        self._claimed_start = self.batches.read()
         self.services.begin()
 
     def end(self) -> None:
@@ -159,9 +200,20 @@ class SteadyWindow:
             self.relay_cpu = now - self._relay_start
         self.used = self.services.used()
         self.machine = self.services.machine_used()
+        now_claimed = self.batches.read()
+        if now_claimed is not None and self._claimed_start is not None:
+            self.claimed = (
+                now_claimed[0] - self._claimed_start[0],
+                now_claimed[1] - self._claimed_start[1],
+            )
 
     def row(self) -> Row:
-        out: Row = {"relay cpu": cpu_share(self.relay_cpu, self.wall)}
+        out: Row = {}
+        if self.claimed is not None and self.wall > 0:
+            batches, rows = self.claimed
+            out["batches/s"] = batches / self.wall
+            out["rows per batch"] = rows / batches if batches else None
+        out["relay cpu"] = cpu_share(self.relay_cpu, self.wall)
         for name, used in self.used.items():
             if name != "redis":
                 out[f"{name} cpu"] = cpu_share(used, self.wall)
@@ -248,13 +300,14 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool, pipeline: bool =
     apply_schema(ctx.engine, table=table, shards=cfg.shards, inbox=None)
     progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
     services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap, ctx.services.redis_url)
+    batches = RelayBatches()
     try:
         with (
             writer_engine(ctx, wakeups=wakeups) as engine,
-            relay(ctx, table, label, wakeups=wakeups, pipeline=pipeline) as proc,
+            relay(ctx, table, label, wakeups=wakeups, pipeline=pipeline, batches=batches) as proc,
             DbActivity(ctx.engine) as activity,
         ):
-            window = SteadyWindow(proc, services, activity)
+            window = SteadyWindow(proc, services, activity, batches)
             seconds = cfg.latency_warmup_seconds + cfg.latency_seconds
             committed, achieved = steady_writer(
                 engine,
