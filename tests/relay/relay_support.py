@@ -106,6 +106,21 @@ def db_time(seconds: float) -> sa.ColumnElement[Any]:
     return db_now_plus(sa.literal(round(seconds * 1_000_000), sa.BigInteger()))
 
 
+def pg_rows_touched(plan: dict[str, Any]) -> int:
+    """Rows every node of a PostgreSQL ``EXPLAIN (ANALYZE, FORMAT JSON)`` plan
+    produced or threw away, over all its loops: scans, joins and materialized
+    rows read again alike."""
+
+    def walk(node: dict[str, Any]) -> int:
+        own = sum(
+            node.get(k, 0)
+            for k in ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter")
+        ) * node.get("Actual Loops", 1)
+        return own + sum(walk(child) for child in node.get("Plans", []))
+
+    return walk(plan["Plan"])
+
+
 def rows(engine: sa.Engine, table: str) -> list[sa.Row[Any]]:
     t = outbox_table(table)
     with engine.connect() as conn:

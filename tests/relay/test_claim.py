@@ -20,7 +20,15 @@ from foreign import insert_foreign
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql as psycopg_sql
-from relay_support import EmbeddedRelay, add_events, db_time, fast_settings, rows, wait_for
+from relay_support import (
+    EmbeddedRelay,
+    add_events,
+    db_time,
+    fast_settings,
+    pg_rows_touched,
+    rows,
+    wait_for,
+)
 from sqlalchemy.dialects import postgresql
 from support.databases import on_both_databases
 
@@ -239,7 +247,7 @@ def test_the_ordering_blocked_sample_reads_the_blockers_keys_under_statistics_ta
             assert sample_ordering_blocked(conn, outbox) == 5 * 9
         probes = [s for s in _pg_scans(plan["Plan"]) if s.get("Alias") == "later"]
         assert probes and all(_pg_index_of(s) == f"ix_{outbox}_key_status" for s in probes), plan
-        touched = _pg_rows_touched(plan)
+        touched = pg_rows_touched(plan)
         assert touched < 2_000, (touched, plan)
     finally:
         engine.dispose()
@@ -349,21 +357,6 @@ def _pg_index_of(scan: dict[str, Any]) -> str | None:
         return str(scan["Index Name"])
     children = [_pg_index_of(child) for child in scan.get("Plans", [])]
     return children[0] if len(children) == 1 else None
-
-
-def _pg_rows_touched(plan: dict[str, Any]) -> int:
-    """Rows every node of a PostgreSQL ``EXPLAIN (ANALYZE, FORMAT JSON)`` plan
-    produced or threw away, over all its loops: scans, joins and materialized
-    rows read again alike."""
-
-    def walk(node: dict[str, Any]) -> int:
-        own = sum(
-            node.get(k, 0)
-            for k in ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter")
-        ) * node.get("Actual Loops", 1)
-        return own + sum(walk(child) for child in node.get("Plans", []))
-
-    return walk(plan["Plan"])
 
 
 def _pg_analyzed_backlog(engine: sa.Engine, outbox: str, *, rows: int, keys: int) -> None:
@@ -574,7 +567,7 @@ def test_a_claim_beside_a_leased_batch_checks_each_key_by_its_index_under_statis
             assert all(_pg_index_of(s) == f"ix_{outbox}_key_status" for s in checks), plan
             # 500 candidates (fewer for 4 shards of 8), a check or two each that
             # find nothing: a few thousand rows, not one per candidate and leased row.
-            touched = _pg_rows_touched(plan)
+            touched = pg_rows_touched(plan)
             assert touched < 10_000, (touched, plan)
     finally:
         engine.dispose()

@@ -22,6 +22,7 @@ from relay_support import (
     db_time,
     fast_settings,
     http_get,
+    pg_rows_touched,
     rows,
     status_counts,
     wait_for,
@@ -609,7 +610,7 @@ def test_a_paused_topics_row_left_by_a_killed_relay_keeps_its_key_in_order(
 
 def _pg_write_plans(
     conn: sa.Connection, statement: sa.TextClause, params: dict[str, object]
-) -> dict[str, dict[str, object]]:
+) -> dict[str, dict[str, Any]]:
     """PostgreSQL's plans of a finalize write with ``params``, rolled back: the
     custom plan (made for these values, as for a statement's first runs) and the
     generic one (what PostgreSQL may keep once psycopg prepared it)."""
@@ -621,7 +622,7 @@ def _pg_write_plans(
         numbered = numbered.replace(f"%({name})s", f"${i}")
     raw = conn.connection.dbapi_connection
     assert raw is not None
-    plans: dict[str, dict[str, object]] = {}
+    plans: dict[str, dict[str, Any]] = {}
     with raw.cursor() as cur:
         cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + str(compiled), state)
         plans["custom"] = cur.fetchone()[0][0]  # type: ignore[index]
@@ -637,20 +638,6 @@ def _pg_write_plans(
             cur.execute("RESET plan_cache_mode")
             cur.execute("DEALLOCATE outboxkit_write")
     return plans
-
-
-def _rows_touched(plan: dict[str, object]) -> int:
-    """Rows every node of an ``EXPLAIN (ANALYZE, FORMAT JSON)`` plan produced or
-    threw away, over all its loops."""
-
-    def walk(node: dict[str, Any]) -> int:
-        own = sum(
-            node.get(k, 0)
-            for k in ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter")
-        ) * node.get("Actual Loops", 1)
-        return own + sum(walk(child) for child in node.get("Plans", []))
-
-    return walk(plan["Plan"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("fate", [Fate.DELIVERED, Fate.RETRYABLE])
@@ -702,7 +689,7 @@ def test_a_batchs_per_row_write_reads_each_row_once_under_statistics_of_a_runnin
         with engine.connect() as conn:
             statement, params = _per_row_write(conn, t, batch, fate, None, False, per_row)
             plans = _pg_write_plans(conn, statement, params)
-        touched = {mode: _rows_touched(plan) for mode, plan in plans.items()}
+        touched = {mode: pg_rows_touched(plan) for mode, plan in plans.items()}
         # Each row's value, its index entry and its row version: a few per row.
         assert all(n < 10 * size for n in touched.values()), (touched, plans)
     finally:
