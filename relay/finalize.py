@@ -394,8 +394,8 @@ def _per_row_update(
     statistics promised one row under the lease guard (a relay's batch of a few
     hundred rows ``delivering`` when the table was last analyzed, the usual
     picture of a busy outbox): every row of the batch then read every per-row
-    value again, 250,000 JSON look-ups for 500 rows, 130-460 ms a batch instead
-    of 10. Without a join there is no such plan to pick; a JSON object's keys
+    value again, 250,000 JSON look-ups for 500 rows, 125-293 ms a batch instead
+    of 10-20. Without a join there is no such plan to pick; a JSON object's keys
     are sorted, so each look-up is a binary search.
     """
     if postgresql:

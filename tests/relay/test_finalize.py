@@ -650,7 +650,7 @@ def test_a_batchs_per_row_write_reads_each_row_once_under_statistics_of_a_runnin
     retryable) reads each of its rows once. With the lease guard's status as an
     index condition, PostgreSQL expected one row from ``(status, id)`` and made
     it the outer side of a nested loop over the batch's 500 per-row values:
-    250,000 comparisons, 130-230 ms a batch instead of 10 (a 1M-row drain's slow
+    250,000 comparisons, 125-293 ms a batch instead of 10-20 (a 1M-row drain's slow
     tenths)."""
     engine = sa.create_engine(pg_url)
     try:
