@@ -40,6 +40,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import data
 from bench.activity import DbActivity
@@ -84,11 +85,13 @@ class RelayBatches:
                 text = r.read().decode()
         except OSError:
             return None
-        found = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("outbox_batch_size_count", "outbox_batch_size_sum"):
-                found[name] = float(value)
+        found = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "outbox_batch_size"
+            for sample in family.samples
+            if sample.name in ("outbox_batch_size_count", "outbox_batch_size_sum")
+        }
         if len(found) < 2:
             return None
         return found["outbox_batch_size_count"], found["outbox_batch_size_sum"]
