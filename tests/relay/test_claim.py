@@ -41,11 +41,13 @@ from outboxkit.relay.claim import (
     claim_batch,
     create_engine,
 )
+from outboxkit.relay.finalize import Decision, Fate, finalize
 from outboxkit.relay.metrics import (
     ordering_blocked_query,
     sample_backlog,
     sample_ordering_blocked,
 )
+from outboxkit.relay.settings import RelaySettings
 from outboxkit.schema import Status, apply_schema, outbox_table, recovery_table, shard_for
 
 pytestmark = pytest.mark.integration
@@ -520,6 +522,88 @@ def test_claim_stays_flat_while_a_backlog_drains_under_statistics_taken_before(
             assert read < 1_000, (read, plan)
     finally:
         engine.dispose()
+
+
+def test_a_relays_prepared_statements_read_only_their_rows_after_the_table_grew_unanalyzed(
+    pg_url: str,
+) -> None:
+    """A relay's session on a table that had no statistics yet (new, or grown
+    faster than autovacuum analyzes it): psycopg prepares each statement it ran
+    five times, and PostgreSQL then keeps the plan it makes for any values, planned
+    for the table as it was. On a table of a few rows that plan scanned the whole
+    table to lock and lease a batch by primary key, and kept doing so as the table
+    grew: claims went from 2 to 6 ms over the first 10,000 rows of a new table,
+    until autovacuum analyzed it. Each statement the relay's session prepared
+    must read only the rows it is about, however the table grew since."""
+    admin = sa.create_engine(pg_url)
+    relay_engine = create_engine(RelaySettings(db_url=pg_url, kafka_bootstrap="-"))
+    outbox = "outbox_events"
+    t = outbox_table(outbox)
+    try:
+        apply_schema(admin, shards=8)
+        with admin.begin() as conn:  # no autoanalyze may replan in between
+            conn.execute(sa.text(f"ALTER TABLE {outbox} SET (autovacuum_enabled = false)"))
+
+        def cycle() -> None:
+            batch = claim_batch(relay_engine, outbox, owner="r", shards=ALL, limit=50, lease_ttl=30)
+            assert batch is not None
+            decisions = [Decision(r, Fate.DELIVERED, partition=0, offset=r.id) for r in batch.rows]
+            finalize(relay_engine, outbox, batch, decisions, backoff=None, delete_on_deliver=False)
+
+        # Enough runs for psycopg to prepare each statement and for PostgreSQL
+        # to choose between its plans, on a table of a few dozen rows.
+        few = [Event(topic="t", key=f"k{j}", payload=b"x") for j in range(5)]
+        for _ in range(15):
+            add_events(admin, outbox, few)
+            cycle()
+        history = [Event(topic="t", key=f"k{i % 500}", payload=b"x") for i in range(20_000)]
+        add_events(admin, outbox, history)
+        with admin.begin() as conn:
+            conn.execute(t.update().where(t.c.status == "pending").values(status="delivered"))
+        add_events(admin, outbox, [Event(topic="t", key=f"k{j}", payload=b"x") for j in range(10)])
+        sent: list[tuple[str, dict[str, Any]]] = []
+
+        def capture(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+            sent.append((statement, dict(params or {})))
+
+        sa.event.listen(relay_engine, "before_cursor_execute", capture)
+        cycle()
+        sa.event.remove(relay_engine, "before_cursor_execute", capture)
+
+        with relay_engine.connect() as conn:
+            raw = conn.connection.dbapi_connection
+            assert raw is not None
+            prepared = dict(
+                conn.execute(sa.text("SELECT statement, name FROM pg_prepared_statements")).all()
+            )
+            checked = 0
+            for statement, params in sent:
+                names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+                numbered = statement
+                for i, name in enumerate(names, 1):
+                    numbered = numbered.replace(f"%({name})s", f"${i}")
+                if not names or numbered not in prepared:
+                    continue  # not prepared: planned for its values on every run
+                args = ", ".join(psycopg_sql.Literal(params[n]).as_string(raw) for n in names)
+                with raw.cursor() as cur:
+                    cur.execute(
+                        f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {prepared[numbered]}({args})"
+                    )
+                    row = cur.fetchone()
+                assert row is not None
+                plan = row[0][0]
+                touched = pg_rows_touched(plan)
+                # 20,075 rows; the statement is about 10 of them.
+                assert touched < 1_000, (statement, touched, plan)
+                checked += 1
+            # Rolled back once, at the end: psycopg forgets its prepared
+            # statements on a rollback.
+            conn.rollback()
+            # The lock, the lease and finalize's write, at least.
+            assert checked >= 3, (sorted(prepared), [s for s, _ in sent])
+    finally:
+        relay_engine.dispose()
+        admin.dispose()
 
 
 @pytest.mark.parametrize(
