@@ -44,6 +44,9 @@ class DrainRun:
     wall: float
     cpu_wall: float
     relay_cpu: float
+    #: Rows delivered while ``relay_cpu`` was counted: from the first progress
+    #: sample that saw a message to the last row.
+    counted_rows: int
     services_cpu: dict[str, float]
     #: Busy CPU seconds of the whole machine over the same interval (None: no /proc/stat).
     machine_cpu: float | None
@@ -73,9 +76,13 @@ class DrainRun:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def relay_cpu_per_1k(self) -> float:
-        """The relays' CPU seconds per 1,000 events delivered (all relays together)."""
-        return self.relay_cpu / self.rows * 1000
+    def relay_cpu_per_1k(self) -> float | None:
+        """The relays' CPU seconds per 1,000 events delivered while it was counted
+        (all relays together); None when the drain was too short to count any: no
+        row after the first sample, or less CPU than one clock tick of ``/proc``."""
+        if self.counted_rows <= 0 or self.relay_cpu <= 0:
+            return None
+        return self.relay_cpu / self.counted_rows * 1000
 
     def cpu_row(self) -> dict[str, float | None]:
         wall = self.cpu_wall
@@ -138,6 +145,7 @@ def drain_backlog(
             progress.wait_for(1, cfg.timeout_seconds, alive=alive)
             services.begin()
             relay_cpu_start = sum(p.cpu() or 0.0 for p in procs)
+            rows_before_cpu = progress.latest()
             cpu_t0 = time.perf_counter()
             progress.wait_for(rows, cfg.timeout_seconds, alive=alive)
         except (TimeoutError, RuntimeError) as exc:
@@ -166,6 +174,7 @@ def drain_backlog(
         wall=wall,
         cpu_wall=cpu_wall,
         relay_cpu=relay_cpu,
+        counted_rows=rows - rows_before_cpu,
         services_cpu=services_cpu,
         machine_cpu=machine_cpu,
         peak_rss_mb=max(peaks) if peaks else None,
@@ -180,6 +189,11 @@ def drain_backlog(
         raise RuntimeError(f"{label}: table holds {after} after the drain, expected {expected}")
     if any(codes):
         run.notes.append(f"{label}: relay exit codes {codes}")
+    if run.relay_cpu_per_1k is None:
+        run.notes.append(
+            f"{label}: relay CPU per 1,000 events not measured: {run.counted_rows:,} of "
+            f"{rows:,} rows and {relay_cpu:.2f} CPU s after the first sample (too short a drain)"
+        )
     data.drop_table(ctx.engine, table)
     ctx.delete_topic(topic)
     return run

@@ -159,7 +159,8 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         suffix = "_delete" if delete else ""
         res.figures[f"rate{suffix}"] = out.rate
         res.figures[f"last_vs_first{suffix}"] = last / first
-        res.figures[f"relay_cpu_per_1k{suffix}"] = out.relay_cpu_per_1k
+        if (per_1k := out.relay_cpu_per_1k) is not None:
+            res.figures[f"relay_cpu_per_1k{suffix}"] = per_1k
         if out.peak_rss_mb is not None:
             res.figures[f"rss_mb{suffix}"] = out.peak_rss_mb
         res.notes.extend(out.notes)

@@ -82,7 +82,8 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
             _add_row(res, n, batch, pipeline, out, one, db_rate, producer_rate)
             if batch is None:
                 res.figures[f"rate_{n}"] = out.rate
-                res.figures[f"relay_cpu_per_1k_{n}"] = out.relay_cpu_per_1k
+                if (per_1k := out.relay_cpu_per_1k) is not None:
+                    res.figures[f"relay_cpu_per_1k_{n}"] = per_1k
             else:
                 res.figures[f"rate_{n}_b{batch}_p{int(bool(pipeline))}"] = out.rate
                 if batch == batch_size(cfg):  # the goals compare these two

@@ -215,6 +215,9 @@ def test_smoke_run_on_postgresql_needs_no_redis(
     for row in throughput["rows"]:
         # The postmaster and its backends: each connection is a process of its own.
         assert row["postgresql cpu"] > 0, row
+    # Drains long enough to count the relays' CPU (a figure is left out when not).
+    for n in BenchConfig.smoke().relay_counts:
+        assert f"relay_cpu_per_1k_{n}" in throughput["figures"], throughput["notes"]
     goals = {g["goal"]: g for g in saved["goals"]}
     # The PostgreSQL issue's bounds (the 1,000/s latency one needs the full sizes).
     for goal in ("relay vs DB ceiling (1 relay)", "1M backlog: last 10% vs first 10%"):
