@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,17 @@ def db_time(seconds: float) -> sa.ColumnElement[Any]:
     """The database clock ``seconds`` from now (negative: in the past), in SQL that
     runs on MySQL/MariaDB and PostgreSQL: for tests that age rows or leases."""
     return db_now_plus(sa.literal(round(seconds * 1_000_000), sa.BigInteger()))
+
+
+def pg_positional(statement: str) -> tuple[str, list[str]]:
+    """``statement`` as psycopg sends it to PostgreSQL (its ``%(name)s``
+    placeholders numbered ``$1``, ``$2``, ... in order of first use, one number
+    per name) and the names in that order: for ``PREPARE`` and for finding a
+    statement psycopg prepared in ``pg_prepared_statements``."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    for i, name in enumerate(names, 1):
+        statement = statement.replace(f"%({name})s", f"${i}")
+    return statement, names
 
 
 def pg_rows_touched(plan: dict[str, Any]) -> int:

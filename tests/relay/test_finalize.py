@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ from relay_support import (
     db_time,
     fast_settings,
     http_get,
+    pg_positional,
     pg_rows_touched,
     rows,
     status_counts,
@@ -616,10 +616,7 @@ def _pg_write_plans(
     generic one (what PostgreSQL may keep once psycopg prepared it)."""
     compiled = statement.compile(dialect=conn.engine.dialect)
     state = compiled.construct_params(params)
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", str(compiled))))
-    numbered = str(compiled)
-    for i, name in enumerate(names, 1):
-        numbered = numbered.replace(f"%({name})s", f"${i}")
+    numbered, names = pg_positional(str(compiled))
     raw = conn.connection.dbapi_connection
     assert raw is not None
     plans: dict[str, dict[str, Any]] = {}
