@@ -743,9 +743,43 @@ def _record_reclaims(
     return by_owner
 
 
-#: The relay's PostgreSQL sessions plan a statement for each run's values (see
-#: :func:`create_engine`).
-_PG_CUSTOM_PLANS = "-c plan_cache_mode=force_custom_plan"
+#: What the relay's own engine sets on its PostgreSQL sessions, besides the
+#: statement timeout: plans for each run's values (see :func:`create_engine`) and
+#: no JIT compilation (``runtime.db.without_jit``).
+PG_SESSION_SETTINGS = {"plan_cache_mode": "force_custom_plan", "jit": "off"}
+_PG_CUSTOM_PLANS = f"-c plan_cache_mode={PG_SESSION_SETTINGS['plan_cache_mode']}"
+
+
+def check_session_settings(conn: Connection) -> None:
+    """Log ``engine-settings`` (a warning) when a PostgreSQL session of an engine
+    passed to ``Relay(..., engine=...)`` lacks :data:`PG_SESSION_SETTINGS`.
+
+    That engine is the caller's (other code may share its pool), so the relay
+    does not change it; it says once, at start, what differs and the
+    ``connect_args`` that set it. Without them the claim can keep a plan made for
+    a table that has since grown (docs/postgresql.md, *What differs from MySQL*)."""
+    if conn.dialect.name != "postgresql":
+        return
+    names = sorted(PG_SESSION_SETTINGS)
+    current = conn.execute(
+        sa.select(*(sa.func.current_setting(sa.literal(name)) for name in names))
+    ).one()
+    differing = {
+        name: value
+        for name, value in zip(names, current, strict=True)
+        if value != PG_SESSION_SETTINGS[name]
+    }
+    if not differing:
+        return
+    options = " ".join(f"-c {name}={PG_SESSION_SETTINGS[name]}" for name in differing)
+    log_event(
+        log,
+        "engine-settings",
+        level=logging.WARNING,
+        differing=differing,
+        advice=f'create the engine with connect_args={{"options": "{options}"}}',
+        effect="the relay runs; its claims may keep plans made for an emptier table",
+    )
 
 
 def create_engine(settings: RelaySettings) -> Engine:

@@ -35,7 +35,13 @@ from sqlalchemy.engine import Engine
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import Batch, ClaimedRow, claim_batch, create_engine
+from outboxkit.relay.claim import (
+    Batch,
+    ClaimedRow,
+    check_session_settings,
+    claim_batch,
+    create_engine,
+)
 from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.leases import ForeignRelayMonitor
@@ -761,6 +767,8 @@ class Relay:
             with self.engine.connect() as conn:
                 shard_count = read_shard_count(conn, self.settings.table)
                 require_claim_schema(conn, self.settings.table)
+                if not self._own_engine:
+                    check_session_settings(conn)
                 return shard_count
 
         def sleep(seconds: float) -> None:

@@ -303,6 +303,52 @@ def test_an_embedded_relay_given_only_a_postgresql_engine_coordinates_the_same_w
     assert relay.stop() == 0
 
 
+@pytest.mark.parametrize(
+    ("options", "differing"),
+    [
+        (None, {"plan_cache_mode", "jit"}),
+        ("-c jit=off", {"plan_cache_mode"}),
+        ("-c plan_cache_mode=force_custom_plan -c jit=off", set()),
+    ],
+)
+def test_a_relay_given_a_postgresql_engine_says_which_session_settings_it_lacks(
+    pg_url: str,
+    pg_engine: sa.Engine,
+    kafka_bootstrap: str,
+    embedded: Callable[..., EmbeddedRelay],
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+    options: str | None,
+    differing: set[str],
+) -> None:
+    """The relay's own engine opens its sessions with custom plans and no JIT
+    (docs/postgresql.md); an engine passed in is the caller's, so the relay does
+    not change it, but says at start what differs and how to set it."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    given = sa.create_engine(pg_url, connect_args={"options": options} if options else {})
+    request.addfinalizer(given.dispose)
+    settings = RelaySettings(kafka_bootstrap=kafka_bootstrap, **FAST)
+    relay = embedded(settings, engine=given)
+
+    def events(name: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "outboxkit_event", None) == name]
+
+    wait_for(lambda: events("relay-started"), timeout=15, what="the relay started")
+    warned = events("engine-settings")
+    if not differing:
+        assert warned == []
+    else:
+        assert len(warned) == 1, warned
+        record = warned[0]
+        assert record.levelno == logging.WARNING
+        found = record.outboxkit_fields  # type: ignore[attr-defined]
+        assert set(found["differing"]) == differing, found
+        for name in differing:
+            assert f"-c {name}=" in found["advice"], found
+        assert pg_url.split("@")[0].split(":")[-1] not in record.getMessage()  # no password
+    assert relay.stop() == 0
+
+
 def test_relay_processes_killed_and_restarted_keep_every_event_and_key_order(
     pg_engine: sa.Engine,
     pg_url: str,
