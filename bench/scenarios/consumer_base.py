@@ -4,8 +4,9 @@ Each variant runs the class embedded (``run(handle_signals=False)`` in a
 thread, as the raw loops run in this process) with a fresh group, and stops it
 once every message was handled.  Variants: the trivial handler; the same
 reading ``message.event_id``; the same with
-the inbox on MariaDB (each message in its own transaction with an inbox row);
-the inbox with up to ``INBOX_BATCH`` messages of a lane per transaction;
+the inbox on MariaDB (each message in its own transaction with an inbox row),
+with one lane and with ``INBOX_LANES``; the inbox with up to ``INBOX_BATCH``
+messages of a lane per transaction;
 ``concurrency=N`` with a handler that sleeps 1 ms.
 
 Last, ``outboxkit consume bench.apps:Trivial`` with the inbox as a process of its
@@ -35,6 +36,9 @@ from outboxkit.schema import DEFAULT_INBOX_TABLE, inbox_table
 
 #: Messages per inbox transaction in the batched-inbox row (``--inbox-batch``).
 INBOX_BATCH = 64
+#: Lanes (``concurrency``) of the second single-message inbox row: each lane's
+#: transaction waits on its own database round trips, so lanes overlap them.
+INBOX_LANES = 4
 #: Seconds between counts of the inbox table while a consumer process fills it.
 _INBOX_POLL_S = 0.25
 
@@ -236,6 +240,17 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.rows.append(inbox)
     res.figures["inbox_rate"] = inbox["msgs/s"]
     res.figures["inbox_cpu_per_1k"] = inbox["cpu s/1k msgs"]
+    lanes = embedded(
+        ctx,
+        Trivial,
+        topic,
+        label=f"base class + inbox, concurrency={INBOX_LANES}",
+        inbox=True,
+        concurrency=INBOX_LANES,
+    )
+    lanes["vs raw poll"] = lanes["msgs/s"] / raw
+    res.rows.append(lanes)
+    res.figures["inbox_rate_lanes"] = lanes["msgs/s"]
 
     # The same with up to INBOX_BATCH messages of a lane per transaction (opt-in).
     batched = embedded(
@@ -252,6 +267,7 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.figures["inbox_batch_cpu_per_1k"] = batched["cpu s/1k msgs"]
     res.notes.append(
         f"inbox: {inbox['msgs/s']:,.0f} msgs/s one message per transaction, "
+        f"{lanes['msgs/s']:,.0f} so with concurrency={INBOX_LANES}, "
         f"{batched['msgs/s']:,.0f} with inbox_batch={INBOX_BATCH} "
         f"({batched['msgs/s'] / inbox['msgs/s']:.2f}x)"
     )

@@ -77,6 +77,8 @@ def test_smoke_run_writes_a_complete_report(
     _assert_memory_and_cpu(saved)
     _assert_scale_out(saved, services)
     _assert_consumer_rounds(saved)
+    # The single-message inbox with several lanes has its row and figure.
+    assert "inbox_rate_lanes" in saved["scenarios"]["consumer"]["figures"]
 
 
 def _assert_consumer_rounds(saved: dict[str, Any]) -> None:
