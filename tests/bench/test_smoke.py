@@ -77,8 +77,10 @@ def test_smoke_run_writes_a_complete_report(
     _assert_memory_and_cpu(saved)
     _assert_scale_out(saved, services)
     _assert_consumer_rounds(saved)
-    # The single-message inbox with several lanes has its row and figure.
+    # The single-message inbox with several lanes has its row and figure, and the
+    # DB ceiling its overlapped loop (the scenario fails if it lost or left a row).
     assert "inbox_rate_lanes" in saved["scenarios"]["consumer"]["figures"]
+    assert "rate_overlapped" in saved["scenarios"]["db-ceiling"]["figures"]
 
 
 def _assert_consumer_rounds(saved: dict[str, Any]) -> None:
