@@ -267,7 +267,7 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.figures["inbox_batch_cpu_per_1k"] = batched["cpu s/1k msgs"]
     res.notes.append(
         f"inbox: {inbox['msgs/s']:,.0f} msgs/s one message per transaction, "
-        f"{lanes['msgs/s']:,.0f} so with concurrency={INBOX_LANES}, "
+        f"{lanes['msgs/s']:,.0f} with concurrency={INBOX_LANES}, "
         f"{batched['msgs/s']:,.0f} with inbox_batch={INBOX_BATCH} "
         f"({batched['msgs/s'] / inbox['msgs/s']:.2f}x)"
     )
