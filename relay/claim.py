@@ -761,13 +761,14 @@ def check_session_settings(conn: Connection) -> None:
     if conn.dialect.name != "postgresql":
         return
     names = sorted(PG_SESSION_SETTINGS)
+    # missing_ok: NULL for a setting this server does not have (nothing to advise).
     current = conn.execute(
-        sa.select(*(sa.func.current_setting(sa.literal(name)) for name in names))
+        sa.select(*(sa.func.current_setting(sa.literal(name), sa.true()) for name in names))
     ).one()
     differing = {
         name: value
         for name, value in zip(names, current, strict=True)
-        if value != PG_SESSION_SETTINGS[name]
+        if value is not None and value != PG_SESSION_SETTINGS[name]
     }
     if not differing:
         return
