@@ -15,6 +15,7 @@ read while the process is still alive.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -144,6 +145,18 @@ class Proc:
                 raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} did not log {text!r} in {timeout}s:\n{self.log_tail()}")
+
+    def logged(self, event: str) -> dict[str, Any] | None:
+        """The first JSON log line of ``event`` (e.g. ``relay-started``), or None."""
+        with contextlib.suppress(OSError):
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if f'"{event}"' not in line:
+                    continue
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("event") == event:
+                        return record
+        return None
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM, wait for the exit; return the exit code and record how long it took."""

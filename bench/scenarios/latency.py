@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -71,15 +70,20 @@ def wakeups_available(ctx: BenchContext) -> str | None:
 
 class RelayBatches:
     """Batches a relay process claimed so far and their rows, read from its
-    ``/metrics`` (``outbox_batch_size``)."""
+    ``/metrics`` (``outbox_batch_size``).
+
+    The relay binds its health server to a port of its own choosing (port 0) and
+    logs it in ``relay-started``; :func:`relay` sets :attr:`port` from that line.
+    (Picking a free port here and handing it over raced with every other process
+    that bound one meanwhile.)"""
 
     def __init__(self) -> None:
-        with socket.socket() as s:  # a free port for the relay's health server
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port: int | None = None
 
     def read(self) -> tuple[float, float] | None:
         """``(batches, rows)``, or None when the relay did not answer."""
+        if self.port is None:
+            return None
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
                 text = r.read().decode()
@@ -109,7 +113,7 @@ def relay(
 ) -> Iterator[Proc]:
     extra = {"OUTBOXKIT_WAKEUPS": "true" if wakeups else "false"}
     if batches is not None:
-        extra["OUTBOXKIT_HEALTH_PORT"] = str(batches.port)
+        extra["OUTBOXKIT_HEALTH_PORT"] = "0"  # the relay picks it; see RelayBatches
     settings = relay_settings(
         db_url=ctx.db_url,
         bootstrap=ctx.services.kafka_bootstrap,
@@ -125,6 +129,11 @@ def relay(
     proc = Proc.start("relay", ["relay"], settings, ctx.log_dir / label)
     try:
         proc.wait_for_log("relay-started", 60)
+        if batches is not None:
+            started = proc.logged("relay-started")
+            if started is None or not isinstance(started.get("health_port"), int):
+                raise RuntimeError(f"{label}: no health port in relay-started:\n{proc.log_tail()}")
+            batches.port = started["health_port"]
         yield proc
         code = proc.terminate()
         if code != 0:

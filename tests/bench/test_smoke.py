@@ -81,6 +81,8 @@ def test_smoke_run_writes_a_complete_report(
     # DB ceiling its overlapped loop (the scenario fails if it lost or left a row).
     assert "inbox_rate_lanes" in saved["scenarios"]["consumer"]["figures"]
     assert "rate_overlapped" in saved["scenarios"]["db-ceiling"]["figures"]
+    # The latency rows read each relay's /metrics on the health port it logged.
+    assert all("batches/s" in row for row in saved["scenarios"]["latency"]["rows"])
 
 
 def _assert_consumer_rounds(saved: dict[str, Any]) -> None:
@@ -213,6 +215,7 @@ def test_smoke_run_on_postgresql_needs_no_redis(
         # first commit always opens the warm-up.
         assert row["events"] + row["warm-up events"] == written, row
         assert row["warm-up events"] >= 1 and row["warm-up p99 ms"] is not None, row
+        assert "batches/s" in row, row  # the relay's /metrics on the port it logged
     throughput = saved["scenarios"]["relay-throughput"]
     default_rows = [r for r in throughput["rows"] if r["pipeline"] == "default"]
     assert [r["relays"] for r in default_rows] == list(BenchConfig.smoke().relay_counts)
