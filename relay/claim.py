@@ -779,7 +779,8 @@ def check_session_settings(conn: Connection) -> None:
         level=logging.WARNING,
         differing=differing,
         advice=f'create the engine with connect_args={{"options": "{options}"}}',
-        effect="the relay runs; its claims may keep plans made for an emptier table",
+        effect="the relay runs; without these its claims may keep plans made for an "
+        "emptier table (plan_cache_mode) or be compiled on every run at large batches (jit)",
     )
 
 
