@@ -86,11 +86,9 @@ def _drain(
     shards = range(shard_count)
     rows = 0
     batches = 0
-    claim_s = 0.0
-    finalize_s = [0.0]  # written by the finalizing thread when overlapped
+    claim_s = finalize_s = 0.0
 
     def claim_next(id_upper: int | None) -> Any:
-        bound = {} if id_upper is None else {"id_upper": id_upper}
         return claim.claim_batch(
             engine,
             table,
@@ -99,10 +97,11 @@ def _drain(
             limit=batch,
             lease_ttl=60.0,
             shard_count=shard_count,
-            **bound,
+            id_upper=id_upper,
         )
 
-    def write(claimed: Any) -> None:
+    def write(claimed: Any) -> float:
+        """Finalize ``claimed``; the seconds it took."""
         t0 = time.perf_counter()
         decisions = [
             finalize.Decision(row, finalize.Fate.DELIVERED, partition=0, offset=row.id)
@@ -116,14 +115,14 @@ def _drain(
             backoff=None,
             delete_on_deliver=delete_on_deliver,
         )
-        finalize_s[0] += time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="bench-finalize") if overlap else None
-    held: Any = None  # overlapped: the batch being finalized beside the next claim
+    held: Any = None  # overlapped: the batch finalized beside the next claim
     start = time.perf_counter()
     try:
         while True:
-            pending: Future[None] | None = None
+            pending: Future[float] | None = None
             id_upper = None
             if held is not None:
                 assert pool is not None
@@ -134,7 +133,7 @@ def _drain(
             claimed = claim_next(id_upper)
             claim_s += time.perf_counter() - t0
             if pending is not None:
-                pending.result()
+                finalize_s += pending.result()
                 if claimed is None:  # nothing within the bound: settled, claim unbounded
                     held = None
                     continue
@@ -145,7 +144,7 @@ def _drain(
             if overlap:
                 held = claimed
             else:
-                write(claimed)
+                finalize_s += write(claimed)
     finally:
         if pool is not None:
             pool.shutdown()
@@ -156,7 +155,7 @@ def _drain(
         "seconds": seconds,
         "rows/s": rows / seconds if seconds else 0.0,
         "claim ms/batch": 1000 * claim_s / max(1, batches),
-        "finalize ms/batch": 1000 * finalize_s[0] / max(1, batches),
+        "finalize ms/batch": 1000 * finalize_s / max(1, batches),
     }
 
 
