@@ -154,6 +154,8 @@ class Relay:
         self._held: tuple[_Held, ...] = ()
         #: Writes a batch's outcomes while the loop claims and produces the next one (pipeline).
         self._finalizer: ThreadPoolExecutor | None = None
+        #: When a claim last looked for expired leases (monotonic; see _reclaims_now).
+        self._reclaims_looked = -math.inf
         self._shard_count: int | None = None
         self._jittered = False
         self._next_sample = 0.0
@@ -285,6 +287,13 @@ class Relay:
         last = self._held[-1].batch.rows[-1].id  # a batch is in id order
         share = len(shards) / max(len(shards), self._shard_count or 1)
         return last + math.ceil(self.settings.batch_size / share)
+
+    def _reclaims_now(self, mono: float) -> bool:
+        """Whether this claim looks for expired leases: always with nothing of ours
+        in flight, and beside a leased batch once per ``poll_interval`` (the delay
+        an idle relay has anyway). Beside a batch, the rows it would read are
+        mostly that batch's, in the middle of their finalize (see claim.py)."""
+        return not self._held or mono - self._reclaims_looked >= self.settings.poll_interval
 
     def _may_claim(self, previous: _Held | None) -> bool:
         """Claim while ``previous`` is in flight only while its reports can still
@@ -456,6 +465,8 @@ class Relay:
             self.metrics.shards_owned.set(len(shards))
             if not shards or self.lifecycle.draining.is_set():
                 return None
+            started = time.monotonic()
+            reclaim = self._reclaims_now(started)
             batch = claim_batch(
                 self.engine,
                 self.settings.table,
@@ -467,7 +478,10 @@ class Relay:
                 shard_count=self._shard_count,
                 id_upper=self._next_id_upper(shards),
                 fence=claim_fence(self._ownership, shards),
+                reclaim=reclaim,
             )
+            if reclaim:
+                self._reclaims_looked = started
             if batch is None:
                 return None
             self._held = (*self._held, _Held(batch))

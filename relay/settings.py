@@ -105,7 +105,10 @@ class RelaySettings(RuntimeSettings):
     table: str = setting(DEFAULT_TABLE, help="outbox table to relay", validate=identifier_problem)
     batch_size: int = setting(500, help="rows claimed per batch", validate=at_least_one)
     poll_interval: float = setting(
-        1.0, help="seconds to wait before claiming again when nothing was due", validate=positive
+        1.0,
+        help="seconds to wait before claiming again when nothing was due; with the pipeline, "
+        "also how often a claim beside a leased batch looks for expired leases",
+        validate=positive,
     )
     lease_ttl: float = setting(
         60.0,

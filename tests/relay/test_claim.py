@@ -1099,9 +1099,10 @@ _STATES = [
 def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
     engine: sa.Engine, outbox: str
 ) -> None:
-    """The pipelined relay's claim beside a leased batch (``id_upper``): whatever
-    the rows' states, a claimed row has no earlier unsettled row of its key left
-    out of the batch, and no row past the bound is claimed."""
+    """The pipelined relay's claim beside a leased batch (``id_upper``, with or
+    without reclaims): whatever the rows' states, a claimed row has no earlier
+    unsettled row of its key left out of the batch, no row past the bound is
+    claimed, and without reclaims no ``delivering`` row is."""
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
@@ -1115,11 +1116,18 @@ def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(st.lists(row, min_size=1, max_size=25), st.integers(0, 26), st.integers(1, 8))
+    @given(
+        st.lists(row, min_size=1, max_size=25),
+        st.integers(0, 26),
+        st.integers(1, 8),
+        st.booleans(),
+    )
     # A bound that cut each status on its own (the first n retryable rows, the
     # first n pending rows) would take b's pending row 3 without its retryable row 2.
-    @example([("a", 1), ("b", 1), ("b", 0)], 3, 2)
-    def check(table: list[tuple[str | None, int]], bound: int, limit: int) -> None:
+    @example([("a", 1), ("b", 1), ("b", 0)], 3, 2, True)
+    # Without reclaims, a's expired row is left: a's pending row must wait with it.
+    @example([("a", 4), ("a", 0), ("b", 0)], 3, 8, False)
+    def check(table: list[tuple[str | None, int]], bound: int, limit: int, reclaim: bool) -> None:
         with engine.begin() as conn:
             conn.execute(t.delete())
         add_events(engine, outbox, [Event(topic="t", key=k, payload=b"x") for k, _ in table])
@@ -1140,11 +1148,22 @@ def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
                 )
         id_upper = ids[0] - 1 + bound
         batch = claim_batch(
-            engine, outbox, owner="r", shards=ALL, limit=limit, lease_ttl=60, id_upper=id_upper
+            engine,
+            outbox,
+            owner="r",
+            shards=ALL,
+            limit=limit,
+            lease_ttl=60,
+            id_upper=id_upper,
+            reclaim=reclaim,
         )
         claimed = {r.id for r in batch.rows} if batch is not None else set()
         assert all(i <= id_upper for i in claimed), "nothing past the bound"
         assert len(claimed) <= limit
+        state_of = dict(zip(ids, (state for _, state in table), strict=True))
+        assert reclaim or not any(_STATES[state_of[i]][0] == "delivering" for i in claimed), (
+            "a claim without reclaims took a delivering row"
+        )
         for row_id, (key, _) in zip(ids, table, strict=True):
             if row_id not in claimed or key is None:
                 continue

@@ -143,8 +143,15 @@ class ProtocolModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ claims
 
-    @rule(target=batches, relay=st.sampled_from(RELAYS), limit=st.integers(1, 6))
-    def claim(self, relay: str, limit: int) -> object:
+    @rule(
+        target=batches,
+        relay=st.sampled_from(RELAYS),
+        limit=st.integers(1, 6),
+        reclaim=st.booleans(),
+    )
+    def claim(self, relay: str, limit: int, reclaim: bool = True) -> object:
+        # reclaim=False: the pipelined relay's claim beside its batch in flight,
+        # which leaves expired leases to a later claim.
         batch = claim_batch(
             self.engine,
             TABLE,
@@ -153,9 +160,13 @@ class ProtocolModel(RuleBasedStateMachine):
             limit=limit,
             lease_ttl=LEASE_TTL,
             excluded_topics=frozenset(self.paused),
+            reclaim=reclaim,
         )
         if batch is None:
             return multiple()
+        assert reclaim or all(r.reclaimed_from is None for r in batch.rows), (
+            f"a claim without reclaims took delivering rows from {batch.rows}"
+        )
         sim = SimBatch(relay, batch)
         # The batch it replaces (a reclaim) no longer holds these rows.
         taken = set(sim.ids)

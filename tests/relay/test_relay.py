@@ -12,11 +12,21 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from relay_support import EmbeddedRelay, add_events, consume, fast_settings, rows, wait_for
+from relay_support import (
+    EmbeddedRelay,
+    add_events,
+    consume,
+    db_time,
+    fast_settings,
+    rows,
+    wait_for,
+)
 from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay import relay as relay_module
+from outboxkit.relay.claim import claim_batch
+from outboxkit.schema import outbox_table
 
 pytestmark = [pytest.mark.integration, on_both_databases]
 
@@ -157,6 +167,73 @@ def test_the_pipeline_writes_a_batch_while_the_next_one_is_claimed(
     assert {r.status for r in table} == {"delivered"} and {r.attempts for r in table} == {1}
     messages = consume(kafka_bootstrap, topic, expected=60)
     assert len(messages) == 60
+    _assert_key_order(engine, outbox, messages)
+
+
+def test_a_busy_pipelined_relay_reclaims_expired_leases_in_key_order(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A dead relay left key "d"'s first three rows leased; "d" has two more rows
+    # after a backlog of other keys. Claims take 0.1 s longer (a slow database),
+    # so the pipelined relay has a batch in flight at nearly every claim: those
+    # leave expired leases alone and hold "d" back, and one per poll_interval
+    # looks. The dead lease runs out just before the fourth claim, mid-drain: it
+    # is reclaimed before the backlog is done, and "d" arrives whole and in order.
+    topic = kafka_topics(partitions=3)
+    add_events(engine, outbox, [Event(topic=topic, key="d", payload=f"d{i}") for i in range(3)])
+    dead = claim_batch(engine, outbox, owner="dead", shards=range(64), limit=3, lease_ttl=600)
+    assert dead is not None
+    backlog = [Event(topic=topic, key=f"k{i % 20}", payload=b"p") for i in range(150)]
+    tail = [Event(topic=topic, key="d", payload=f"d{i}") for i in (3, 4)]
+    add_events(engine, outbox, [*backlog, *tail])
+    t = outbox_table(outbox)
+    # (in flight, looked for expired leases, rows, rows reclaimed), per claim
+    claims: list[tuple[bool, bool, int, int]] = []
+    slow_claim = relay_module.claim_batch
+
+    def recorded_claim(*args: Any, **kwargs: Any) -> Any:
+        if len(claims) == 3:
+            with engine.begin() as conn:
+                conn.execute(
+                    t.update().where(t.c.lease_owner == "dead").values(lease_expires_at=db_time(-1))
+                )
+        time.sleep(0.1)
+        batch = slow_claim(*args, **kwargs)
+        rows_ = batch.rows if batch is not None else ()
+        claims.append(
+            (
+                kwargs.get("id_upper") is not None,
+                kwargs.get("reclaim", True),
+                len(rows_),
+                sum(1 for r in rows_ if r.reclaimed_from == "dead"),
+            )
+        )
+        return batch
+
+    monkeypatch.setattr(relay_module, "claim_batch", recorded_claim)
+    relay = embedded(
+        fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True, poll_interval=0.5)
+    )
+    wait_for(
+        lambda: relay.metric("outbox_rows_delivered_total") >= 155, timeout=60, what="155 rows"
+    )
+    assert relay.stop() == 0
+    assert relay.metric("outbox_rows_reclaimed_total") == 3
+    assert any(in_flight and not looked for in_flight, looked, *_ in claims), claims
+    assert all(looked for in_flight, looked, *_ in claims if not in_flight), claims
+    (reclaiming,) = [i for i, c in enumerate(claims) if c[3]]
+    assert claims[reclaiming][3] == 3 and claims[reclaiming][1], claims
+    assert any(n for _, _, n, _ in claims[reclaiming + 1 :]), f"reclaimed at the end: {claims}"
+    assert {r.status for r in rows(engine, outbox)} == {"delivered"}
+    messages = consume(kafka_bootstrap, topic, expected=155)
+    assert len(messages) == 155
+    assert [m.value for m in messages if m.key == b"d"] == [b"d0", b"d1", b"d2", b"d3", b"d4"]
     _assert_key_order(engine, outbox, messages)
 
 
