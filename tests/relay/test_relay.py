@@ -183,13 +183,14 @@ def test_a_busy_pipelined_relay_reclaims_expired_leases_in_key_order(
     # after a backlog of other keys. Claims take 0.1 s longer (a slow database),
     # so the pipelined relay has a batch in flight at nearly every claim: those
     # leave expired leases alone and hold "d" back, and one per poll_interval
-    # looks. The dead lease runs out just before the fourth claim, mid-drain: it
-    # is reclaimed before the backlog is done, and "d" arrives whole and in order.
+    # looks. The dead lease runs out just before the fourth claim, mid-drain
+    # (25 claims of at least 0.1 s, a look at least once a second): it is
+    # reclaimed before the backlog is done, and "d" arrives whole and in order.
     topic = kafka_topics(partitions=3)
     add_events(engine, outbox, [Event(topic=topic, key="d", payload=f"d{i}") for i in range(3)])
     dead = claim_batch(engine, outbox, owner="dead", shards=range(64), limit=3, lease_ttl=600)
     assert dead is not None
-    backlog = [Event(topic=topic, key=f"k{i % 20}", payload=b"p") for i in range(150)]
+    backlog = [Event(topic=topic, key=f"k{i % 20}", payload=b"p") for i in range(250)]
     tail = [Event(topic=topic, key="d", payload=f"d{i}") for i in (3, 4)]
     add_events(engine, outbox, [*backlog, *tail])
     t = outbox_table(outbox)
@@ -218,10 +219,10 @@ def test_a_busy_pipelined_relay_reclaims_expired_leases_in_key_order(
 
     monkeypatch.setattr(relay_module, "claim_batch", recorded_claim)
     relay = embedded(
-        fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True, poll_interval=0.5)
+        fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True, poll_interval=1.0)
     )
     wait_for(
-        lambda: relay.metric("outbox_rows_delivered_total") >= 155, timeout=60, what="155 rows"
+        lambda: relay.metric("outbox_rows_delivered_total") >= 255, timeout=60, what="255 rows"
     )
     assert relay.stop() == 0
     assert relay.metric("outbox_rows_reclaimed_total") == 3
@@ -231,8 +232,8 @@ def test_a_busy_pipelined_relay_reclaims_expired_leases_in_key_order(
     assert claims[reclaiming][3] == 3 and claims[reclaiming][1], claims
     assert any(n for _, _, n, _ in claims[reclaiming + 1 :]), f"reclaimed at the end: {claims}"
     assert {r.status for r in rows(engine, outbox)} == {"delivered"}
-    messages = consume(kafka_bootstrap, topic, expected=155)
-    assert len(messages) == 155
+    messages = consume(kafka_bootstrap, topic, expected=255)
+    assert len(messages) == 255
     assert [m.value for m in messages if m.key == b"d"] == [b"d0", b"d1", b"d2", b"d3", b"d4"]
     _assert_key_order(engine, outbox, messages)
 
