@@ -777,14 +777,19 @@ PG_SESSION_SETTINGS = {"plan_cache_mode": "force_custom_plan", "jit": "off"}
 _PG_CUSTOM_PLANS = f"-c plan_cache_mode={PG_SESSION_SETTINGS['plan_cache_mode']}"
 
 
-def check_session_settings(conn: Connection) -> None:
+def check_session_settings(conn: Connection, *, lease_ttl: float) -> None:
     """Log ``engine-settings`` (a warning) when a PostgreSQL session of an engine
-    passed to ``Relay(..., engine=...)`` lacks :data:`PG_SESSION_SETTINGS`.
+    passed to ``Relay(..., engine=...)`` lacks :data:`PG_SESSION_SETTINGS`, or
+    bounds no statement by the lease (``statement_timeout`` off or longer than
+    the relay's own engine sets, :func:`statement_timeout_s`).
 
     That engine is the caller's (other code may share its pool), so the relay
     does not change it; it says once, at start, what differs and the
     ``connect_args`` that set it. Without them the claim can keep a plan made for
-    a table that has since grown (docs/postgresql.md, *What differs from MySQL*)."""
+    a table that has since grown (docs/postgresql.md, *What differs from MySQL*),
+    and a statement stuck on the server can hold the relay past its rows' lease.
+    MySQL/MariaDB bound statements on the client (the driver's read timeout),
+    which a session cannot report: not checked there."""
     if conn.dialect.name != "postgresql":
         return
     names = sorted(PG_SESSION_SETTINGS)
@@ -792,14 +797,23 @@ def check_session_settings(conn: Connection) -> None:
     current = conn.execute(
         sa.select(*(sa.func.current_setting(sa.literal(name), sa.true()) for name in names))
     ).one()
+    wanted = {**PG_SESSION_SETTINGS}
     differing = {
         name: value
         for name, value in zip(names, current, strict=True)
-        if value is not None and value != PG_SESSION_SETTINGS[name]
+        if value is not None and value != wanted[name]
     }
+    # pg_settings gives the value in milliseconds, whatever unit it was set in.
+    timeout_ms = conn.execute(
+        sa.text("SELECT setting FROM pg_settings WHERE name = 'statement_timeout'")
+    ).scalar_one_or_none()
+    limit_s = statement_timeout_s(lease_ttl)
+    if timeout_ms is not None and not 0 < int(timeout_ms) <= limit_s * 1000:
+        differing["statement_timeout"] = "0 (none)" if int(timeout_ms) == 0 else f"{timeout_ms}ms"
+        wanted["statement_timeout"] = f"{limit_s}s"
     if not differing:
         return
-    options = " ".join(f"-c {name}={PG_SESSION_SETTINGS[name]}" for name in differing)
+    options = " ".join(f"-c {name}={wanted[name]}" for name in differing)
     log_event(
         log,
         "engine-settings",
@@ -807,8 +821,15 @@ def check_session_settings(conn: Connection) -> None:
         differing=differing,
         advice=f'create the engine with connect_args={{"options": "{options}"}}',
         effect="the relay runs; without these its claims may keep plans made for an "
-        "emptier table (plan_cache_mode) or be compiled on every run at large batches (jit)",
+        "emptier table (plan_cache_mode), be compiled on every run at large batches (jit), "
+        "or wait on a stuck statement past their rows' lease (statement_timeout)",
     )
+
+
+def statement_timeout_s(lease_ttl: float) -> int:
+    """The longest a relay's statement may run, in whole seconds: a statement that
+    outlives a lease is pointless, and a hung server must not hang the loop."""
+    return max(1, math.ceil(lease_ttl))
 
 
 def create_engine(settings: RelaySettings) -> Engine:
@@ -832,9 +853,7 @@ def create_engine(settings: RelaySettings) -> Engine:
     assert settings.db_url is not None
     url = sa.make_url(settings.db_url)
     connect_args: dict[str, object] = {}
-    # A statement that outlives a lease is pointless; a hung server must not
-    # hang the loop forever either.
-    timeout = max(1, math.ceil(settings.lease_ttl))
+    timeout = statement_timeout_s(settings.lease_ttl)
     connect_timeout = max(1, math.ceil(settings.connect_timeout))
     backend = url.get_backend_name()
     if backend in MYSQL_DIALECTS:

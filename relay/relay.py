@@ -782,7 +782,7 @@ class Relay:
                 shard_count = read_shard_count(conn, self.settings.table)
                 require_claim_schema(conn, self.settings.table)
                 if not self._own_engine:
-                    check_session_settings(conn)
+                    check_session_settings(conn, lease_ttl=self.settings.lease_ttl)
                 return shard_count
 
         def sleep(seconds: float) -> None:

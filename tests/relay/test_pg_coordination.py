@@ -303,12 +303,18 @@ def test_an_embedded_relay_given_only_a_postgresql_engine_coordinates_the_same_w
     assert relay.stop() == 0
 
 
+_BOTH = "-c plan_cache_mode=force_custom_plan -c jit=off"
+
+
 @pytest.mark.parametrize(
     ("options", "differing"),
     [
-        (None, {"plan_cache_mode", "jit"}),
-        ("-c jit=off", {"plan_cache_mode"}),
-        ("-c plan_cache_mode=force_custom_plan -c jit=off", set()),
+        (None, {"plan_cache_mode", "jit", "statement_timeout"}),
+        ("-c jit=off -c statement_timeout=2s", {"plan_cache_mode"}),
+        (_BOTH, {"statement_timeout"}),
+        # Bounded, but past the lease (FAST: 6 s): as good as none for the relay.
+        (f"{_BOTH} -c statement_timeout=10min", {"statement_timeout"}),
+        (f"{_BOTH} -c statement_timeout=6000ms", set()),
     ],
 )
 def test_a_relay_given_a_postgresql_engine_says_which_session_settings_it_lacks(
@@ -321,9 +327,10 @@ def test_a_relay_given_a_postgresql_engine_says_which_session_settings_it_lacks(
     options: str | None,
     differing: set[str],
 ) -> None:
-    """The relay's own engine opens its sessions with custom plans and no JIT
-    (docs/postgresql.md); an engine passed in is the caller's, so the relay does
-    not change it, but says at start what differs and how to set it."""
+    """The relay's own engine opens its sessions with custom plans, no JIT and a
+    statement timeout of the lease (docs/postgresql.md); an engine passed in is
+    the caller's, so the relay does not change it, but says at start what
+    differs and how to set it."""
     caplog.set_level(logging.INFO, logger="outboxkit")
     given = sa.create_engine(pg_url, connect_args={"options": options} if options else {})
     request.addfinalizer(given.dispose)
@@ -345,6 +352,8 @@ def test_a_relay_given_a_postgresql_engine_says_which_session_settings_it_lacks(
         assert set(found["differing"]) == differing, found
         for name in differing:
             assert f"-c {name}=" in found["advice"], found
+        if "statement_timeout" in differing:
+            assert f"-c statement_timeout={settings.lease_ttl:.0f}s" in found["advice"], found
         assert pg_url.split("@")[0].split(":")[-1] not in record.getMessage()  # no password
     assert relay.stop() == 0
 
