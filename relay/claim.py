@@ -209,6 +209,14 @@ def candidates(
     return [(r.id, r.message_key) for r in conn.execute(query, params)]
 
 
+def reclaims_due(*, in_flight: bool, looked: float, now: float, poll_interval: float) -> bool:
+    """Whether a claim looks for expired leases (``reclaim``): always with nothing
+    of the claimer's in flight, and beside its leased batch once per
+    ``poll_interval`` since it ``looked`` last (monotonic seconds; see the module
+    docstring). The relay's rule, and the DB ceiling's that copies the relay."""
+    return not in_flight or now - looked >= poll_interval
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_candidates_query(
     table: str,

@@ -41,6 +41,7 @@ from outboxkit.relay.claim import (
     check_session_settings,
     claim_batch,
     create_engine,
+    reclaims_due,
 )
 from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
@@ -154,7 +155,7 @@ class Relay:
         self._held: tuple[_Held, ...] = ()
         #: Writes a batch's outcomes while the loop claims and produces the next one (pipeline).
         self._finalizer: ThreadPoolExecutor | None = None
-        #: When a claim last looked for expired leases (monotonic; see _reclaims_now).
+        #: When a claim last looked for expired leases (monotonic; see reclaims_due).
         self._reclaims_looked = -math.inf
         self._shard_count: int | None = None
         self._jittered = False
@@ -287,13 +288,6 @@ class Relay:
         last = self._held[-1].batch.rows[-1].id  # a batch is in id order
         share = len(shards) / max(len(shards), self._shard_count or 1)
         return last + math.ceil(self.settings.batch_size / share)
-
-    def _reclaims_now(self, mono: float) -> bool:
-        """Whether this claim looks for expired leases: always with nothing of ours
-        in flight, and beside a leased batch once per ``poll_interval`` (the delay
-        an idle relay has anyway). Beside a batch, the rows it would read are
-        mostly that batch's, in the middle of their finalize (see claim.py)."""
-        return not self._held or mono - self._reclaims_looked >= self.settings.poll_interval
 
     def _may_claim(self, previous: _Held | None) -> bool:
         """Claim while ``previous`` is in flight only while its reports can still
@@ -466,7 +460,14 @@ class Relay:
             if not shards or self.lifecycle.draining.is_set():
                 return None
             started = time.monotonic()
-            reclaim = self._reclaims_now(started)
+            # Beside a leased batch, the rows a look reads are mostly that batch's,
+            # in the middle of their finalize: once per poll_interval (see claim.py).
+            reclaim = reclaims_due(
+                in_flight=bool(self._held),
+                looked=self._reclaims_looked,
+                now=started,
+                poll_interval=self.settings.poll_interval,
+            )
             batch = claim_batch(
                 self.engine,
                 self.settings.table,

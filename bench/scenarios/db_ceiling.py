@@ -100,8 +100,9 @@ def _drain(
     def claim_next(id_upper: int | None) -> Any:
         nonlocal looked
         now = time.monotonic()
-        # As the relay does: beside a leased batch, once per poll_interval.
-        reclaim = id_upper is None or now - looked >= poll_interval
+        reclaim = claim.reclaims_due(
+            in_flight=id_upper is not None, looked=looked, now=now, poll_interval=poll_interval
+        )
         if reclaim:
             looked = now
         return claim.claim_batch(
