@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== goals")
     for g in report["goals"]:
         met = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
-        print(f"   {g['goal']:50} {g['target']:>8}  measured {fmt(g['measured']):>10}  {met}")
+        bound = g.get("bound in this run")
+        allows = "" if bound is None else f"  (this run allows {fmt(bound)})"
+        print(
+            f"   {g['goal']:50} {g['target']:>8}  measured {fmt(g['measured']):>10}  {met}{allows}"
+        )
     print(f"\nresults: {report['path']}")
     if args.write_docs:
         write_docs(DOCS, report)

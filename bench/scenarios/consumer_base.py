@@ -5,8 +5,9 @@ thread, as the raw loops run in this process) with a fresh group, and stops it
 once every message was handled.  Variants: the trivial handler; the same
 reading ``message.event_id``; the same with
 the inbox on MariaDB (each message in its own transaction with an inbox row),
-with one lane and with ``INBOX_LANES``; the inbox with up to ``INBOX_BATCH``
-messages of a lane per transaction;
+with one lane and with ``INBOX_LANES``, beside the inbox's two statements run
+through the driver alone (the most one lane of such transactions can do here);
+the inbox with up to ``INBOX_BATCH`` messages of a lane per transaction;
 ``concurrency=N`` with a handler that sleeps 1 ms.
 
 Last, ``outboxkit consume bench.apps:Trivial`` with the inbox as a process of its
@@ -33,12 +34,16 @@ from bench.procs import Proc
 from bench.report import Row, ScenarioResult
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.schema import DEFAULT_INBOX_TABLE, inbox_table
+from outboxkit.schema.table import db_now
 
 #: Messages per inbox transaction in the batched-inbox row (``--inbox-batch``).
 INBOX_BATCH = 64
 #: Lanes (``concurrency``) of the second single-message inbox row: each lane's
 #: transaction waits on its own database round trips, so lanes overlap them.
 INBOX_LANES = 4
+#: Messages of the driver-alone inbox loop (:func:`inbox_driver_floor`): a few
+#: seconds at this host's rate, enough for a steady one.
+DRIVER_FLOOR_MESSAGES = 20_000
 #: Seconds between counts of the inbox table while a consumer process fills it.
 _INBOX_POLL_S = 0.25
 
@@ -208,6 +213,52 @@ def base_vs_raw_rounds(
     )
 
 
+def inbox_driver_floor(ctx: BenchContext, messages: int) -> Row:
+    """The single-message inbox's two round trips with nothing around them: its
+    one-row ``INSERT`` and a ``COMMIT``, ``messages`` times, through the driver's
+    own cursor on one connection, into a fresh inbox table. No consumer, no
+    Kafka, no SQLAlchemy on the way: what the database and driver allow one
+    lane of one-message transactions on this host, in this run (the bound of
+    the single-message inbox goal)."""
+    table = inbox_table("bench_inbox_driver")
+    table.drop(ctx.engine, checkfirst=True)
+    table.create(ctx.engine)
+    names = ("group_id", "event_id", "topic", "kafka_partition", "kafka_offset")
+    stmt = table.insert().values(
+        {**{name: sa.bindparam(name) for name in names}, "processed_at": db_now()}
+    )
+    compiled = stmt.compile(dialect=ctx.engine.dialect)
+    order = tuple(compiled.positiontup or ()) if compiled.positional else None
+    raw = ctx.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for n in range(messages):
+            params: dict[str, Any] = {
+                "group_id": "bench-driver",
+                "event_id": f"driver-{n}",
+                "topic": "bench",
+                "kafka_partition": 0,
+                "kafka_offset": n,
+            }
+            cursor.execute(
+                compiled.string, params if order is None else tuple(params[k] for k in order)
+            )
+            raw.commit()
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        cursor.close()
+    finally:
+        raw.close()
+    table.drop(ctx.engine)
+    return {
+        "variant": "driver alone: the inbox INSERT + COMMIT, one connection",
+        "messages": messages,
+        "seconds": seconds,
+        "msgs/s": messages / seconds,
+        "cpu s/1k msgs": cpu / messages * 1000,
+    }
+
+
 def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     cfg = ctx.config
     dlq_topic(ctx, topic)
@@ -240,6 +291,9 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.rows.append(inbox)
     res.figures["inbox_rate"] = inbox["msgs/s"]
     res.figures["inbox_cpu_per_1k"] = inbox["cpu s/1k msgs"]
+    floor = inbox_driver_floor(ctx, min(DRIVER_FLOOR_MESSAGES, cfg.consumer_messages))
+    res.rows.append(floor)
+    res.figures["inbox_driver_rate"] = floor["msgs/s"]
     lanes = embedded(
         ctx,
         Trivial,
@@ -266,7 +320,9 @@ def run_variants(ctx: BenchContext, res: ScenarioResult, topic: str) -> None:
     res.figures["inbox_batch_rate"] = batched["msgs/s"]
     res.figures["inbox_batch_cpu_per_1k"] = batched["cpu s/1k msgs"]
     res.notes.append(
-        f"inbox: {inbox['msgs/s']:,.0f} msgs/s one message per transaction, "
+        f"inbox: {inbox['msgs/s']:,.0f} msgs/s one message per transaction "
+        f"({inbox['msgs/s'] / floor['msgs/s']:.2f} of the driver alone, "
+        f"{floor['msgs/s']:,.0f}), "
         f"{lanes['msgs/s']:,.0f} with concurrency={INBOX_LANES}, "
         f"{batched['msgs/s']:,.0f} with inbox_batch={INBOX_BATCH} "
         f"({batched['msgs/s'] / inbox['msgs/s']:.2f}x)"

@@ -72,7 +72,8 @@ def test_smoke_run_writes_a_complete_report(
 
     assert {g["goal"] for g in saved["goals"]} >= {"consumer base class vs raw poll loop"}
     for goal in saved["goals"]:
-        assert set(goal) == {"goal", "target", "measured", "met"}
+        assert set(goal) == {"goal", "target", "measured", "met", "bound in this run"}
+    _assert_goal_bounds(saved)
 
     _assert_memory_and_cpu(saved)
     _assert_scale_out(saved, services)
@@ -83,6 +84,38 @@ def test_smoke_run_writes_a_complete_report(
     assert "rate_overlapped" in saved["scenarios"]["db-ceiling"]["figures"]
     # The latency rows read each relay's /metrics on the health port it logged.
     assert all("batches/s" in row for row in saved["scenarios"]["latency"]["rows"])
+
+
+#: Goals whose bound this run measures, and the figure each bound is made of.
+BOUNDED_GOALS = {
+    "pipelined relay vs DB ceiling (1 relay)": ("db-ceiling", "rate_overlapped"),
+    "pipelined relay vs no pipeline (1 relay, default batch)": ("db-ceiling", "rate_overlapped"),
+    "consumer with the inbox (msgs/s)": ("consumer", "inbox_driver_rate"),
+}
+
+
+def _assert_goal_bounds(saved: dict[str, Any]) -> None:
+    """The goals with a bound show it, from this run's figures; the others none;
+    and the docs' goals table says what the bound is."""
+    from bench.report import BOUND_NOTE, markdown_report
+
+    goals = {g["goal"]: g for g in saved["goals"]}
+    for name, goal in goals.items():
+        bound = goal["bound in this run"]
+        if name in BOUNDED_GOALS:
+            assert bound is not None and math.isfinite(bound) and bound > 0, (name, bound)
+        else:
+            assert bound is None, (name, bound)
+    consumer = saved["scenarios"]["consumer"]
+    floor = consumer["figures"]["inbox_driver_rate"]
+    assert goals["consumer with the inbox (msgs/s)"]["bound in this run"] == floor
+    rows = [r for r in consumer["rows"] if r["variant"].startswith("driver alone")]
+    assert len(rows) == 1 and rows[0]["msgs/s"] == floor, rows
+    ceiling = saved["scenarios"]["db-ceiling"]["figures"]
+    pipelined = goals["pipelined relay vs DB ceiling (1 relay)"]["bound in this run"]
+    assert pipelined == ceiling["rate_overlapped"] / ceiling["rate"]
+    table = markdown_report(saved)
+    assert "bound in this run" in table and BOUND_NOTE in table
 
 
 def _assert_consumer_rounds(saved: dict[str, Any]) -> None:
@@ -225,6 +258,8 @@ def test_smoke_run_on_postgresql_needs_no_redis(
     # Drains long enough to count the relays' CPU (a figure is left out when not).
     for n in BenchConfig.smoke().relay_counts:
         assert f"relay_cpu_per_1k_{n}" in throughput["figures"], throughput["notes"]
+    # The inbox's statements through psycopg alone: the single-message inbox's bound.
+    assert "inbox_driver_rate" in saved["scenarios"]["consumer"]["figures"]
     goals = {g["goal"]: g for g in saved["goals"]}
     # The PostgreSQL issue's bounds (the 1,000/s latency one needs the full sizes).
     for goal in ("relay vs DB ceiling (1 relay)", "1M backlog: last 10% vs first 10%"):
