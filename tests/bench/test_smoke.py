@@ -103,6 +103,8 @@ def _assert_goal_bounds(saved: dict[str, Any]) -> None:
     for name, goal in goals.items():
         bound = goal["bound in this run"]
         if name in BOUNDED_GOALS:
+            scenario, figure = BOUNDED_GOALS[name]
+            assert figure in saved["scenarios"][scenario]["figures"], (name, figure)
             assert bound is not None and math.isfinite(bound) and bound > 0, (name, bound)
         else:
             assert bound is None, (name, bound)
