@@ -43,10 +43,27 @@ LOG_FILE="$INSTANCE_DIR/kafka.log"
 DATA_DIR="$INSTANCE_DIR/data"
 PROC_MATCH="kafka.Kafka $PROPS"
 
+# Several starts at once (tests that start brokers of their own in parallel, on
+# a checkout whose jars are not fetched yet) fetch once: the first takes the
+# lock and fetches, the others wait for it and find the jars there. Without the
+# lock each one emptied the folder and copied into it beside the others.
 ensure_jars() {
     if [[ -f "$LIB_DIR/.complete" ]]; then
         return 0
     fi
+    mkdir -p "$KAFKA_HOME"
+    local lock_fd
+    exec {lock_fd}>"$KAFKA_HOME/fetch.lock"
+    flock -w "${KAFKA_FETCH_TIMEOUT:-900}" "$lock_fd" ||
+        die "another kafka.sh still fetches the Kafka jars (lock $KAFKA_HOME/fetch.lock)"
+    if [[ ! -f "$LIB_DIR/.complete" ]]; then
+        fetch_jars
+    fi
+    exec {lock_fd}>&-
+}
+
+# Only under ensure_jars' lock: an unfinished folder (a fetch that died) is emptied first.
+fetch_jars() {
     command -v java >/dev/null || ensure_packages openjdk-17-jre-headless
     command -v mvn >/dev/null || ensure_packages maven
     log "fetching Kafka jars with Maven (once; log: $KAFKA_HOME/mvn.log)"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.services import free_port
+from support.services import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "deploy" / "local"
@@ -131,6 +131,61 @@ def test_postgres_runs_unprivileged_on_loopback_and_survives_a_crash(state_dir: 
         assert _run([script, "status", "--name", name], env=env).returncode == 0
     finally:
         _run([script, "stop", "--name", name], env=env)
+
+
+#: Brokers started at once on a checkout whose jars are not fetched yet.
+_CONCURRENT_BROKERS = 3
+
+
+@pytest.mark.integration
+def test_brokers_started_at_once_on_a_fresh_checkout_fetch_the_jars_once(
+    state_dir: Path,
+) -> None:
+    """Tests start dedicated brokers in parallel; on a checkout whose jars are
+    not fetched yet (its services were started from another checkout), each
+    start fetched them at once, emptying the folder under the others, and all
+    but one failed ("mvn could not fetch the Kafka jars"). Now one fetches and
+    the others wait for it: every start succeeds, the jars are fetched once."""
+    checkout = state_dir / "local"
+    shutil.copytree(LOCAL, checkout, ignore=shutil.ignore_patterns(".kafka", ".state"))
+    script = str(checkout / "kafka.sh")
+    names = [f"fetch{i}" for i in range(_CONCURRENT_BROKERS)]
+    ports = free_ports(2 * _CONCURRENT_BROKERS)
+    starts = [
+        subprocess.Popen(
+            [
+                script,
+                "start",
+                "--name",
+                name,
+                "--port",
+                str(ports[2 * i]),
+                "--controller-port",
+                str(ports[2 * i + 1]),
+                "--heap",
+                "256m",
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "VERBOSE"},
+        )
+        for i, name in enumerate(names)
+    ]
+    try:
+        outcomes = [(start.wait(timeout=600), start.communicate()[1]) for start in starts]
+        for name, port, (code, stderr) in zip(names, ports[::2], outcomes, strict=True):
+            assert code == 0, stderr
+            assert f"[kafka] {name} ready on 127.0.0.1:{port}" in stderr, stderr
+        fetched = [line for _, err in outcomes for line in err.splitlines() if "fetching" in line]
+        assert len(fetched) == 1, fetched
+        assert (checkout / ".kafka" / "lib" / ".complete").exists()
+    finally:
+        for start in starts:
+            if start.poll() is None:
+                start.kill()
+        for name in names:
+            _run([script, "stop", "--name", name])
 
 
 def _pg_query(state: Path, name: str, port: int, query: str) -> str:
