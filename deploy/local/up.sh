@@ -15,6 +15,32 @@ for arg in "$@"; do
     esac
 done
 
+# The default instances listen on fixed ports, shared by every checkout on this
+# machine (worktrees, CI clones). Two up.sh at once, with nothing running yet,
+# both started each service and one of them failed on a port the other had just
+# bound; apt-get and the jar fetch would collide too. So one up.sh at a time per
+# machine: the rest of this script runs under a lock held by flock(1) itself
+# (-o: the services started below do not inherit it), and the next up.sh waits,
+# then finds the services up ("started outside this checkout"). Quiet for the
+# first OUTBOXKIT_LOCAL_UP_QUIET_WAIT seconds (10), so a wait behind a quick run
+# prints nothing; bounded by OUTBOXKIT_LOCAL_UP_TIMEOUT (1800).
+if [[ -z "${OUTBOXKIT_LOCAL_UP_LOCKED:-}" ]]; then
+    export OUTBOXKIT_LOCAL_UP_LOCKED=1
+    up_lock="${OUTBOXKIT_LOCAL_UP_LOCK:-/tmp/outboxkit-local-up.lock}"
+    (umask 000 && : >>"$up_lock")
+    busy=75 # flock's exit code when the wait ran out; up.sh itself never exits with it
+    rerun=("$up_lock" "$BASH" "$0" "$@")
+    rc=0
+    flock -o -E "$busy" -w "${OUTBOXKIT_LOCAL_UP_QUIET_WAIT:-10}" "${rerun[@]}" || rc=$?
+    if [[ $rc -eq $busy ]]; then
+        log "waiting for another up.sh on this machine (lock $up_lock)"
+        rc=0
+        flock -o -E "$busy" -w "${OUTBOXKIT_LOCAL_UP_TIMEOUT:-1800}" "${rerun[@]}" || rc=$?
+        [[ $rc -ne $busy ]] || die "another up.sh still holds $up_lock"
+    fi
+    exit "$rc"
+fi
+
 started=$(date +%s)
 
 # One apt-get update + install for everything missing, so the per-service

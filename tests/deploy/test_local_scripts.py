@@ -6,15 +6,18 @@ lines only, whatever the verbosity.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.services import free_port, free_ports
+from support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "deploy" / "local"
@@ -55,6 +58,48 @@ def test_up_prints_the_exports_on_stdout_and_one_line_per_service(verbose: bool)
             [line] = [x for x in lines if x.startswith(f"[{service}] ")]
             assert " ready on 127.0.0.1:" in line and len(line) < 100, line
         assert lines[-1].startswith("[up] all services up in ")
+
+
+@pytest.mark.integration
+def test_up_waits_while_another_up_runs_on_this_machine(tmp_path: Path) -> None:
+    """The default services listen on fixed ports that every checkout shares: two
+    ``up.sh`` at once with nothing running both started each service, and one
+    failed on a port the other had just bound (reproduced by hand from two
+    clones: "Can't start server: Bind on TCP/IP port", exit 1). Now an ``up.sh``
+    waits while another holds the machine's lock, says so, then goes on."""
+    lock_path = tmp_path / "up.lock"
+    env = {k: v for k, v in os.environ.items() if k not in ("VERBOSE", "OUTBOXKIT_LOCAL_UP_LOCKED")}
+    env |= {"OUTBOXKIT_LOCAL_UP_LOCK": str(lock_path), "OUTBOXKIT_LOCAL_UP_QUIET_WAIT": "0"}
+    with lock_path.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another up.sh, mid-run
+        up = subprocess.Popen(
+            [str(LOCAL / "up.sh")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(up.stderr or ()), daemon=True)
+        reader.start()
+        try:
+            wait_for(
+                lambda: any("waiting for another up.sh on this machine" in x for x in lines),
+                timeout=30,
+                what="up.sh saying it waits",
+            )
+            assert up.poll() is None, "".join(lines)  # still waiting, started nothing
+            assert [x for x in lines if "ready on" in x] == [], lines
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        with up:  # closes both pipes
+            stdout = up.stdout.read() if up.stdout else ""  # stderr is the reader's
+            up.wait(timeout=300)
+            reader.join(10)
+    assert up.returncode == 0, "".join(lines)
+    assert stdout.startswith("export OUTBOXKIT_TEST_DB_URL="), stdout
+    assert sum("ready on 127.0.0.1:" in x for x in lines) == 5, lines
 
 
 @pytest.fixture
