@@ -800,21 +800,25 @@ def check_session_settings(conn: Connection, *, lease_ttl: float) -> None:
     which a session cannot report: not checked there."""
     if conn.dialect.name != "postgresql":
         return
-    names = sorted(PG_SESSION_SETTINGS)
-    # missing_ok: NULL for a setting this server does not have (nothing to advise).
-    current = conn.execute(
-        sa.select(*(sa.func.current_setting(sa.literal(name), sa.true()) for name in names))
-    ).one()
+    # One read of the session's values; a setting this server does not have is
+    # absent (nothing to advise). statement_timeout is in milliseconds there,
+    # whatever unit it was set in.
+    read = sa.text("SELECT name, setting FROM pg_settings WHERE name IN :names").bindparams(
+        sa.bindparam("names", expanding=True)
+    )
+    current = {
+        str(name): str(value)
+        for name, value in conn.execute(
+            read, {"names": [*PG_SESSION_SETTINGS, "statement_timeout"]}
+        )
+    }
     wanted = {**PG_SESSION_SETTINGS}
     differing = {
-        name: value
-        for name, value in zip(names, current, strict=True)
-        if value is not None and value != wanted[name]
+        name: current[name]
+        for name in sorted(PG_SESSION_SETTINGS)
+        if name in current and current[name] != wanted[name]
     }
-    # pg_settings gives the value in milliseconds, whatever unit it was set in.
-    timeout_ms = conn.execute(
-        sa.text("SELECT setting FROM pg_settings WHERE name = 'statement_timeout'")
-    ).scalar_one_or_none()
+    timeout_ms = current.get("statement_timeout")
     limit_s = statement_timeout_s(lease_ttl)
     if timeout_ms is not None and not 0 < int(timeout_ms) <= limit_s * 1000:
         differing["statement_timeout"] = "0 (none)" if int(timeout_ms) == 0 else f"{timeout_ms}ms"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import TypeVar
 
 from bench import data
 from bench.config import BenchConfig
@@ -12,18 +13,23 @@ TEMPLATE_TABLE = "bench_template"
 #: The relay's default claim batch until its settings can be imported.
 FALLBACK_BATCH_SIZE = 500
 
+T = TypeVar("T")
+
 
 def batch_size(cfg: BenchConfig) -> int:
-    if cfg.batch_size:
-        return cfg.batch_size
+    return cfg.batch_size or relay_default("batch_size", FALLBACK_BATCH_SIZE)
+
+
+def relay_default(name: str, fallback: T) -> T:
+    """The default of the relay setting ``name`` (a ``RelaySettings`` field), or
+    ``fallback`` until the relay's settings can be imported."""
     try:
         settings = importlib.import_module("outboxkit.relay.settings")
     except ImportError:
-        return FALLBACK_BATCH_SIZE
+        return fallback
     fields = getattr(getattr(settings, "RelaySettings", None), "__dataclass_fields__", {})
-    default = fields.get("batch_size")
-    value = getattr(default, "default", None)
-    return value if isinstance(value, int) else FALLBACK_BATCH_SIZE
+    value = getattr(fields.get(name), "default", None)
+    return value if isinstance(value, type(fallback)) else fallback
 
 
 def template(ctx: BenchContext, rows: int) -> str:

@@ -31,7 +31,7 @@ from bench import data
 from bench.context import BenchContext
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
-from bench.scenarios.common import batch_size, template
+from bench.scenarios.common import batch_size, relay_default, template
 
 
 def relay_modules() -> tuple[Any, Any]:
@@ -55,12 +55,6 @@ def relay_engine(ctx: BenchContext) -> sa.Engine:
         )
     engine: sa.Engine = create(settings.RelaySettings(db_url=ctx.db_url, kafka_bootstrap="-"))
     return engine
-
-
-def _default_poll_interval() -> float:
-    settings = importlib.import_module("outboxkit.relay.settings")
-    value: float = settings.RelaySettings(db_url="-", kafka_bootstrap="-").poll_interval
-    return value
 
 
 def drain_without_kafka(
@@ -94,7 +88,7 @@ def _drain(
     rows = 0
     batches = 0
     claim_s = finalize_s = 0.0
-    poll_interval = _default_poll_interval()
+    poll_interval = relay_default("poll_interval", 1.0)
     looked = -poll_interval  # when a claim last looked for expired leases
 
     def claim_next(id_upper: int | None) -> Any:
