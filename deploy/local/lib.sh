@@ -302,3 +302,137 @@ spawn_daemon() {
     done
     die "daemon did not write its pid file $PID_FILE"
 }
+
+# -- the project's Python ----------------------------------------------------------
+# demo.sh and test.sh install the package into a virtual environment, never into
+# the system's Python: Debian's python3 is "externally managed" (PEP 668) and pip
+# refuses to install into it. Which interpreter, in this order:
+#   1. PYTHON=/path/to/python: that one, as given (the caller's choice);
+#   2. an active virtual environment (VIRTUAL_ENV): its python;
+#   3. the project's own: $OUTBOXKIT_VENV, by default .venv/ at the top of the
+#      checkout, made with `python3 -m venv` when missing (installing Debian's
+#      python3-venv first if that python3 lacks it).
+
+REPO_ROOT_DIR="$(cd "$LOCAL_DIR/../.." && pwd)"
+PROJECT_VENV="${OUTBOXKIT_VENV:-$REPO_ROOT_DIR/.venv}"
+
+# externally_managed PY: PY is a system interpreter pip refuses (PEP 668).
+externally_managed() {
+    "$1" - <<'PY' 2>/dev/null
+import os, sys, sysconfig
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(marker) else 1)
+PY
+}
+
+# venv_usable DIR: DIR holds a virtual environment whose python runs and has pip.
+venv_usable() {
+    [[ -x "$1/bin/python" ]] && "$1/bin/python" -m pip --version >/dev/null 2>&1
+}
+
+# make_venv DIR: create the virtual environment (python3 -m venv), installing
+# Debian's python3-venv first if python3 cannot make one (Debian leaves out
+# ensurepip, so `python3 -m venv` fails half-way without it).
+make_venv() {
+    local dir="$1" base="${OUTBOXKIT_BASE_PYTHON:-python3}"
+    command -v "$base" >/dev/null 2>&1 || die "$base not found: install Python 3.11 or newer"
+    "$base" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+        die "$($base -V 2>&1) is too old: outboxkit needs Python 3.11 or newer"
+    if ! "$base" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+        command -v apt-get >/dev/null 2>&1 ||
+            die "$base cannot make a virtual environment (no ensurepip): install its venv module"
+        ensure_packages python3-venv
+    fi
+    # A half-made environment (an earlier run without python3-venv) is replaced;
+    # never anything that is not a virtual environment.
+    if [[ -e "$dir" ]]; then
+        [[ -f "$dir/pyvenv.cfg" ]] ||
+            die "$dir exists and is not a virtual environment: move it away or set OUTBOXKIT_VENV"
+        rm -rf "$dir"
+    fi
+    mkdir -p "$STATE_DIR"
+    run_logged "$STATE_DIR/venv.log" "$base" -m venv "$dir" ||
+        die "could not create the virtual environment $dir"
+}
+
+# use_python: set PY to the interpreter to install into and run with (see above),
+# creating and activating the project's virtual environment when that is the one.
+# Says which on stderr, in one line.
+use_python() {
+    if [[ -n "${PYTHON:-}" ]]; then
+        PY="$PYTHON"
+        if externally_managed "$PY"; then
+            die "PYTHON=$PY is the system's Python, which pip may not install into (PEP 668): unset PYTHON to use the project's virtual environment $PROJECT_VENV, or point PYTHON at a virtual environment's python"
+        fi
+        log "python: $PY (from PYTHON)"
+        return 0
+    fi
+    if [[ -n "${VIRTUAL_ENV:-}" && -x "$VIRTUAL_ENV/bin/python" ]]; then
+        PY="$VIRTUAL_ENV/bin/python"
+        log "python: $PY (the active virtual environment)"
+        return 0
+    fi
+    local made=""
+    if ! venv_usable "$PROJECT_VENV"; then
+        make_venv "$PROJECT_VENV"
+        made="created; "
+    fi
+    # Activated for what this script runs (typecheck.sh, pytest, the demo's
+    # processes, the `outboxkit` command); `. $PROJECT_VENV/bin/activate` does
+    # the same in a shell.
+    export VIRTUAL_ENV="$PROJECT_VENV"
+    export PATH="$PROJECT_VENV/bin:$PATH"
+    PY="$PROJECT_VENV/bin/python"
+    log "python: $PY (${made}the project's virtual environment; in a shell: . ${PROJECT_VENV/#$PWD\//}/bin/activate)"
+}
+
+# install_package SPEC: `pip install -e SPEC` (`.` or `.[dev]`) into $PY, skipped
+# when this checkout's package is already installed there from the same
+# pyproject.toml: a stamp in the environment (outboxkit-install.stamp under its
+# sys.prefix) records the pyproject.toml hash, checkout and extras of the last
+# install; the package must also still import from this checkout.
+# pip's output goes to $STATE_DIR/pip.log (its tail shown when it fails).
+install_package() {
+    local spec="$1" prefix stamp key
+    prefix="$("$PY" -c 'import sys; print(sys.prefix)')" || die "$PY does not run"
+    stamp="$prefix/outboxkit-install.stamp"
+    key="$(sha256sum "$REPO_ROOT_DIR/pyproject.toml" | cut -d' ' -f1) $REPO_ROOT_DIR"
+    if installed_from_here "$stamp" "$key" "$spec"; then
+        log "outboxkit $spec already installed in $prefix (pyproject.toml unchanged)"
+        return 0
+    fi
+    log "installing outboxkit $spec into $prefix (pip log: $STATE_DIR/pip.log)"
+    mkdir -p "$STATE_DIR"
+    : >"$STATE_DIR/pip.log"
+    (cd "$REPO_ROOT_DIR" && run_logged "$STATE_DIR/pip.log" "$PY" -m pip install -q \
+        --disable-pip-version-check -e "$spec") || return 1
+    # One line per checkout and extras: an install of other extras keeps this one.
+    local line
+    {
+        if [[ -f "$stamp" ]]; then
+            while IFS= read -r line; do
+                [[ "$line" == *" $REPO_ROOT_DIR $spec" ]] || printf '%s\n' "$line"
+            done <"$stamp"
+        fi
+        echo "$key $spec"
+    } >"$stamp.tmp" && mv "$stamp.tmp" "$stamp" ||
+        log "could not write $stamp (the next run installs again)"
+}
+
+# installed_from_here STAMP KEY SPEC: the stamp holds KEY for SPEC (for `.`, any
+# extras of this checkout do), and outboxkit imports from this checkout.
+installed_from_here() {
+    local stamp="$1" key="$2" spec="$3"
+    [[ -f "$stamp" ]] || return 1
+    if [[ "$spec" == . ]]; then
+        grep -qF "$key ." "$stamp" || return 1
+    else
+        grep -qF -x "$key $spec" "$stamp" || return 1
+    fi
+    # -P: not the current directory (the checkout's own outboxkit/ would be found).
+    "$PY" -P -c 'import importlib.util as u, os, sys
+spec = u.find_spec("outboxkit")
+origin = os.path.realpath(spec.origin) if spec and spec.origin else ""
+sys.exit(0 if origin.startswith(os.path.realpath(sys.argv[1]) + os.sep) else 1)' \
+        "$REPO_ROOT_DIR" 2>/dev/null
+}

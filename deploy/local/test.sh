@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The project's single test command:   ./deploy/local/test.sh [pytest args...]
 #
-# Installs the package with its dev extras, starts the local services
-# (deploy/local/up.sh), then runs ruff, the typecheck and pytest. All three run
+# Installs the package with its dev extras into the project's virtual environment
+# (.venv/, made on the first run; PYTHON=... or an active virtual environment is
+# used instead, see use_python in lib.sh; skipped when pyproject.toml is unchanged
+# since the last install), starts the local services (deploy/local/up.sh), then
+# runs ruff, the typecheck and pytest, all with that environment's python. All three run
 # even if an earlier one fails; the exit status is non-zero if any failed.
 # pytest collecting no tests (exit 5) counts as a failure.
 # Quiet set-up: one line per step; the package managers' output goes to log files
@@ -10,7 +13,6 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
-PY="${PYTHON:-python3}"
 SERVICE=test
 # shellcheck source=lib.sh
 source "$REPO_ROOT/deploy/local/lib.sh"
@@ -41,9 +43,8 @@ report() {
 trap report EXIT
 
 install_deps() {
-    mkdir -p "$STATE_DIR"
-    : >"$STATE_DIR/pip.log"
-    run_logged "$STATE_DIR/pip.log" "$PY" -m pip install -q --disable-pip-version-check -e '.[dev]'
+    use_python
+    install_package '.[dev]'
 }
 
 services_up() {
@@ -71,11 +72,12 @@ run_pytest() {
 }
 
 # Setup failures make the checks meaningless: stop there.
+# (install_deps runs in this shell: PY and the activated environment stay set.)
 step pip install_deps || exit 1
 step services services_up || exit 1
 
 step ruff "$PY" -m ruff check . || true
-step mypy deploy/local/typecheck.sh || true
+step mypy env PYTHON="$PY" deploy/local/typecheck.sh || true
 step pytest run_pytest "$@" || true
 
 exit "$failed"

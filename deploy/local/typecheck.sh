@@ -31,4 +31,13 @@ targets=("$tree")
 for example in examples/*/; do
     [[ -d "$example" ]] && targets+=("$example")
 done
-exec "${PYTHON:-python3}" -m mypy "$@" "${targets[@]}"
+# The interpreter test.sh installs into: PYTHON, else the active virtual
+# environment, else the project's .venv/ (see use_python in lib.sh), else python3.
+py="${PYTHON:-}"
+if [[ -z "$py" && -n "${VIRTUAL_ENV:-}" && -x "$VIRTUAL_ENV/bin/python" ]]; then
+    py="$VIRTUAL_ENV/bin/python"
+fi
+if [[ -z "$py" && -x "${OUTBOXKIT_VENV:-$REPO_ROOT/.venv}/bin/python" ]]; then
+    py="${OUTBOXKIT_VENV:-$REPO_ROOT/.venv}/bin/python"
+fi
+exec "${py:-python3}" -m mypy "$@" "${targets[@]}"

@@ -133,3 +133,92 @@ def test_console_log_format_gives_the_children_readable_logs(
             assert "state-changed" in text
     finally:
         topics_cleanup(kafka_bootstrap, proc.stdout)
+
+
+REPO = Path(__file__).resolve().parents[2]
+DEBIAN_PYTHON = Path("/usr/bin/python3")
+
+
+def _fresh_checkout(dest: Path) -> Path:
+    """This working tree's files as a new clone has them: what git tracks (plus new,
+    not ignored files), without .venv/, .state/, .kafka/ or anything installed."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for raw in filter(None, listed):
+        src = REPO / os.fsdecode(raw)
+        if src.is_file():  # a tracked file deleted in the working tree is left out
+            target = dest / os.fsdecode(raw)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(src.read_bytes())
+            target.chmod(src.stat().st_mode)
+    return dest
+
+
+def _debian_python_env() -> dict[str, str]:
+    """A newcomer's shell: Debian's python3 first on PATH, no virtual environment."""
+    gone = ("VIRTUAL_ENV", "PYTHON", "PYTHONPATH", "PYTHONHOME", "VERBOSE", "PYENV_VERSION")
+    env = {k: v for k, v in os.environ.items() if k not in gone and not k.startswith("OUTBOXKIT_")}
+    env["PATH"] = "/usr/bin:/bin:/usr/sbin:/sbin:" + os.environ.get("PATH", "")
+    return env
+
+
+def test_demo_sh_runs_from_a_fresh_clone_with_debians_own_python(
+    db_url: str, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """The README's first command, as a newcomer on Debian runs it. Debian's
+    python3 is externally managed (PEP 668): on main, demo.sh ran ``python3 -m pip
+    install -e .`` into it, which stopped with ``error: externally-managed-
+    environment`` (exit 1). Now it makes the project's virtual environment
+    (.venv/), says so, installs there and runs the demo; the next start skips the
+    install until pyproject.toml changes."""
+    if not DEBIAN_PYTHON.exists():
+        pytest.skip("no /usr/bin/python3 on this machine")
+    clone = _fresh_checkout(tmp_path / "clone")
+    script = str(clone / "deploy" / "local" / "demo.sh")
+    env = _debian_python_env()
+    venv = clone / ".venv"
+    found = subprocess.run(
+        ["bash", "-c", "command -v python3"], env=env, capture_output=True, text=True, check=False
+    )
+    assert found.stdout.strip() == str(DEBIAN_PYTHON)  # the system's, no environment active
+    cmd = demo_command(
+        db_url, kafka_bootstrap, redis_url, tmp_path,
+        "--duration", "1", "--rate", "20", "--relays", "1",
+    )[5:]  # fmt: skip
+    first = subprocess.run(
+        [script, *cmd], capture_output=True, text=True, timeout=900, cwd=clone, env=env
+    )
+    try:
+        assert first.returncode == 0, first.stdout + first.stderr[-5000:]
+        assert (
+            f"[demo] python: {venv}/bin/python (created; the project's virtual environment; "
+            "in a shell: . .venv/bin/activate)" in first.stderr
+        ), first.stderr
+        assert f"[demo] installing outboxkit . into {venv}" in first.stderr
+        assert "externally-managed-environment" not in first.stderr
+        n = counts(first.stdout)
+        assert n["written"] >= 10 and n["written"] == n["delivered"] == n["consumed"], first.stdout
+        assert "relay-1 0, consumer 0" in first.stdout
+    finally:
+        topics_cleanup(kafka_bootstrap, first.stdout)
+
+    again = subprocess.run(
+        [script, "--help"], capture_output=True, text=True, timeout=300, cwd=clone, env=env
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"[demo] outboxkit . already installed in {venv} (pyproject.toml unchanged)" in (
+        again.stderr
+    )
+    assert "installing" not in again.stderr
+
+    with (clone / "pyproject.toml").open("a") as f:
+        f.write("\n# a changed pyproject.toml\n")
+    changed = subprocess.run(
+        [script, "--help"], capture_output=True, text=True, timeout=600, cwd=clone, env=env
+    )
+    assert changed.returncode == 0, changed.stderr
+    assert f"[demo] installing outboxkit . into {venv}" in changed.stderr
