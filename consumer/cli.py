@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from typing import Any
 
 from outboxkit.consumer.base import Consumer
@@ -29,14 +30,18 @@ def register(sub: Any) -> None:
 
 
 def load_consumer_class(target: str) -> type[Consumer]:
-    """Import ``package.module:Class``; ConfigError if it is missing or not a Consumer."""
+    """Import ``package.module:Class``; ConfigError if it is missing or not a Consumer.
+
+    The current directory is importable, as with uvicorn, gunicorn and celery
+    (``outboxkit consume app.events:Orders`` run from the folder that holds
+    ``app/``): it is put first on ``sys.path`` unless already there. The
+    ``outboxkit`` console script would otherwise search only its own folder and
+    the installed packages.
+    """
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"invalid consumer {target!r}: expected package.module:ClassName")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} for consumer {target!r}: {exc}") from None
+    module = _import_from_cwd(module_name, target)
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -46,6 +51,37 @@ def load_consumer_class(target: str) -> type[Consumer]:
     if not (isinstance(obj, type) and issubclass(obj, Consumer)) or obj is Consumer:
         raise ConfigError(f"{target!r} is not a subclass of outboxkit.consumer.Consumer")
     return obj
+
+
+def _import_from_cwd(module_name: str, target: str) -> Any:
+    """``module_name`` imported with the current directory first on ``sys.path``;
+    a ConfigError that says where it was looked for and what to do if it is not
+    found, or which import inside it failed."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        parts = module_name.split(".")
+        if exc.name not in {".".join(parts[:n]) for n in range(1, len(parts) + 1)}:
+            raise ConfigError(
+                f"cannot import {module_name!r} for consumer {target!r}: it imports "
+                f"{exc.name!r}, which is not installed in {sys.prefix} ({exc})"
+            ) from None
+        top = parts[0]
+        pythonpath = os.environ.get("PYTHONPATH")
+        searched = f"the current directory ({cwd})" + (
+            f", PYTHONPATH ({pythonpath})" if pythonpath else ""
+        )
+        raise ConfigError(
+            f"cannot import {module_name!r} for consumer {target!r}: {exc}. Searched "
+            f"{searched} and the packages installed in {sys.prefix}. Run outboxkit from "
+            f"the folder that holds {top}/ or {top}.py, add that folder to PYTHONPATH, "
+            "or install the package into this environment"
+        ) from None
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for consumer {target!r}: {exc}") from None
 
 
 def _consume(args: argparse.Namespace) -> int:

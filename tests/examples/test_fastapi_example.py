@@ -1,6 +1,7 @@
 """examples/fastapi_orders end to end on the local services, as a user runs it.
 
-The order service under a real uvicorn (``serve.py``, any free port), orders
+The commands of the example's README, as written (read from it), without
+PYTHONPATH: the order service under a real uvicorn (``serve.py``), orders
 posted over HTTP, ``outboxkit relay`` and ``outboxkit consume invoicing:Invoicing``
 as processes; every order is invoiced exactly once, in order per customer, and
 SIGTERM ends all three with status 0.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,25 +24,26 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from support.services import free_ports
 from support.waiting import bound, wait_for
-
-from outboxkit.schema import apply_schema
 
 pytestmark = pytest.mark.integration
 
 httpx = pytest.importorskip("httpx", reason="the examples extra is not installed")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fastapi_orders"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "fastapi_orders"
 FAST_GROUP = "session.timeout.ms=6000,heartbeat.interval.ms=500"
 
 
 class Proc:
     """A child process whose stderr lines are kept (JSON ones parsed)."""
 
-    def __init__(self, args: Sequence[str], *, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str], cwd: Path) -> None:
+        self.argv = list(argv)
         self.proc = subprocess.Popen(
-            [sys.executable, *args],
-            env={**os.environ, **env},
+            self.argv,
+            env=env,
             cwd=cwd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -95,19 +98,24 @@ class Proc:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
-    procs: list[Proc] = []
-
-    def start(*args: str, **env: str) -> Proc:
-        # Not the repository as working directory: its outboxkit/ folder would
-        # shadow the installed package. The example's modules come from PYTHONPATH.
-        p = Proc(args, env={"PYTHONPATH": str(EXAMPLE), **env}, cwd=tmp_path)
-        procs.append(p)
-        return p
-
-    yield start
-    for p in procs:
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
         p.kill()
+
+
+def readme_commands(substitutions: dict[str, str]) -> list[str]:
+    """The shell commands of the README's "Run it" block, continuation lines joined,
+    comments and blank lines left out, with ``substitutions`` made: each must occur,
+    so a README that changes them fails here instead of going untested."""
+    text = (EXAMPLE / "README.md").read_text()
+    block = text.split("## Run it", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    for old, new in substitutions.items():
+        assert old in block, f"the README's commands no longer contain {old!r}"
+        block = block.replace(old, new)
+    lines = block.replace("\\\n", " ").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
 def _invoices(engine: sa.Engine) -> list[Any]:
@@ -127,27 +135,95 @@ def _count(engine: sa.Engine, table: str) -> int:
         return int(conn.execute(sa.text(f"SELECT COUNT(*) FROM {table}")).scalar_one())
 
 
-def test_orders_posted_to_the_service_are_invoiced_exactly_once_and_all_exit_0(
+def test_the_readme_commands_run_as_written_invoice_every_order_once_and_all_exit_0(
     db_url: str,
     engine: sa.Engine,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
-    spawn: Callable[..., Proc],
+    procs: list[Proc],
 ) -> None:
-    apply_schema(engine, shards=8)
+    """The README's commands, run as written from a clone's top folder without
+    PYTHONPATH: only the database, the addresses and the ports are this test's
+    own, and its topic and group come from the environment. On main, its
+    ``outboxkit consume invoicing:Invoicing --inbox`` failed as written ("cannot
+    import 'invoicing' ...: No module named 'invoicing'", exit 2): the test passed
+    only because it set PYTHONPATH to the example's folder."""
     topic = kafka_topics(3)
     kafka_topics(1, name=f"{topic}.dlq")
-    async_url = sa.make_url(db_url).set(drivername="mysql+asyncmy")
-    service = spawn(
-        str(EXAMPLE / "serve.py"),
-        "--port",
-        "0",
-        ORDERS_DB_URL=async_url.render_as_string(hide_password=False),
-        ORDERS_TOPIC=topic,
+    url = sa.make_url(db_url)
+    async_url = url.set(drivername="mysql+asyncmy").render_as_string(hide_password=False)
+    web, relay_port, consumer_port = free_ports(3)
+    commands = readme_commands(
+        {
+            "-h 127.0.0.1 -u outboxkit -poutboxkit": (
+                f"-h {url.host} -P {url.port} -u {url.username} -p{url.password}"
+            ),
+            "CREATE DATABASE IF NOT EXISTS shop": f"CREATE DATABASE IF NOT EXISTS {url.database}",
+            "mysql+pymysql://outboxkit:outboxkit@127.0.0.1:3306/shop": db_url,
+            "mysql+asyncmy://outboxkit:outboxkit@127.0.0.1:3306/shop": async_url,
+            "127.0.0.1:9092": kafka_bootstrap,
+            "--port 8000": f"--port {web}",
+            "localhost:8000": f"127.0.0.1:{web}",
+            "--health-port 8081": f"--health-port {relay_port}",
+            "--health-port 8082": f"--health-port {consumer_port}",
+        }
     )
-    base_url = service.wait_line(r"Uvicorn running on (http://[\d.]+:\d+)", 60).group(1)
+    # A newcomer's shell: this environment's python and outboxkit first on PATH,
+    # no PYTHONPATH, no OUTBOXKIT_* but what the README exports.
+    shell_env = {
+        k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("OUTBOXKIT_")
+    }
+    shell_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    # The test's own topic and group, and a quick group and commit, per process.
+    own_env = {
+        "serve.py": {"ORDERS_TOPIC": topic},
+        "relay": {"OUTBOXKIT_POLL_INTERVAL": "0.2"},
+        "consume": {
+            "OUTBOXKIT_TOPICS": topic,
+            "OUTBOXKIT_GROUP_ID": f"invoicing-{topic}",
+            "OUTBOXKIT_KAFKA_CONFIG": FAST_GROUP,
+            "OUTBOXKIT_COMMIT_INTERVAL": "0.5",
+        },
+    }
+    cwd = REPO
+    started: dict[str, Proc] = {}
+    outputs: list[str] = []
+    for command in commands:
+        words = shlex.split(command, comments=True)
+        background = words[-1] == "&"
+        words = words[:-1] if background else words
+        if words[:2] == ["pip", "install"]:
+            continue  # the suite's environment has the examples extra
+        if words[0] == "export":
+            name, _, value = words[1].partition("=")
+            shell_env[name] = value
+            continue
+        if words[0] == "cd":
+            cwd = cwd / words[1]
+            continue
+        env = dict(shell_env)
+        while re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value command ...
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        kind = next((k for k in own_env if k in words), None)
+        env.update(own_env.get(kind or "", {}))
+        if not background:
+            done = subprocess.run(
+                words, env=env, cwd=cwd, capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, (command, done.stdout, done.stderr)
+            outputs.append(done.stdout)
+            continue
+        assert kind is not None, f"a background command the test does not know: {command}"
+        started[kind] = proc = Proc(words, env=env, cwd=cwd)
+        procs.append(proc)
+        if kind == "serve.py":  # what a newcomer waits to see before curl
+            proc.wait_line(r"Uvicorn running on http://[\d.]+:\d+", 60)
+    service, relay, consumer = started["serve.py"], started["relay"], started["consume"]
+    first = json.loads(outputs[-1])  # the README's curl: ada's order
+    placed: dict[int, tuple[str, int, str]] = {first["id"]: ("ada", 1999, first["event_id"])}
+
     customers = ["ada", "bob", "cy", "dee", "eve"]
-    placed: dict[int, tuple[str, int, str]] = {}  # order id -> (customer, amount, event id)
 
     def place(client: Any, n: int) -> None:
         customer, amount = customers[n % len(customers)], 100 + n
@@ -156,35 +232,22 @@ def test_orders_posted_to_the_service_are_invoiced_exactly_once_and_all_exit_0(
         body = r.json()
         placed[body["id"]] = (customer, amount, body["event_id"])
 
-    common = {
-        "OUTBOXKIT_DB_URL": db_url,
-        "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
-        "OUTBOXKIT_HEALTH_PORT": "0",
-    }
-    with httpx.Client(base_url=base_url, timeout=10) as client:
+    with httpx.Client(base_url=f"http://127.0.0.1:{web}", timeout=10) as client:
         # Refused before anything is written: no order, no event.
+        events_before = _count(engine, "outbox_events")
         bad = client.post("/orders", json={"customer": "ada", "amount_cents": 0})
         assert bad.status_code == 422
-        assert _count(engine, "outbox_events") == 0
-        for n in range(30):  # before the relay and the consumer run
+        assert _count(engine, "outbox_events") == events_before
+        for n in range(44):
             place(client, n)
-        relay = spawn("-m", "outboxkit", "relay", OUTBOXKIT_POLL_INTERVAL="0.2", **common)
-        consumer = spawn(
-            "-m",
-            "outboxkit",
-            "consume",
-            "invoicing:Invoicing",
-            OUTBOXKIT_TOPICS=topic,
-            OUTBOXKIT_GROUP_ID=f"invoicing-{topic}",
-            OUTBOXKIT_INBOX="true",
-            OUTBOXKIT_KAFKA_CONFIG=FAST_GROUP,
-            OUTBOXKIT_COMMIT_INTERVAL="0.5",
-            **common,
-        )
-        wait_for(lambda: _count(engine, "example_invoices") >= 30, timeout=90, what="30 invoices")
-        for n in range(30, 45):  # while everything runs
-            place(client, n)
-    wait_for(lambda: _count(engine, "example_invoices") >= 45, timeout=60, what="45 invoices")
+
+    def invoiced() -> bool:
+        for proc in (service, relay, consumer):  # one that exited says why at once
+            if proc.proc.poll() is not None:
+                raise AssertionError(f"{proc.argv} exited {proc.proc.returncode}:\n{proc.tail()}")
+        return _count(engine, "example_invoices") >= 45
+
+    wait_for(invoiced, timeout=90, what="45 invoices")
     # Settle: anything invoiced twice would show up by now (commit interval 0.5 s).
     time.sleep(1.0)
 
