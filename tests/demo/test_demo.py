@@ -68,7 +68,9 @@ def test_a_short_demo_delivers_and_consumes_everything_it_wrote(
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out = proc.stdout
         n = counts(out)
-        assert n["written"] >= 100, out
+        # How many depends on the machine (one transaction per order, paced to at
+        # most --rate): a busy one writes fewer. Every one written must arrive.
+        assert n["written"] > 0, out
         assert n["written"] == n["delivered"] == n["consumed"], out
         assert "result    OK: delivered = consumed = written" in out
         assert re.search(r"relay-1 0, relay-2 0, consumer 0", out), out
