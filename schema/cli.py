@@ -15,9 +15,16 @@ from typing import Any
 import sqlalchemy as sa
 
 from outboxkit.errors import ConfigError, SchemaError
+from outboxkit.runtime.db import database_url_problem, driver_message
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_OK
 from outboxkit.runtime.logs import redact, redact_url
-from outboxkit.runtime.settings import add_arguments, load, setting, valid_database_url
+from outboxkit.runtime.settings import (
+    add_arguments,
+    invalid,
+    load,
+    setting,
+    valid_database_url,
+)
 from outboxkit.schema.apply import apply_schema, schema_sql
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
@@ -105,9 +112,15 @@ def _apply(args: argparse.Namespace) -> int:
         print(f"outboxkit schema apply: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except sa.exc.OperationalError as exc:
+        # A database that does not exist or a refused login is the URL's fault
+        # (exit 2, the fix named); only a server that cannot be reached is exit 3.
+        problem = database_url_problem(exc, settings.db_url)
+        if problem is not None:
+            print(f"outboxkit schema apply: {invalid('db_url', problem)}", file=sys.stderr)
+            return EXIT_CONFIG
         print(
             f"outboxkit schema apply: cannot reach {redact_url(settings.db_url)}: "
-            f"{type(exc.orig).__name__ if exc.orig else 'error'}",
+            f"{redact(driver_message(exc))}",
             file=sys.stderr,
         )
         return EXIT_DEPENDENCY

@@ -40,11 +40,18 @@ from outboxkit.admin.status import (
 )
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay.retention import count_purgeable, purge
+from outboxkit.runtime.db import database_url_problem
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_OK
 from outboxkit.runtime.logs import logging_configured, redact, redact_url
 from outboxkit.runtime.parse import format_ts, parse_retention, parse_time
-from outboxkit.runtime.settings import add_arguments, default_node_id, load, parse_duration
+from outboxkit.runtime.settings import (
+    add_arguments,
+    default_node_id,
+    invalid,
+    load,
+    parse_duration,
+)
 from outboxkit.schema.table import STATUSES
 
 __all__ = ["register"]
@@ -253,6 +260,10 @@ def _run(body: Callable[[AdminSettings, sa.Engine], int]) -> Callable[[argparse.
                 EXIT_CONFIG,
             )
         except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+            # An unknown database or a refused login is the URL's fault (exit 2).
+            problem = database_url_problem(exc, settings.db_url)
+            if problem is not None:
+                return _fail(invalid("db_url", problem), EXIT_CONFIG)
             return _fail(
                 f"database {redact_url(settings.db_url)} failed: {_orig(exc)}", EXIT_DEPENDENCY
             )

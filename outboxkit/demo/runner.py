@@ -43,8 +43,9 @@ from sqlalchemy.engine import Engine
 
 from outboxkit.demo.service import place_order
 from outboxkit.demo.tables import create_tables, orders, shipments
+from outboxkit.runtime.db import database_url_problem, driver_message
 from outboxkit.runtime.errors import ConfigError, DependencyError
-from outboxkit.runtime.logs import redact_url
+from outboxkit.runtime.logs import redact, redact_url
 from outboxkit.schema.apply import apply_schema
 from outboxkit.schema.table import DEFAULT_TABLE, Status, outbox_table
 
@@ -218,8 +219,11 @@ class _Demo:
             with server.begin() as conn:
                 conn.execute(sa.text(f"CREATE DATABASE IF NOT EXISTS {url.database}"))
         except sa.exc.OperationalError as exc:
+            problem = database_url_problem(exc, db_url)
+            if problem is not None:  # a refused login: the URL's fault (exit 2)
+                raise ConfigError(f"invalid --db-url: {problem}") from None
             raise DependencyError(
-                f"database {redact_url(db_url)} unreachable: {exc.orig}"
+                f"database {redact_url(db_url)} unreachable: {redact(driver_message(exc))}"
             ) from None
         finally:
             server.dispose()

@@ -4,6 +4,7 @@ outside the relay loop (admin commands and retention)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,9 @@ from sqlalchemy.pool import PoolResetState
 __all__ = [
     "PING_AFTER_IDLE_S",
     "create_loop_engine",
+    "database_url_problem",
     "deadlocked",
+    "driver_message",
     "gentle_connection",
     "lock_wait_bound",
     "lock_wait_timed_out",
@@ -221,3 +224,65 @@ def _server_code(exc: BaseException) -> int | str | None:
         return args[0]
     sqlstate = getattr(exc.orig, "sqlstate", None)  # psycopg
     return sqlstate if isinstance(sqlstate, str) else None
+
+
+#: Errors that mean the URL is wrong, not the server away: a database that does not
+#: exist (MySQL/MariaDB 1049, PostgreSQL 3D000), a login refused (1045 bad user or
+#: password, 1044 no access to that database, 1698 an account that cannot log in
+#: with a password; PostgreSQL 28P01 bad password, 28000 no such role or no
+#: pg_hba.conf entry).
+_UNKNOWN_DATABASE: frozenset[int | str] = frozenset({1049, "3D000"})
+_LOGIN_REFUSED: frozenset[int | str] = frozenset({1044, 1045, 1698, "28P01", "28000"})
+#: psycopg raises a failed connection without its SQLSTATE (libpq keeps it only for
+#: results), so for those the server's FATAL message is matched instead: libpq's
+#: text for the codes above (in English, the server's default lc_messages).
+_PG_CONNECT_FAILURES = (
+    ("3D000", re.compile(r'FATAL:\s+database "[^"]*" does not exist')),
+    ("28P01", re.compile(r"FATAL:\s+password authentication failed for user")),
+    ("28000", re.compile(r'FATAL:\s+(role "[^"]*" does not exist|no pg_hba\.conf entry)')),
+)
+
+
+def database_url_problem(exc: BaseException, url: str | sa.URL) -> str | None:
+    """What is wrong with ``url`` when ``exc`` says the database it names does not
+    exist or the server refused its login: a configuration error, with the fix
+    and the driver's own message (secrets masked). None for anything else: a
+    server that cannot be reached, or fails, is a dependency's problem.
+    """
+    from outboxkit.runtime.logs import redact
+
+    code = _server_code(exc)
+    text = driver_message(exc)
+    orig = getattr(exc, "orig", None) or exc
+    if code is None and "psycopg" in type(orig).__module__:
+        code = next(
+            (state for state, pattern in _PG_CONNECT_FAILURES if pattern.search(text)), None
+        )
+    if code not in _UNKNOWN_DATABASE and code not in _LOGIN_REFUSED:
+        return None
+    parsed = sa.make_url(url)
+    server = f"{parsed.host or 'localhost'}" + (f":{parsed.port}" if parsed.port else "")
+    said = redact(text)
+    if code in _UNKNOWN_DATABASE:
+        return (
+            f"database {parsed.database!r} does not exist on {server} ({said}): create it "
+            f"(CREATE DATABASE {parsed.database}) or correct the database name in the URL"
+        )
+    return (
+        f"the server at {server} refused the login of user {parsed.username!r} ({said}): "
+        "correct the user and password in the URL, or grant that user access to the "
+        "database from this host"
+    )
+
+
+def driver_message(exc: BaseException) -> str:
+    """The database driver's own message for ``exc`` (unwrapped from SQLAlchemy's),
+    on one line: ``error 1049: Unknown database 'x'`` (MySQL/MariaDB), libpq's text
+    (PostgreSQL). Not redacted: pass it through ``redact`` before showing it."""
+    orig = getattr(exc, "orig", None) or exc
+    args: tuple[object, ...] = getattr(orig, "args", ())
+    if len(args) >= 2 and isinstance(args[0], int):  # PyMySQL, asyncmy: (errno, message)
+        text = f"error {args[0]}: {args[1]}"
+    else:
+        text = str(orig) or type(orig).__name__
+    return " ".join(text.split())

@@ -75,6 +75,26 @@ def test_unreachable_database_exits_3_without_the_password(admin: Any, scheme: s
     assert "Hunter2-pw" not in res.out + res.err
 
 
+@on_both_databases
+def test_an_unknown_database_or_a_refused_login_exits_2_naming_the_fix(
+    admin: Any, db_url: str
+) -> None:
+    """Configuration, not an unreachable server: exit 2 (on main, exit 3)."""
+    url = sa.make_url(db_url)
+    missing = url.set(database="okt_no_such_database").render_as_string(hide_password=False)
+    res = admin("status", db=missing)
+    assert res.code == 2, res.err
+    assert "invalid --db-url / OUTBOXKIT_DB_URL: database 'okt_no_such_database' does not" in (
+        res.err
+    )
+    assert "create it (CREATE DATABASE okt_no_such_database)" in res.err
+    refused = url.set(password="Wr0ng-Hunter2-pw").render_as_string(hide_password=False)
+    res = admin("status", db=refused)
+    assert res.code == 2, res.err
+    assert f"refused the login of user '{url.username}'" in res.err
+    assert "Wr0ng-Hunter2-pw" not in res.out + res.err
+
+
 def test_no_output_contains_the_database_password(
     secret_db_url: str, make_rows: Any, admin: Any, tmp_path: Path
 ) -> None:

@@ -275,6 +275,47 @@ def test_unreachable_database_exits_3_without_password(
     assert res.returncode == 3
     assert "hunter2-secret" not in res.stderr + res.stdout
     assert "cannot reach" in res.stderr
+    # The driver's own words, not only its class name.
+    assert "Connection refused" in res.stderr or "Can't connect" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("server", ["db_server_url", "pg_server_url"])
+def test_a_database_that_does_not_exist_exits_2_naming_the_fix(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """On main: "cannot reach ...: OperationalError", exit 3, as for a server that
+    is down, though the server answered that the database does not exist."""
+    url = sa.make_url(request.getfixturevalue(server)).set(database="okt_no_such_database")
+    res = cli("apply", "--db-url", url.render_as_string(hide_password=False))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(
+        "outboxkit schema apply: invalid --db-url / OUTBOXKIT_DB_URL: database "
+        f"'okt_no_such_database' does not exist on {url.host}:{url.port} ("
+    ), res.stderr
+    assert "create it (CREATE DATABASE okt_no_such_database)" in res.stderr
+    # The driver's own words: MySQL/MariaDB's error 1049, PostgreSQL's FATAL line.
+    assert "Unknown database 'okt_no_such_database'" in res.stderr or (
+        'FATAL: database "okt_no_such_database" does not exist' in res.stderr
+    ), res.stderr
+
+
+@pytest.mark.parametrize("server", ["db_server_url", "pg_server_url"])
+def test_a_wrong_password_exits_2_naming_the_fix_without_the_password(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """On main: "cannot reach ...: OperationalError", exit 3."""
+    url = sa.make_url(request.getfixturevalue(server)).set(password="Wr0ng-Hunter2-pw")
+    res = cli("apply", "--db-url", url.render_as_string(hide_password=False))
+    assert res.returncode == 2, res.stderr
+    assert (
+        "invalid --db-url / OUTBOXKIT_DB_URL: the server at "
+        f"{url.host}:{url.port} refused the login of user '{url.username}'"
+    ) in res.stderr, res.stderr
+    assert "correct the user and password in the URL" in res.stderr
+    assert "Access denied for user" in res.stderr or (
+        "password authentication failed" in res.stderr
+    ), res.stderr
+    assert "Wr0ng-Hunter2-pw" not in res.stderr + res.stdout
 
 
 def test_missing_db_url_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
