@@ -19,7 +19,7 @@ unique index can break.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -190,33 +190,59 @@ def require_claim_schema(conn: Connection, table: str) -> None:
 
 
 def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -> None:
-    _create_types(conn, table, report)
+    """Create ``table`` or bring it up to date; ``report`` gets only what was done.
+
+    Each step is noted once its statement ran, and moves to ``report`` when it is
+    committed: MySQL/MariaDB commit every DDL statement at once, so if a later
+    statement fails (a table lock not granted in time) the steps before it are
+    done; PostgreSQL (and SQLite) run DDL in the transaction, whose rollback
+    undoes them, so they are not reported.
+    """
+    step = ApplyReport(table=report.table, shard_count=report.shard_count)
+
+    def commit() -> None:
+        conn.commit()
+        report.actions.extend(step.actions)
+        step.actions.clear()
+
+    try:
+        _create_or_upgrade_steps(conn, table, step, commit)
+    except BaseException:
+        if conn.dialect.name in MYSQL_DIALECTS:
+            report.actions.extend(step.actions)  # committed by the server, statement by statement
+        raise
+
+
+def _create_or_upgrade_steps(
+    conn: Connection, table: sa.Table, step: ApplyReport, commit: Callable[[], None]
+) -> None:
+    _create_types(conn, table, step)
     inspector = sa.inspect(conn)
     created = not inspector.has_table(table.name)
     if created:
         # Indexes are created below, without IF NOT EXISTS (MySQL 8 lacks it); the
         # schema lock makes the check-then-create safe.
         conn.execute(CreateTable(table, if_not_exists=True))
-        conn.commit()
-        report.actions.append(f"created table {table.name}")
+        step.actions.append(f"created table {table.name}")
+        commit()
         inspector = sa.inspect(conn)
     present = {c["name"] for c in inspector.get_columns(table.name)}
     for column in table.columns:
         if column.name not in present:
             spec = CreateColumn(column).compile(dialect=conn.dialect)
             conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {spec}"))
-            report.actions.append(f"added column {table.name}.{column.name}")
+            step.actions.append(f"added column {table.name}.{column.name}")
     if not created:
-        _upgrade_collations(conn, table, report)
-        _add_storage_parameters(conn, table, report)
+        _upgrade_collations(conn, table, step)
+        _add_storage_parameters(conn, table, step)
         _advise_partial_indexes(conn, table)
     indexes = {i["name"] for i in inspector.get_indexes(table.name)}
     for index in table.indexes:
         if index.name not in indexes:
             conn.execute(CreateIndex(index))
             if not created:
-                report.actions.append(f"added index {index.name}")
-    conn.commit()
+                step.actions.append(f"added index {index.name}")
+    commit()
 
 
 def _advise_partial_indexes(conn: Connection, table: sa.Table) -> None:
@@ -289,6 +315,7 @@ def _upgrade_collations(conn: Connection, table: sa.Table, report: ApplyReport) 
     )
     actual: dict[str, str | None] = {str(r[0]): r[1] for r in rows}
     changes: list[str] = []
+    done: list[str] = []
     for column in table.columns:
         if not isinstance(column.type, Identifier):
             continue
@@ -297,11 +324,10 @@ def _upgrade_collations(conn: Connection, table: sa.Table, report: ApplyReport) 
             continue
         spec = CreateColumn(column).compile(dialect=conn.dialect)
         changes.append(f"MODIFY COLUMN {spec}")
-        report.actions.append(
-            f"changed column {table.name}.{column.name}: collation {found} -> {want}"
-        )
+        done.append(f"changed column {table.name}.{column.name}: collation {found} -> {want}")
     if changes:
         conn.execute(sa.text(f"ALTER TABLE {table.name} {', '.join(changes)}"))
+        report.actions.extend(done)  # only once the ALTER went through
 
 
 def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyReport) -> int:

@@ -502,6 +502,41 @@ def test_apply_upgrades_release_1_tables_to_byte_exact_identifiers(
     assert "schema up to date" in second.stdout, second.stdout
 
 
+def test_an_upgrade_that_times_out_on_a_table_lock_reports_only_what_it_changed(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Release-1 tables to upgrade while another session holds outbox_events: the
+    tables before it are changed, its own ALTER gives up after the bound. On main
+    the message's "Done before" also listed every "changed column outbox_events.…"
+    of that ALTER, which never ran: they were recorded before it."""
+    from outboxkit.schema import apply as apply_module
+
+    _create_v1_tables_with_rows(engine)
+    old = _collations(engine)
+    monkeypatch.setattr(apply_module, "_TABLE_LOCK_TIMEOUT_S", 1)
+    own = sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.text("SELECT COUNT(*) FROM outbox_events")).one()  # holds it
+            with pytest.raises(SchemaError) as caught:
+                apply_schema(own, shards=8)
+            holder.rollback()
+    finally:
+        own.dispose()
+    message = str(caught.value)
+    assert message.startswith("could not lock table outbox_events within 1 s"), message
+    done = message.split("Done before: ", 1)[1].split(". Run `outboxkit", 1)[0].split("; ")
+    now = _collations(engine)
+    changed = [
+        f"changed column {t}.{c}: collation {old[(t, c)]} -> {now[(t, c)]}"
+        for (t, c) in old
+        if now[(t, c)] != old[(t, c)]
+    ]
+    assert changed, "the tables before outbox_events were to be changed"
+    assert sorted(x for x in done if x.startswith("changed column")) == sorted(changed)
+    assert not [x for x in done if "outbox_events." in x], message
+
+
 def test_concurrent_upgrade_from_two_processes_changes_once(engine: sa.Engine, db_url: str) -> None:
     _create_v1_tables_with_rows(engine)
     before = _dump(engine)
