@@ -146,6 +146,11 @@ def write_exit_record(consumer: Consumer, report: DrainReport, *, result: str) -
 def push_metrics(consumer: Consumer) -> None:
     url = consumer.settings.pushgateway_url
     if url:
+        # The drain's duration so far: the push comes before set_stopped(), which
+        # would set it only afterwards (the push said 0 for every exit).
+        started = consumer.lifecycle.drain_started_at
+        if started is not None:
+            consumer.service_metrics.shutdown_duration.set(time.monotonic() - started)
         # Exit metrics only: a pushed worker_consumer_lag would stay in the
         # Pushgateway after this process is gone and keep a lag alert firing.
         m = consumer.metrics

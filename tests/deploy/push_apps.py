@@ -16,3 +16,10 @@ class StuckOnStop(Consumer):
 
     def on_stop(self) -> None:
         time.sleep(120)
+
+
+class Idle(Consumer):
+    """Handles nothing in particular; drains and exits cleanly (code 0)."""
+
+    def handle(self, message: Message) -> None:
+        pass

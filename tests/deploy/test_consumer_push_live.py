@@ -200,3 +200,71 @@ def test_a_forced_consumer_exit_pushes_exit_metrics_under_the_rules_convention(
     selector = _lag_rule_selector()
     assert prom_query(prometheus, f'{selector[:-1]},instance="{node_id}"}}') == []
     assert prom_query(prometheus, f'worker_consumer_lag{{instance="{node_id}"}}') == []
+
+
+def test_a_clean_consumer_exit_pushes_the_drain_duration_it_logged(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], pushgateway_url: str
+) -> None:
+    """The pushed ``service_shutdown_duration_seconds`` is the drain's real duration
+    (the exit record's ``duration_ms``). On main the consumer pushed 0: the push
+    came before the gauge was set (the relay pushes the true value)."""
+    topic = kafka_topics(1)
+    node_id = f"consumer-duration-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")},
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "OUTBOXKIT_TOPICS": topic,
+        "OUTBOXKIT_GROUP_ID": f"g-{topic}",
+        "OUTBOXKIT_NODE_ID": node_id,
+        "OUTBOXKIT_SERVICE": "push-test",
+        "OUTBOXKIT_HEALTH_PORT": str(port),
+        "OUTBOXKIT_PUSHGATEWAY_URL": pushgateway_url,
+        "OUTBOXKIT_LOG_FORMAT": "json",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outboxkit", "consume", "push_apps:Idle"],
+        env=env,
+        cwd=HERE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: (
+                proc.poll() is None
+                and http_get(f"http://127.0.0.1:{port}/healthz/ready") is not None
+            ),
+            timeout=60,
+            interval=0.25,
+            what="the consumer ready",
+        )
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        [record] = [
+            json.loads(line)
+            for line in err.splitlines()
+            if line.startswith("{") and '"consumer-exit"' in line
+        ]
+        [group] = _groups_of(pushgateway_url, node_id)
+        pushed = float(_families(group)["service_shutdown_duration_seconds"]["metrics"][0]["value"])
+        # Set just before the push, after the exit record was written: never less.
+        assert pushed > 0, group
+        assert pushed >= record["duration_ms"] / 1000 - 0.001, (pushed, record)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+        for group in _groups_of(pushgateway_url, node_id):
+            path = "".join(
+                f"/{k}/{urllib.parse.quote(v, safe='')}"
+                for k, v in group["labels"].items()
+                if k != "job"
+            )
+            req = urllib.request.Request(  # noqa: S310 - loopback test URL
+                f"{pushgateway_url}/metrics/job/{group['labels']['job']}{path}", method="DELETE"
+            )
+            urllib.request.urlopen(req, timeout=5).close()  # noqa: S310 - loopback test URL
