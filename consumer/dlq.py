@@ -239,6 +239,9 @@ class DeadLetters:
                     "reference copy without value; the partition stays paused until then",
                 )
         if error is not None:
+            missing = self._topic_missing(topic, error)
+            if missing is not None:
+                raise DeadLetterUnavailable(missing)
             raise DeadLetterUnavailable(f"dead-letter write to {topic} failed: {error}")
         if copy.trimmed:
             log_event(
@@ -251,6 +254,37 @@ class DeadLetters:
                 trimmed=copy.trimmed,
             )
         return topic
+
+    def _topic_missing(self, topic: str, error: object) -> str | None:
+        """Why the write failed when the cause is a missing topic, else None.
+
+        With the topic missing (and auto-creation off), librdkafka waits for it
+        until ``message.timeout.ms`` and reports ``_MSG_TIMED_OUT``, which reads
+        like a slow cluster; so after such an error the topic's metadata is
+        asked for (bounded by ``dlq_timeout``), and a topic the broker does not
+        know is named, with the fix.
+        """
+        suspicious = (
+            KafkaError._MSG_TIMED_OUT,
+            KafkaError._UNKNOWN_TOPIC,
+            KafkaError.UNKNOWN_TOPIC_OR_PART,
+        )
+        if not isinstance(error, KafkaError) or error.code() not in suspicious:
+            return None
+        try:
+            metadata = self._current().list_topics(topic, timeout=self.timeout)
+        except KafkaException:
+            return None  # the cluster does not answer: the write's own error stands
+        found = metadata.topics.get(topic)
+        code = found.error.code() if found is not None and found.error is not None else None
+        if found is not None and code != KafkaError.UNKNOWN_TOPIC_OR_PART:
+            return None
+        return (
+            f"dead-letter topic {topic} does not exist (UNKNOWN_TOPIC_OR_PART in its "
+            f"metadata; the write ended in {error.name()}): create {topic}, or point "
+            "--dlq-topic / OUTBOXKIT_DLQ_TOPIC at an existing topic; the partition "
+            "stays paused until a write succeeds"
+        )
 
     def _write(self, topic: str, copy: _Copy) -> object | None:
         """Produce ``copy`` and wait for its report: None once acknowledged, else the error."""

@@ -101,3 +101,12 @@ class ReadsHeaders(Consumer):
             event_id=message.event_id,
             headers=names,
         )
+
+
+class GivesUp(Consumer):
+    """Every message is refused for good, so each one goes to the dead-letter topic."""
+
+    def handle(self, message: Message) -> None:
+        from outboxkit.consumer import PermanentError
+
+        raise PermanentError(f"order at offset {message.offset} cannot be handled")
