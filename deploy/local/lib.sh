@@ -325,9 +325,11 @@ sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(marker) else 1)
 PY
 }
 
-# venv_usable DIR: DIR holds a virtual environment whose python runs and has pip.
+# venv_usable DIR: DIR holds a whole virtual environment: its python and its pip
+# (a `python3 -m venv` without ensurepip stops after the python). File checks
+# only: this runs at every start.
 venv_usable() {
-    [[ -x "$1/bin/python" ]] && "$1/bin/python" -m pip --version >/dev/null 2>&1
+    [[ -f "$1/pyvenv.cfg" && -x "$1/bin/python" && -x "$1/bin/pip" ]]
 }
 
 # make_venv DIR: create the virtual environment (python3 -m venv), installing
