@@ -98,9 +98,7 @@ def _newcomer_env() -> dict[str, str]:
     import os
 
     return {
-        k: v
-        for k, v in os.environ.items()
-        if k != "PYTHONPATH" and not k.startswith("OUTBOXKIT_")
+        k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("OUTBOXKIT_")
     }
 
 
