@@ -176,7 +176,7 @@ def test_demo_sh_runs_from_a_fresh_clone_with_debians_own_python(
     install -e .`` into it, which stopped with ``error: externally-managed-
     environment`` (exit 1). Now it makes the project's virtual environment
     (.venv/), says so, installs there and runs the demo; the next start skips the
-    install until pyproject.toml changes."""
+    install."""
     if not DEBIAN_PYTHON.exists():
         pytest.skip("no /usr/bin/python3 on this machine")
     clone = _fresh_checkout(tmp_path / "clone")
@@ -216,11 +216,5 @@ def test_demo_sh_runs_from_a_fresh_clone_with_debians_own_python(
         again.stderr
     )
     assert "installing" not in again.stderr
-
-    with (clone / "pyproject.toml").open("a") as f:
-        f.write("\n# a changed pyproject.toml\n")
-    changed = subprocess.run(
-        [script, "--help"], capture_output=True, text=True, timeout=600, cwd=clone, env=env
-    )
-    assert changed.returncode == 0, changed.stderr
-    assert f"[demo] installing outboxkit . into {venv}" in changed.stderr
+    # When pyproject.toml changes the install runs again:
+    # tests/deploy/test_local_scripts.py::test_the_install_is_skipped_only_while_nothing_changed

@@ -303,3 +303,62 @@ def test_a_failed_install_shows_the_end_of_its_log(tmp_path: Path) -> None:
     assert "E: Unable to locate package" in out.stderr
     assert "ERROR: apt-get install outboxkit-no-such-pkg failed" in out.stderr
     assert out.stderr.count("Selecting previously unselected package") <= 30  # a tail, not all
+
+
+def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A ``python`` that records its ``-m pip`` calls, says its environment is
+    ``tmp_path/env`` and that the package imports from the checkout."""
+    prefix, calls = tmp_path / "env", tmp_path / "pip-calls"
+    prefix.mkdir()
+    script = tmp_path / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in\n'
+        f'  -m) echo "$*" >>{calls}; exit 0 ;;\n'
+        "  -P) exit 0 ;;\n"  # the package imports from this checkout
+        f"  -c) echo {prefix}; exit 0 ;;\n"  # sys.prefix
+        "esac\n"
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    return script, calls
+
+
+@pytest.mark.unit
+def test_the_install_is_skipped_only_while_nothing_changed(tmp_path: Path) -> None:
+    """demo.sh and test.sh ran ``pip install -e`` on every start (12.7 s of each
+    demo). Now a stamp in the environment skips it while pyproject.toml, the
+    checkout and the extras are those of the last install; ``.[dev]`` covers ``.``."""
+    checkout = tmp_path / "checkout"
+    (checkout / "deploy" / "local").mkdir(parents=True)
+    shutil.copy(LOCAL / "lib.sh", checkout / "deploy" / "local" / "lib.sh")
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    python, calls = _fake_python(tmp_path)
+
+    def install(spec: str) -> list[str]:
+        probe = (
+            f"set -euo pipefail; source {checkout}/deploy/local/lib.sh; "
+            f"PY={python}; install_package '{spec}'"
+        )
+        out = _run(["bash", "-c", probe], env={"OUTBOXKIT_LOCAL_STATE": str(tmp_path / "state")})
+        assert out.returncode == 0, out.stderr
+        return out.stderr.splitlines()
+
+    env = tmp_path / "env"
+    assert install(".") == [
+        f"[local] installing outboxkit . into {env} (pip log: {tmp_path}/state/pip.log)"
+    ]
+    assert install(".") == [
+        f"[local] outboxkit . already installed in {env} (pyproject.toml unchanged)"
+    ]
+    assert install(".[dev]")[0].startswith("[local] installing outboxkit .[dev] into")
+    assert "already installed" in install(".")[0]  # the dev install includes the package
+    with (checkout / "pyproject.toml").open("a") as f:
+        f.write("# changed\n")
+    assert install(".")[0].startswith("[local] installing outboxkit . into")
+    assert "already installed" in install(".")[0]
+    assert calls.read_text().splitlines() == [
+        "-m pip install -q --disable-pip-version-check -e .",
+        "-m pip install -q --disable-pip-version-check -e .[dev]",
+        "-m pip install -q --disable-pip-version-check -e .",
+    ]
