@@ -88,7 +88,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.relay._dbtime import db_now_plus, micros, micros_between
+from outboxkit.relay._dbtime import db_now_plus, micros, micros_between, time_ahead, time_passed
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.logs import log_event
@@ -246,8 +246,9 @@ def _cached_candidates_query(
 def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     """A ``delivering`` row's lease is over: expired, or never set (another writer
     stored ``delivering`` without a lease; nothing protects it, and left alone it
-    would neither be claimed nor hold its key back)."""
-    return sa.or_(t.c.lease_expires_at <= now, t.c.lease_expires_at.is_(None))
+    would neither be claimed nor hold its key back); or ending further ahead than
+    any relay leases (``infinity``, year 9999: see ``_dbtime.time_passed``)."""
+    return sa.or_(time_passed(t.c.lease_expires_at, now), t.c.lease_expires_at.is_(None))
 
 
 def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int]:
@@ -337,10 +338,10 @@ def candidates_query(
     now = db_now()
     # What holds a key's later rows back, per status of the earlier row.
     holds: dict[Status, sa.ColumnElement[bool]] = {
-        Status.RETRYABLE: earlier.c.next_attempt_at > now,
+        Status.RETRYABLE: time_ahead(earlier.c.next_attempt_at, now),
         # Without the reclaim arm, a row left delivering under an expired lease is
         # not claimed now, so it must hold its key like a live one.
-        Status.DELIVERING: earlier.c.lease_expires_at > now if reclaim else sa.true(),
+        Status.DELIVERING: time_ahead(earlier.c.lease_expires_at, now) if reclaim else sa.true(),
     }
     owned = _owned(t, shards, shard_count, dialect)
     common: list[sa.ColumnElement[bool]] = [] if owned is None else [owned]
@@ -389,8 +390,8 @@ def candidates_query(
         )
 
     arms = [
-        by_status(Status.PENDING, t.c.next_attempt_at <= now),
-        by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
+        by_status(Status.PENDING, time_passed(t.c.next_attempt_at, now)),
+        by_status(Status.RETRYABLE, time_passed(t.c.next_attempt_at, now)),
     ]
     if reclaim:
         arms.append(by_status(Status.DELIVERING, _lease_over(t, now)))
@@ -657,7 +658,8 @@ def _claimed(row: Sequence[Any], shard_count: int | None) -> ClaimedRow:
         headers=headers,
         shard=shard,
         attempts=attempts + 1,
-        age_at_claim=max(0, age_us) / 1_000_000,
+        # NULL when created_at is not a time (a zero date, an infinity): age 0.
+        age_at_claim=0.0 if age_us is None else max(0, age_us) / 1_000_000,
         reclaimed_from=(owner or "(no owner)") if status == _DELIVERING else None,
         misplaced_shard=None if stored == shard else stored,
     )
@@ -685,7 +687,7 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
     eligible = sa.or_(
         sa.and_(
             t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
-            t.c.next_attempt_at <= now,
+            time_passed(t.c.next_attempt_at, now),
         ),
         sa.and_(t.c.status == Status.DELIVERING.value, _lease_over(t, now)),
     )

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 
 from outboxkit.admin.discard import discard
 from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, requeue
-from outboxkit.admin.rows import list_failed, read_recovery, show_row
+from outboxkit.admin.rows import list_failed, read_recovery, readable_edge_times, show_row
 from outboxkit.admin.settings import AdminSettings
 from outboxkit.admin.status import (
     RelayView,
@@ -235,6 +235,7 @@ def _run(body: Callable[[AdminSettings, sa.Engine], int]) -> Callable[[argparse.
             engine = sa.create_engine(settings.db_url, pool_pre_ping=True)
         except (sa.exc.ArgumentError, ImportError) as exc:
             raise ConfigError(f"invalid --db-url / OUTBOXKIT_DB_URL: {redact(str(exc))}") from None
+        readable_edge_times(engine)
         try:
             # Warnings only (a retried purge batch): the command's output is its text.
             with logging_configured(

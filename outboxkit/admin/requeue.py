@@ -33,6 +33,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from outboxkit.relay._dbtime import time_ahead
 from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.schema.recovery import record_recovery
@@ -287,9 +288,13 @@ def named_rows_left_alone(
     if s.event_ids:
         conds.append(t.c.event_id.in_(s.event_ids))
     with engine.connect() as conn:
-        now = conn.execute(sa.select(db_now())).scalar_one()
+        # Whether a lease is live, judged by the server as the claim judges it
+        # (a zero date or a lease "until infinity" is over: relay/_dbtime.py).
+        live_lease = time_ahead(t.c.lease_expires_at, db_now())
         rows = conn.execute(
-            sa.select(t.c.id, t.c.event_id, t.c.status, t.c.lease_expires_at).where(sa.or_(*conds))
+            sa.select(t.c.id, t.c.event_id, t.c.status, live_lease.label("live")).where(
+                sa.or_(*conds)
+            )
         ).all()
     unknown = [str(i) for i in s.ids if i not in {r.id for r in rows}]
     unknown += [e for e in s.event_ids if e not in {r.event_id for r in rows}]
@@ -303,7 +308,7 @@ def named_rows_left_alone(
         if r.status in statuses:
             continue
         if r.status == Status.DELIVERING.value:
-            live = r.lease_expires_at is not None and r.lease_expires_at > now
+            live = bool(r.live)
             why = (
                 f"delivering: a relay holds its lease; never {done}"
                 if live
