@@ -78,6 +78,9 @@ __all__ = ["PUSH_JOB", "Relay"]
 
 _T = TypeVar("_T")
 
+#: The largest id the ``id`` column (a signed BIGINT) holds.
+_MAX_ID = 2**63 - 1
+
 log = logging.getLogger("outboxkit.relay")
 
 #: Pushgateway job of the metrics pushed at exit; grouped by ``instance=node_id``
@@ -282,12 +285,14 @@ class Relay:
     def _next_id_upper(self, shards: frozenset[int]) -> int | None:
         """Beside a leased batch, whose keys hold back their later rows, a claim
         looks no further than about one batch of our shards' rows past its last
-        id (see claim.py); otherwise it is unbounded."""
+        id (see claim.py); otherwise it is unbounded. Never past the largest id a
+        BIGINT holds (rows another writer stored at the last ids): a bound
+        beyond it failed every such claim on PostgreSQL (``bigint out of range``)."""
         if not self._held:
             return None
         last = self._held[-1].batch.rows[-1].id  # a batch is in id order
         share = len(shards) / max(len(shards), self._shard_count or 1)
-        return last + math.ceil(self.settings.batch_size / share)
+        return min(last + math.ceil(self.settings.batch_size / share), _MAX_ID)
 
     def _may_claim(self, previous: _Held | None) -> bool:
         """Claim while ``previous`` is in flight only while its reports can still

@@ -16,6 +16,7 @@ from relay_support import EmbeddedRelay, consume, fast_settings, status_counts, 
 from support.databases import on_both_databases
 from test_foreign_rows import run_cli
 
+from outboxkit import enqueue
 from outboxkit.relay.metrics import sample_backlog
 from outboxkit.runtime.testing import capture_json_logs
 from outboxkit.schema import outbox_table
@@ -118,3 +119,73 @@ def test_rows_with_times_at_the_edges_are_delivered_in_key_order(
     status = run_cli(["admin", "status", "--json", "--db-url", db_url])
     assert status.code == 0, status.err
 
+
+MAX_ID = 2**63 - 1
+
+
+def test_ids_up_to_the_bigint_limit_are_delivered_by_the_pipelined_relay(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """Rows another writer stored at the last ids a BIGINT holds. Before, the
+    pipelined relay's bound for a claim beside its leased batch (last id + about
+    a batch) went past 2^63-1: ``bigint out of range`` on PostgreSQL, every claim."""
+    topic = kafka_topics(partitions=1)
+    n = 7
+    for i in range(n):
+        insert_foreign(
+            engine,
+            outbox,
+            topic=topic,
+            key=f"k{i % 3}".encode(),
+            payload=b"%d" % i,
+            id=MAX_ID - n + 1 + i,
+        )
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, pipeline=True, batch_size=2))
+    wait_for(
+        lambda: status_counts(engine, outbox) == {"delivered": n},
+        timeout=30,
+        what=f"every row delivered; rows per status {status_counts(engine, outbox)}",
+    )
+    assert relay.relay.supervisor.crashes == 0
+    assert relay.stop() == 0
+    by_key: dict[bytes | None, list[bytes]] = {}
+    for m in consume(kafka_bootstrap, topic, expected=n):
+        by_key.setdefault(m.key, []).append(m.value)
+    assert by_key == {f"k{k}".encode(): [b"%d" % i for i in range(k, n, 3)] for k in range(3)}
+
+
+def test_a_row_at_the_bigint_limit_and_the_operators_way_back(
+    engine: sa.Engine, db_url: str, outbox: str
+) -> None:
+    """docs/operations.md, *Ids at the BIGINT limit*: on MariaDB a foreign row at
+    2^63-1 moves ``AUTO_INCREMENT`` past what the column holds, so every later
+    ``enqueue`` fails; ``admin discard`` of the row and ``ALTER TABLE ...
+    AUTO_INCREMENT = 1`` bring it back. PostgreSQL's sequence does not move."""
+
+    def enqueue_one() -> None:
+        with engine.begin() as conn:
+            enqueue(conn, topic="orders", payload=b"x", table=outbox)
+
+    insert_foreign(
+        engine, outbox, topic="orders", status="failed", last_error="stored so", id=MAX_ID
+    )
+    if engine.dialect.name == "postgresql":
+        enqueue_one()
+        return
+    with pytest.raises(sa.exc.DBAPIError, match="Out of range value for column 'id'"):
+        enqueue_one()
+    discarded = run_cli(
+        ["admin", "discard", "--id", str(MAX_ID), "--reason", "id at the limit", "--db-url", db_url]
+    )
+    assert discarded.code == 0, discarded.err
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"ALTER TABLE {outbox} AUTO_INCREMENT = 1")
+    enqueue_one()
+    t = outbox_table(outbox)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.max(t.c.id))).scalar_one() < 1000
