@@ -373,6 +373,8 @@ def candidates_query(
         elif dialect == "postgresql" and status is Status.RETRYABLE:
             unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
         common.append(unheld)
+    if dialect in MYSQL_DIALECTS:
+        common.append(_unheld_by_invalid_status(t, table, dialect))
 
     def by_status(
         status: Status, due: sa.ColumnElement[bool]
@@ -397,6 +399,40 @@ def candidates_query(
         arms.append(by_status(Status.DELIVERING, _lease_over(t, now)))
     merged = sa.union_all(*arms).subquery("candidates")
     return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(sql_int(limit))
+
+
+#: What MariaDB/MySQL store for a status outside the enum, written from a session
+#: without strict mode (an ENUM's error value). PostgreSQL's enum refuses it.
+INVALID_STATUS = ""
+
+
+def invalid_status(t: sa.FromClause) -> sa.ColumnElement[bool]:
+    """``t.status`` is the ENUM's error value: a status outside the enum."""
+    return t.c.status == sa.literal_column(f"'{INVALID_STATUS}'", sa.String())
+
+
+def _unheld_by_invalid_status(t: sa.Table, table: str, dialect: str) -> sa.ColumnElement[bool]:
+    """MariaDB/MySQL: no earlier row of the candidate's key has a status outside
+    the enum. Such a row is never claimed (nothing says what it is) and waits for
+    an operator (``admin requeue`` makes it ``pending``), so it holds its key's
+    later rows back. Asked first once per claim (an uncorrelated ``NOT EXISTS``,
+    one seek of ``(status, id)``): with no such row in the table, as always
+    after a strict writer, no candidate pays for the per-key probe."""
+    anywhere = t.alias("invalid_anywhere")
+    invalid = t.alias("invalid_earlier")
+    none_at_all = (
+        ~sa.select(sql_int(1)).select_from(anywhere).where(invalid_status(anywhere)).exists()
+    )
+    none_earlier = (
+        ~key_probe(sql_int(1), invalid, table, dialect)
+        .where(
+            invalid.c.message_key == t.c.message_key,
+            invalid_status(invalid),
+            invalid.c.id < t.c.id,
+        )
+        .exists()
+    )
+    return sa.or_(none_at_all, none_earlier)
 
 
 def _leased_keys(

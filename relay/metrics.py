@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
 from outboxkit.relay._dbtime import micros_between, time_ahead
-from outboxkit.relay.claim import key_probe, key_rows
-from outboxkit.schema.table import Status, db_now, outbox_table
+from outboxkit.relay.claim import invalid_status, key_probe, key_rows
+from outboxkit.schema.table import MYSQL_DIALECTS, Status, db_now, outbox_table
 
 __all__ = [
     "BACKLOG_STATUSES",
@@ -153,6 +153,20 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
 
 #: Rows per status the backlog age looks at for one whose ``created_at`` is a time.
 _AGE_PROBE = 16
+
+
+def count_invalid_status(conn: Connection, table: str) -> int:
+    """Rows whose status is outside the enum (MariaDB/MySQL: ``''``, see
+    ``claim.INVALID_STATUS``); 0 on PostgreSQL, whose enum refuses them. One
+    range of the ``(status, id)`` index."""
+    if conn.dialect.name not in MYSQL_DIALECTS:
+        return 0
+    t = outbox_table(table)
+    return int(
+        conn.execute(
+            sa.select(sa.func.count()).select_from(t).where(invalid_status(t))
+        ).scalar_one()
+    )
 
 
 def sample_ordering_blocked(

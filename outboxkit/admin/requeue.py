@@ -7,7 +7,9 @@ claim publishes it again with the full retry budget.
 Safety against running relays:
 
 * only rows whose status is one of the selected statuses (``failed``, plus
-  ``retryable`` when asked) are changed; ``delivering`` rows, live lease or not,
+  ``retryable`` when asked, plus on MariaDB/MySQL a status outside the enum,
+  stored as ``''`` from a session without strict mode: never claimed, such a
+  row is repaired like a failed one) are changed; ``delivering`` rows, live lease or not,
   are never touched (an expired lease is reclaimed by the relay itself), nor are
   ``pending`` or ``delivered`` rows;
 * rows are changed in chunks, each one transaction: the candidates are locked
@@ -34,10 +36,17 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import time_ahead
+from outboxkit.relay.claim import INVALID_STATUS
 from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+from outboxkit.schema.table import (
+    MYSQL_DIALECTS,
+    Status,
+    db_now,
+    outbox_table,
+    validate_identifier,
+)
 
 __all__ = [
     "RequeueResult",
@@ -177,6 +186,10 @@ def requeue(
     t = outbox_table(table)
     result = RequeueResult(dry_run=dry_run)
     allowed = selection.statuses
+    if engine.dialect.name in MYSQL_DIALECTS:
+        # A status outside the enum (stored as '' without strict mode) is never
+        # claimed: requeued like a failed row, it is relayed in its key's order.
+        allowed = (*allowed, INVALID_STATUS)
     if selection.ids or selection.event_ids:
         result.skipped.extend(named_rows_left_alone(engine, t, selection, allowed, "requeued"))
     filters = [*selection_filters(t, selection), t.c.status.in_(allowed)]

@@ -60,6 +60,9 @@ class TableStatus:
     #: ``0..shard_count-1`` (another writer's; relays claim them under their key's hash).
     shard_count: int | None = None
     shard_out_of_range: int = 0
+    #: Rows whose status is outside the enum (MariaDB/MySQL without strict mode
+    #: store ``''``): never claimed, they hold their keys back; requeue repairs them.
+    invalid_status: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,17 +99,25 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
     with engine.connect() as conn:
         now: dt.datetime = conn.execute(sa.select(db_now())).scalar_one()
         counts = dict.fromkeys(STATUSES, 0)
+        # A status outside the enum (MariaDB stores '' for one written without
+        # strict mode) is counted apart: invalid_status.
+        invalid_status = 0
         for status, n in conn.execute(
             sa.select(t.c.status, sa.func.count()).group_by(t.c.status)
         ).all():
-            counts[str(status)] = int(n)
+            if str(status) in counts:
+                counts[str(status)] = int(n)
+            else:
+                invalid_status += int(n)
         by_topic: dict[str, dict[str, int]] = {}
         for topic, status, n in conn.execute(
             sa.select(t.c.topic, t.c.status, sa.func.count())
             .group_by(t.c.topic, t.c.status)
             .order_by(t.c.topic)
         ).all():
-            by_topic.setdefault(str(topic), dict.fromkeys(STATUSES, 0))[str(status)] = int(n)
+            per_topic = by_topic.setdefault(str(topic), dict.fromkeys(STATUSES, 0))
+            if str(status) in per_topic:
+                per_topic[str(status)] = int(n)
         # Ages computed by the server, skipping a created_at that is not a time
         # (a zero date, an infinity: another writer's), which has no age.
         age_us = micros_between(t.c.created_at, db_now())
@@ -152,6 +163,7 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         lease_owners=owners,
         shard_count=shard_count,
         shard_out_of_range=shard_out_of_range,
+        invalid_status=invalid_status,
     )
 
 
