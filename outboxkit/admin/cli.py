@@ -107,8 +107,9 @@ def register(sub: Any) -> None:
         help="set failed rows back to pending with a fresh retry budget",
         description=(
             "Set selected failed rows (and retryable ones with --include-retryable, and "
-            "rows whose status is outside the enum) to pending, attempts 0, eligible now. Rows a relay holds (delivering) are "
-            "never changed; rows locked at that instant are skipped and reported. "
+            "rows whose status is outside the enum) to pending, attempts 0, eligible now. "
+            "Rows a relay holds (delivering) are never changed; rows locked at that "
+            "instant are skipped and reported. "
             "--id/--event-id select rows exactly; --topic, --since/--until (created_at, "
             "ISO 8601, UTC unless an offset is given) and --all-failed select sets and "
             "combine with AND."
