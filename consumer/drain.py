@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from outboxkit.consumer.loop import DrainReport
 from outboxkit.consumer.offsets import commit_and_close
-from outboxkit.runtime.exitrecord import ExitRecord
+from outboxkit.runtime.exitrecord import CRASH_LOOP, ExitRecord
 from outboxkit.runtime.logs import log_event
 from outboxkit.runtime.metrics import push_exit_metrics
 
@@ -56,6 +56,8 @@ class ConsumerExitRecord(ExitRecord):
     duration_ms: int
     result: str
     exit_code: int
+    #: Workers crash-looping when the drain began (``result`` ``crash-loop``).
+    crash_loop: list[dict[str, object]] = dataclasses.field(default_factory=list)
 
     event: ClassVar[str] = "consumer-exit"
 
@@ -109,6 +111,8 @@ def shutdown(consumer: Consumer) -> None:
 
 
 def result_of(consumer: Consumer, report: DrainReport) -> str:
+    if consumer.supervisor.crash_loops_at_drain:
+        return CRASH_LOOP
     if consumer.lifecycle.exit_code() != 0:
         return "failed"
     if report.unknown:
@@ -140,6 +144,7 @@ def write_exit_record(consumer: Consumer, report: DrainReport, *, result: str) -
         duration_ms=round((time.monotonic() - started) * 1000),
         result=result,
         exit_code=lc.exit_code(),
+        crash_loop=[c.describe() for c in consumer.supervisor.crash_loops_at_drain],
     ).write(_log)
 
 

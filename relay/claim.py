@@ -88,7 +88,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.relay._dbtime import db_now_plus, micros, micros_between
+from outboxkit.relay._dbtime import db_now_plus, micros, micros_between, time_ahead, time_passed
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.logs import log_event
@@ -246,8 +246,9 @@ def _cached_candidates_query(
 def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     """A ``delivering`` row's lease is over: expired, or never set (another writer
     stored ``delivering`` without a lease; nothing protects it, and left alone it
-    would neither be claimed nor hold its key back)."""
-    return sa.or_(t.c.lease_expires_at <= now, t.c.lease_expires_at.is_(None))
+    would neither be claimed nor hold its key back); or ending further ahead than
+    any relay leases (``infinity``, year 9999: see ``_dbtime.time_passed``)."""
+    return sa.or_(time_passed(t.c.lease_expires_at, now), t.c.lease_expires_at.is_(None))
 
 
 def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int]:
@@ -337,10 +338,10 @@ def candidates_query(
     now = db_now()
     # What holds a key's later rows back, per status of the earlier row.
     holds: dict[Status, sa.ColumnElement[bool]] = {
-        Status.RETRYABLE: earlier.c.next_attempt_at > now,
+        Status.RETRYABLE: time_ahead(earlier.c.next_attempt_at, now),
         # Without the reclaim arm, a row left delivering under an expired lease is
         # not claimed now, so it must hold its key like a live one.
-        Status.DELIVERING: earlier.c.lease_expires_at > now if reclaim else sa.true(),
+        Status.DELIVERING: time_ahead(earlier.c.lease_expires_at, now) if reclaim else sa.true(),
     }
     owned = _owned(t, shards, shard_count, dialect)
     common: list[sa.ColumnElement[bool]] = [] if owned is None else [owned]
@@ -372,6 +373,8 @@ def candidates_query(
         elif dialect == "postgresql" and status is Status.RETRYABLE:
             unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
         common.append(unheld)
+    if dialect in MYSQL_DIALECTS:
+        common.append(_unheld_by_invalid_status(t, table, dialect))
 
     def by_status(
         status: Status, due: sa.ColumnElement[bool]
@@ -389,13 +392,47 @@ def candidates_query(
         )
 
     arms = [
-        by_status(Status.PENDING, t.c.next_attempt_at <= now),
-        by_status(Status.RETRYABLE, t.c.next_attempt_at <= now),
+        by_status(Status.PENDING, time_passed(t.c.next_attempt_at, now)),
+        by_status(Status.RETRYABLE, time_passed(t.c.next_attempt_at, now)),
     ]
     if reclaim:
         arms.append(by_status(Status.DELIVERING, _lease_over(t, now)))
     merged = sa.union_all(*arms).subquery("candidates")
     return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(sql_int(limit))
+
+
+#: What MariaDB/MySQL store for a status outside the enum, written from a session
+#: without strict mode (an ENUM's error value). PostgreSQL's enum refuses it.
+INVALID_STATUS = ""
+
+
+def invalid_status(t: sa.FromClause) -> sa.ColumnElement[bool]:
+    """``t.status`` is the ENUM's error value: a status outside the enum."""
+    return t.c.status == sa.literal_column(f"'{INVALID_STATUS}'", sa.String())
+
+
+def _unheld_by_invalid_status(t: sa.Table, table: str, dialect: str) -> sa.ColumnElement[bool]:
+    """MariaDB/MySQL: no earlier row of the candidate's key has a status outside
+    the enum. Such a row is never claimed (nothing says what it is) and waits for
+    an operator (``admin requeue`` makes it ``pending``), so it holds its key's
+    later rows back. Asked first once per claim (an uncorrelated ``NOT EXISTS``,
+    one seek of ``(status, id)``): with no such row in the table, as always
+    after a strict writer, no candidate pays for the per-key probe."""
+    anywhere = t.alias("invalid_anywhere")
+    invalid = t.alias("invalid_earlier")
+    none_at_all = (
+        ~sa.select(sql_int(1)).select_from(anywhere).where(invalid_status(anywhere)).exists()
+    )
+    none_earlier = (
+        ~key_probe(sql_int(1), invalid, table, dialect)
+        .where(
+            invalid.c.message_key == t.c.message_key,
+            invalid_status(invalid),
+            invalid.c.id < t.c.id,
+        )
+        .exists()
+    )
+    return sa.or_(none_at_all, none_earlier)
 
 
 def _leased_keys(
@@ -657,7 +694,8 @@ def _claimed(row: Sequence[Any], shard_count: int | None) -> ClaimedRow:
         headers=headers,
         shard=shard,
         attempts=attempts + 1,
-        age_at_claim=max(0, age_us) / 1_000_000,
+        # NULL when created_at is not a time (a zero date, an infinity): age 0.
+        age_at_claim=0.0 if age_us is None else max(0, age_us) / 1_000_000,
         reclaimed_from=(owner or "(no owner)") if status == _DELIVERING else None,
         misplaced_shard=None if stored == shard else stored,
     )
@@ -685,7 +723,7 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
     eligible = sa.or_(
         sa.and_(
             t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
-            t.c.next_attempt_at <= now,
+            time_passed(t.c.next_attempt_at, now),
         ),
         sa.and_(t.c.status == Status.DELIVERING.value, _lease_over(t, now)),
     )

@@ -36,6 +36,7 @@ from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
+from outboxkit.runtime.exitrecord import CRASH_LOOP
 from outboxkit.runtime.exitrecord import ExitRecord as ServiceExitRecord
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_exit_metrics
@@ -105,6 +106,8 @@ class ExitRecord(ServiceExitRecord):
     result: str = "clean"
     exit_code: int = 0
     metrics_pushed: bool | None = None
+    #: Workers crash-looping when the drain began (``result`` ``crash-loop``).
+    crash_loop: list[dict[str, object]] = dataclasses.field(default_factory=list)
 
     event: ClassVar[str] = "relay-exit"
     clean_results: ClassVar[frozenset[str] | None] = frozenset({"clean"})
@@ -163,12 +166,15 @@ def stop(relay: Relay) -> int:
     record.left_leased = left
     record.batch_size += left
     record.abandoned = list(relay._abandoned)
+    record.crash_loop = [c.describe() for c in relay.supervisor.crash_loops_at_drain]
     if left:
         record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
     elif relay._abandoned:  # the budget ran out for a worker: not a clean exit
         record.result, record.exit_code = "forced", EXIT_FORCED
     elif relay.supervisor.crashes > relay._crashes_before_drain:
         record.result, record.exit_code = "error", EXIT_FAILURE
+    elif relay.supervisor.crash_loops_at_drain:
+        record.result, record.exit_code = CRASH_LOOP, EXIT_FAILURE
     elif relay.lifecycle.exit_code() != EXIT_OK:
         record.result, record.exit_code = "fatal", relay.lifecycle.exit_code()
     finish_record(relay, record)

@@ -13,6 +13,7 @@ import logging
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from outboxkit.relay._dbtime import time_ahead
 from outboxkit.runtime.logs import Episode
 from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
 
@@ -36,7 +37,9 @@ def detect_foreign_relays(conn: Connection, table: str, node_id: str) -> dict[st
             t.c.status == Status.DELIVERING.value,
             t.c.lease_owner.is_not(None),
             t.c.lease_owner != node_id,
-            t.c.lease_expires_at > db_now(),
+            # Not a lease "until infinity": no relay takes one (and PostgreSQL's
+            # driver cannot read it back).
+            time_ahead(t.c.lease_expires_at, db_now()),
         )
         .group_by(t.c.lease_owner)
         .limit(50)

@@ -14,9 +14,9 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
-from outboxkit.relay._dbtime import micros_between
-from outboxkit.relay.claim import key_probe, key_rows
-from outboxkit.schema.table import Status, db_now, outbox_table
+from outboxkit.relay._dbtime import micros_between, time_ahead
+from outboxkit.relay.claim import invalid_status, key_probe, key_rows
+from outboxkit.schema.table import MYSQL_DIALECTS, Status, db_now, outbox_table
 
 __all__ = [
     "BACKLOG_STATUSES",
@@ -122,7 +122,10 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
     """Rows per backlog status, and the age in seconds of the oldest due-or-waiting row.
 
     Each count is a range scan of one status in the ``(status, id)`` index; the
-    age reads one row found by ``MIN(id)`` of the same index.
+    age reads the first rows of each status by id in the same index, and takes
+    the first whose ``created_at`` is a time: a zero date or an infinity
+    (another writer's) has no age, and must neither fail the sample nor hide
+    the backlog behind it (at most ``_AGE_PROBE`` such rows are stepped over).
     """
     t = outbox_table(table)
     counts = {
@@ -133,19 +136,39 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
         )
         for status in BACKLOG_STATUSES
     }
-    oldest: int | None = None
+    oldest_us = 0.0
     for status in (Status.PENDING, Status.RETRYABLE):
-        first = conn.execute(
-            sa.select(sa.func.min(t.c.id)).where(t.c.status == status.value)
-        ).scalar()
-        if first is not None and (oldest is None or first < oldest):
-            oldest = first
-    if oldest is None:
-        return counts, 0.0
-    age = conn.execute(
-        sa.select(micros_between(t.c.created_at, db_now())).where(t.c.id == oldest)
-    ).scalar()
-    return counts, max(0.0, float(age or 0) / 1_000_000)
+        first = (
+            sa.select(micros_between(t.c.created_at, db_now()))
+            .where(t.c.status == status.value)
+            # (status, id): served by that index alone, never by walking the
+            # primary key through delivered rows (see claim._status_range).
+            .order_by(t.c.status, t.c.id)
+            .limit(_AGE_PROBE)
+        )
+        # The first row in id order that has an age.
+        age = next((a for (a,) in conn.execute(first) if a is not None), None)
+        if age is not None:
+            oldest_us = max(oldest_us, float(age))
+    return counts, oldest_us / 1_000_000
+
+
+#: Rows per status the backlog age looks at for one whose ``created_at`` is a time.
+_AGE_PROBE = 16
+
+
+def count_invalid_status(conn: Connection, table: str) -> int:
+    """Rows whose status is outside the enum (MariaDB/MySQL: ``''``, see
+    ``claim.INVALID_STATUS``); 0 on PostgreSQL, whose enum refuses them. One
+    range of the ``(status, id)`` index."""
+    if conn.dialect.name not in MYSQL_DIALECTS:
+        return 0
+    t = outbox_table(table)
+    return int(
+        conn.execute(
+            sa.select(sa.func.count()).select_from(t).where(invalid_status(t))
+        ).scalar_one()
+    )
 
 
 def sample_ordering_blocked(
@@ -174,8 +197,8 @@ def ordering_blocked_query(
     t = outbox_table(table)
     now = db_now()
     blocking = [
-        sa.and_(t.c.status == Status.RETRYABLE.value, t.c.next_attempt_at > now),
-        sa.and_(t.c.status == Status.DELIVERING.value, t.c.lease_expires_at > now),
+        sa.and_(t.c.status == Status.RETRYABLE.value, time_ahead(t.c.next_attempt_at, now)),
+        sa.and_(t.c.status == Status.DELIVERING.value, time_ahead(t.c.lease_expires_at, now)),
     ]
     if paused_topics:
         blocking.append(

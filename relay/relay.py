@@ -48,6 +48,7 @@ from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exh
 from outboxkit.relay.leases import ForeignRelayMonitor
 from outboxkit.relay.metrics import (
     RelayMetrics,
+    count_invalid_status,
     sample_backlog,
     sample_ordering_blocked,
     topics_with_rows,
@@ -69,6 +70,7 @@ from outboxkit.runtime import (
     redact,
 )
 from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.logs import Episode
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import freeze_heap
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
@@ -77,6 +79,9 @@ from outboxkit.schema.apply import read_shard_count, require_claim_schema
 __all__ = ["PUSH_JOB", "Relay"]
 
 _T = TypeVar("_T")
+
+#: The largest id the ``id`` column (a signed BIGINT) holds.
+_MAX_ID = 2**63 - 1
 
 log = logging.getLogger("outboxkit.relay")
 
@@ -160,6 +165,7 @@ class Relay:
         self._shard_count: int | None = None
         self._jittered = False
         self._next_sample = 0.0
+        self._invalid_status = Episode(log, "status-invalid", "status-invalid-gone")
         self._crashes_before_drain = 0
         self._retention: threading.Thread | None = None
         self._abandoned: list[str] = []
@@ -282,12 +288,14 @@ class Relay:
     def _next_id_upper(self, shards: frozenset[int]) -> int | None:
         """Beside a leased batch, whose keys hold back their later rows, a claim
         looks no further than about one batch of our shards' rows past its last
-        id (see claim.py); otherwise it is unbounded."""
+        id (see claim.py); otherwise it is unbounded. Never past the largest id a
+        BIGINT holds (rows another writer stored at the last ids): a bound
+        beyond it failed every such claim on PostgreSQL (``bigint out of range``)."""
         if not self._held:
             return None
         last = self._held[-1].batch.rows[-1].id  # a batch is in id order
         share = len(shards) / max(len(shards), self._shard_count or 1)
-        return last + math.ceil(self.settings.batch_size / share)
+        return min(last + math.ceil(self.settings.batch_size / share), _MAX_ID)
 
     def _may_claim(self, previous: _Held | None) -> bool:
         """Claim while ``previous`` is in flight only while its reports can still
@@ -672,6 +680,7 @@ class Relay:
             with self.engine.connect() as conn:
                 counts, age = sample_backlog(conn, self.settings.table)
                 blocked = sample_ordering_blocked(conn, self.settings.table, paused)
+                invalid = count_invalid_status(conn, self.settings.table)
                 gone = paused - topics_with_rows(conn, self.settings.table, paused)
                 if self._foreign is not None:
                     self._foreign.check(conn)
@@ -682,8 +691,26 @@ class Relay:
             self.metrics.backlog.labels(status=status.value).set(n)
         self.metrics.oldest_pending_age.set(age)
         self.metrics.ordering_blocked.set(blocked)
+        self._note_invalid_status(invalid)
         for topic in sorted(gone):  # nothing left to probe with: the pause would never end
             self.paused.resume(topic, cause="no-rows-left")
+
+    def _note_invalid_status(self, rows: int) -> None:
+        """Rows whose status is outside the enum: the gauge's ``invalid`` status,
+        and one warning while there are any (they are never claimed and hold
+        their keys back until requeued)."""
+        self.metrics.backlog.labels(status="invalid").set(rows)
+        if not rows:
+            self._invalid_status.end(table=self.settings.table)
+            return
+        self._invalid_status.begin(
+            rows,
+            table=self.settings.table,
+            rows=rows,
+            effect="never claimed; each holds its key's later rows back",
+            action="outboxkit admin status shows them; outboxkit admin requeue --id ... "
+            "(or --all-failed) makes them pending; fix the writer (strict sql_mode)",
+        )
 
     def _inflight_shards(self) -> frozenset[int]:
         return frozenset().union(*(h.batch.shards for h in self._held))

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 
 from outboxkit.admin.discard import discard
 from outboxkit.admin.requeue import RequeueResult, Selection, Skipped, requeue
-from outboxkit.admin.rows import list_failed, read_recovery, show_row
+from outboxkit.admin.rows import list_failed, read_recovery, readable_edge_times, show_row
 from outboxkit.admin.settings import AdminSettings
 from outboxkit.admin.status import (
     RelayView,
@@ -113,9 +113,10 @@ def register(sub: Any) -> None:
         parents=[common],
         help="set failed rows back to pending with a fresh retry budget",
         description=(
-            "Set selected failed rows (and retryable ones with --include-retryable) "
-            "to pending, attempts 0, eligible now. Rows a relay holds (delivering) are "
-            "never changed; rows locked at that instant are skipped and reported. "
+            "Set selected failed rows (and retryable ones with --include-retryable, and "
+            "rows whose status is outside the enum) to pending, attempts 0, eligible now. "
+            "Rows a relay holds (delivering) are never changed; rows locked at that "
+            "instant are skipped and reported. "
             "--id/--event-id select rows exactly; --topic, --since/--until (created_at, "
             "ISO 8601, UTC unless an offset is given) and --all-failed select sets and "
             "combine with AND."
@@ -242,6 +243,7 @@ def _run(body: Callable[[AdminSettings, sa.Engine], int]) -> Callable[[argparse.
             engine = sa.create_engine(settings.db_url, pool_pre_ping=True)
         except (sa.exc.ArgumentError, ImportError) as exc:
             raise ConfigError(f"invalid --db-url / OUTBOXKIT_DB_URL: {redact(str(exc))}") from None
+        readable_edge_times(engine)
         try:
             # Warnings only (a retried purge batch): the command's output is its text.
             with logging_configured(
@@ -368,6 +370,7 @@ def _status_json(
         "oldest_pending_age_s": t.oldest_pending_age_s,
         "oldest_undelivered_age_s": t.oldest_undelivered_age_s,
         "shard_out_of_range": t.shard_out_of_range,
+        "invalid_status": t.invalid_status,
         "leases": {
             "live": t.leases_live,
             "expired": t.leases_expired,
@@ -430,6 +433,12 @@ def _status_text(
             f"shard out of range: {t.shard_out_of_range} undelivered rows have a shard outside "
             f"0..{(t.shard_count or 1) - 1} (another writer's; relays claim them under "
             "CRC-32 of their key mod the shard count)"
+        )
+    if t.invalid_status:
+        print(
+            f"status outside the enum: {t.invalid_status} rows (stored without strict "
+            "sql_mode; never claimed, each holds its key's later rows back): "
+            "`outboxkit admin requeue --id ...` or --all-failed makes them pending"
         )
     if t.by_topic:
         print()

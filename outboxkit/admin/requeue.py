@@ -7,7 +7,9 @@ claim publishes it again with the full retry budget.
 Safety against running relays:
 
 * only rows whose status is one of the selected statuses (``failed``, plus
-  ``retryable`` when asked) are changed; ``delivering`` rows, live lease or not,
+  ``retryable`` when asked, plus on MariaDB/MySQL a status outside the enum,
+  stored as ``''`` from a session without strict mode: never claimed, such a
+  row is repaired like a failed one) are changed; ``delivering`` rows, live lease or not,
   are never touched (an expired lease is reclaimed by the relay itself), nor are
   ``pending`` or ``delivered`` rows;
 * rows are changed in chunks, each one transaction: the candidates are locked
@@ -33,10 +35,18 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from outboxkit.relay._dbtime import time_ahead
+from outboxkit.relay.claim import INVALID_STATUS
 from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import Status, db_now, outbox_table, validate_identifier
+from outboxkit.schema.table import (
+    MYSQL_DIALECTS,
+    Status,
+    db_now,
+    outbox_table,
+    validate_identifier,
+)
 
 __all__ = [
     "RequeueResult",
@@ -176,6 +186,10 @@ def requeue(
     t = outbox_table(table)
     result = RequeueResult(dry_run=dry_run)
     allowed = selection.statuses
+    if engine.dialect.name in MYSQL_DIALECTS:
+        # A status outside the enum (stored as '' without strict mode) is never
+        # claimed: requeued like a failed row, it is relayed in its key's order.
+        allowed = (*allowed, INVALID_STATUS)
     if selection.ids or selection.event_ids:
         result.skipped.extend(named_rows_left_alone(engine, t, selection, allowed, "requeued"))
     filters = [*selection_filters(t, selection), t.c.status.in_(allowed)]
@@ -287,9 +301,13 @@ def named_rows_left_alone(
     if s.event_ids:
         conds.append(t.c.event_id.in_(s.event_ids))
     with engine.connect() as conn:
-        now = conn.execute(sa.select(db_now())).scalar_one()
+        # Whether a lease is live, judged by the server as the claim judges it
+        # (a zero date or a lease "until infinity" is over: relay/_dbtime.py).
+        live_lease = time_ahead(t.c.lease_expires_at, db_now())
         rows = conn.execute(
-            sa.select(t.c.id, t.c.event_id, t.c.status, t.c.lease_expires_at).where(sa.or_(*conds))
+            sa.select(t.c.id, t.c.event_id, t.c.status, live_lease.label("live")).where(
+                sa.or_(*conds)
+            )
         ).all()
     unknown = [str(i) for i in s.ids if i not in {r.id for r in rows}]
     unknown += [e for e in s.event_ids if e not in {r.event_id for r in rows}]
@@ -303,7 +321,7 @@ def named_rows_left_alone(
         if r.status in statuses:
             continue
         if r.status == Status.DELIVERING.value:
-            live = r.lease_expires_at is not None and r.lease_expires_at > now
+            live = bool(r.live)
             why = (
                 f"delivering: a relay holds its lease; never {done}"
                 if live

@@ -27,6 +27,7 @@ __all__ = [
     "list_failed",
     "printable_bytes",
     "read_recovery",
+    "readable_edge_times",
     "show_row",
 ]
 
@@ -186,3 +187,25 @@ def _headers_view(stored: str | None) -> dict[str, Any]:
         }
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         return {"undecodable": str(stored), "error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def readable_edge_times(engine: Engine) -> None:
+    """Let ``engine`` read PostgreSQL's ``infinity``/``-infinity`` timestamps (as
+    those words): psycopg refuses to load them as ``datetime`` and the command
+    would fail on a row another writer stored so. (PyMySQL already returns a
+    MariaDB zero date as text.)"""
+    if engine.dialect.name != "postgresql":
+        return
+    from psycopg.types.datetime import TimestampLoader
+
+    class EdgeTimestampLoader(TimestampLoader):
+        def load(self, data: Any) -> Any:
+            text = bytes(data)
+            if text in (b"infinity", b"-infinity"):
+                return text.decode()
+            return super().load(data)
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.adapters.register_loader("timestamp", EdgeTimestampLoader)
+
+    sa.event.listen(engine, "connect", on_connect)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from outboxkit.relay._dbtime import micros_between, time_passed
 from outboxkit.runtime.logs import redact, redact_url
 from outboxkit.runtime.rediskeys import lease_key, lease_owner
 from outboxkit.schema.apply import read_shard_count
@@ -59,6 +60,9 @@ class TableStatus:
     #: ``0..shard_count-1`` (another writer's; relays claim them under their key's hash).
     shard_count: int | None = None
     shard_out_of_range: int = 0
+    #: Rows whose status is outside the enum (MariaDB/MySQL without strict mode
+    #: store ``''``): never claimed, they hold their keys back; requeue repairs them.
+    invalid_status: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,10 +83,10 @@ class ShardView:
     unowned: list[int]
 
 
-def _age(now: dt.datetime, then: dt.datetime | None) -> float | None:
-    if then is None:
+def _age(micros: object) -> float | None:
+    if micros is None:
         return None
-    return max(0.0, (now - then).total_seconds())
+    return max(0.0, float(micros) / 1_000_000)  # type: ignore[arg-type]
 
 
 def read_table_status(engine: Engine, *, table: str) -> TableStatus:
@@ -95,22 +99,33 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
     with engine.connect() as conn:
         now: dt.datetime = conn.execute(sa.select(db_now())).scalar_one()
         counts = dict.fromkeys(STATUSES, 0)
+        # A status outside the enum (MariaDB stores '' for one written without
+        # strict mode) is counted apart: invalid_status.
+        invalid_status = 0
         for status, n in conn.execute(
             sa.select(t.c.status, sa.func.count()).group_by(t.c.status)
         ).all():
-            counts[str(status)] = int(n)
+            if str(status) in counts:
+                counts[str(status)] = int(n)
+            else:
+                invalid_status += int(n)
         by_topic: dict[str, dict[str, int]] = {}
         for topic, status, n in conn.execute(
             sa.select(t.c.topic, t.c.status, sa.func.count())
             .group_by(t.c.topic, t.c.status)
             .order_by(t.c.topic)
         ).all():
-            by_topic.setdefault(str(topic), dict.fromkeys(STATUSES, 0))[str(status)] = int(n)
+            per_topic = by_topic.setdefault(str(topic), dict.fromkeys(STATUSES, 0))
+            if str(status) in per_topic:
+                per_topic[str(status)] = int(n)
+        # Ages computed by the server, skipping a created_at that is not a time
+        # (a zero date, an infinity: another writer's), which has no age.
+        age_us = micros_between(t.c.created_at, db_now())
         oldest_pending = conn.execute(
-            sa.select(sa.func.min(t.c.created_at)).where(t.c.status == Status.PENDING.value)
+            sa.select(sa.func.max(age_us)).where(t.c.status == Status.PENDING.value)
         ).scalar()
         oldest_undelivered = conn.execute(
-            sa.select(sa.func.min(t.c.created_at)).where(t.c.status.in_(_UNDELIVERED))
+            sa.select(sa.func.max(age_us)).where(t.c.status.in_(_UNDELIVERED))
         ).scalar()
         shard_count = read_shard_count(conn, table)
         shard_out_of_range = int(
@@ -121,7 +136,8 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
                 )
             ).scalar_one()
         )
-        expired = t.c.lease_expires_at <= db_now()
+        # As the claim judges it: a lease "until infinity" is over (relay/_dbtime.py).
+        expired = time_passed(t.c.lease_expires_at, db_now())
         owners = [
             LeaseOwner(owner=str(owner), live=int(live or 0), expired=int(exp or 0))
             for owner, live, exp in conn.execute(
@@ -140,13 +156,14 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         db_now=now,
         counts=counts,
         by_topic=by_topic,
-        oldest_pending_age_s=_age(now, oldest_pending),
-        oldest_undelivered_age_s=_age(now, oldest_undelivered),
+        oldest_pending_age_s=_age(oldest_pending),
+        oldest_undelivered_age_s=_age(oldest_undelivered),
         leases_live=sum(o.live for o in owners),
         leases_expired=sum(o.expired for o in owners),
         lease_owners=owners,
         shard_count=shard_count,
         shard_out_of_range=shard_out_of_range,
+        invalid_status=invalid_status,
     )
 
 

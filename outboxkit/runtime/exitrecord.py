@@ -14,6 +14,11 @@ The two services spell a clean stop differently, and both spellings stay:
 * ``consumer-exit``: ``result`` is ``ok`` on a clean stop (else ``failed``,
   ``unknown-left``, ``commit-incomplete``, ``forced``); the line is always
   logged at INFO, the exit code says whether the stop was clean.
+
+Both write ``result`` :data:`CRASH_LOOP` (exit code 1) when a worker was
+crash-looping as the drain began (see ``runtime.supervisor``), with the
+workers and their errors in the record's ``crash_loop`` field: a process whose
+loop spent its life restarting did not stop cleanly, whatever its last batch did.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import ClassVar
 
 from outboxkit.runtime.logs import log_event
 
-__all__ = ["ExitRecord"]
+__all__ = ["CRASH_LOOP", "ExitRecord"]
+
+#: The ``result`` of a stop that found a worker crash-looping.
+CRASH_LOOP = "crash-loop"
 
 
 @dataclasses.dataclass

@@ -198,6 +198,13 @@ class Lifecycle:
                 self.exit_code_hint = exit_code
         self.drain("fatal")
 
+    def note_exit_code(self, exit_code: int) -> None:
+        """Record an exit code intent without draining (the first one wins, as
+        with :meth:`fatal`): the process goes on, and exits with it."""
+        with self._lock:
+            if self.exit_code_hint is None:
+                self.exit_code_hint = exit_code
+
     def set_stopped(self) -> None:
         """Final state: everything is closed. Cancels the watchdog; live probe turns 503."""
         with self._lock:

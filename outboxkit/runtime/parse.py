@@ -63,10 +63,14 @@ def parse_time(text: str, *, what: str) -> dt.datetime:
     return value
 
 
-def format_ts(value: dt.datetime | None) -> str | None:
-    """A stored (naive UTC) time as ISO 8601 with a ``Z``."""
+def format_ts(value: dt.datetime | str | None) -> str | None:
+    """A stored (naive UTC) time as ISO 8601 with a ``Z``. A value that is not a
+    time (MariaDB's zero date, which PyMySQL returns as text; PostgreSQL's
+    ``infinity``, see ``admin.rows.readable_edge_times``) is shown as stored."""
     if value is None:
         return None
+    if not isinstance(value, dt.datetime):
+        return str(value)
     if value.tzinfo is not None:
         value = value.astimezone(dt.UTC).replace(tzinfo=None)
     return value.isoformat(timespec="microseconds") + "Z"

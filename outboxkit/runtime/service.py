@@ -39,7 +39,8 @@ class ServiceRuntime:
         logger: logging.Logger,
         details: Callable[[], dict[str, object]],
     ) -> ServiceRuntime:
-        """``details``: extra fields of the readiness answer."""
+        """``details``: extra fields of the readiness answer. A crash-looping
+        worker adds its own and turns readiness to 503 (``Supervisor.readiness``)."""
         registry = CollectorRegistry()
         service_metrics = ServiceMetrics(registry, service=settings.service)
         lifecycle = Lifecycle(
@@ -49,17 +50,23 @@ class ServiceRuntime:
             logger=logger,
             metrics=service_metrics,
         )
+        supervisor = Supervisor(lifecycle, logger=logger, metrics=service_metrics)
+
+        def readiness() -> dict[str, object]:
+            # The service's fields, then the supervisor's: its "ready": false wins.
+            return {**details(), **supervisor.readiness()}
+
         return cls(
             registry=registry,
             service_metrics=service_metrics,
             lifecycle=lifecycle,
-            supervisor=Supervisor(lifecycle, logger=logger, metrics=service_metrics),
+            supervisor=supervisor,
             health=HealthServer(
                 lifecycle,
                 host=settings.health_host,
                 port=settings.health_port,
                 registry=registry,
-                details=details,
+                details=readiness,
             ),
         )
 

@@ -1,6 +1,7 @@
 """Fuzz: random bytes and JSON shapes in every column a foreign writer sets (headers,
-message_key, payload, topic, event_id, shard, attempts, status), inserted
-with plain SQL beside good rows, against one running relay and real Kafka.
+message_key, payload, topic, event_id, shard, attempts, status, and times at
+their type's edges: zero dates, times years ahead), inserted with plain SQL
+beside good rows, against one running relay and real Kafka.
 
 After each example: the relay never crashed (no supervisor restart), nothing is
 left waiting (no key stalled), every bad row is ``failed`` with a reason, every
@@ -97,10 +98,34 @@ _ATTEMPTS = st.sampled_from([0, 0, 0, 0, 0, 1, 9, 10, -1, -(2**31), 2**31 - 1])
 _GOOD_EVENT_ID = st.from_regex(r"[\x21-\x7e]{1,20}", fullmatch=True)
 
 
+#: A time at its type's edge, stored from a session without strict mode (zero
+#: dates; a time past the 7-day horizon counts as passed): the row is delivered.
+_EDGE_TIME = st.none() | st.sampled_from(
+    [
+        ("created_at", "0000-00-00 00:00:00"),
+        ("created_at", "2024-00-00 00:00:00"),
+        ("next_attempt_at", "0000-00-00 00:00:00"),
+        ("next_attempt_at", "9999-12-31 23:59:59"),
+        ("lease_expires_at", "0000-00-00 00:00:00"),
+        ("lease_expires_at", "9999-12-31 23:59:59"),
+    ]
+)
+
+
 @dataclass
 class Foreign:
     columns: dict[str, Any]
     expect: str  # "delivered", "failed", or "either"
+    #: (column, value as SQL text) stored after the insert, or None.
+    edge: tuple[str, str] | None = None
+
+
+def store_edge(engine: sa.Engine, table: str, row_id: int, edge: tuple[str, str]) -> None:
+    column, value = edge
+    with engine.begin() as conn:
+        conn.exec_driver_sql("SET SESSION sql_mode = ''")
+        conn.exec_driver_sql(f"UPDATE {table} SET {column} = '{value}' WHERE id = {int(row_id)}")
+        conn.exec_driver_sql("SET SESSION sql_mode = DEFAULT")
 
 
 @st.composite
@@ -134,7 +159,7 @@ def _rows(draw: st.DrawFn, topics: list[str]) -> list[Foreign]:
         elif fault == "wild-headers" and expect != "failed":
             wild = draw(st.text(_CHARS, max_size=30) | _JSON.map(lambda v: json.dumps(v)))
             columns["headers"], expect = wild, "either"
-        out.append(Foreign(columns, expect))
+        out.append(Foreign(columns, expect, draw(_EDGE_TIME)))
     return out
 
 
@@ -199,7 +224,10 @@ def test_foreign_rows_never_crash_stall_or_reorder(
         expected: dict[int, str] = {}
         for row in foreign:
             cols = dict(row.columns)
-            expected[insert_foreign(engine, outbox, **cols)] = row.expect
+            row_id = insert_foreign(engine, outbox, **cols)
+            if row.edge is not None:
+                store_edge(engine, outbox, row_id, row.edge)
+            expected[row_id] = row.expect
         ids = set(expected)
 
         def settled() -> list[sa.Row[Any]]:

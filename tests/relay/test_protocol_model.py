@@ -79,6 +79,27 @@ MAX_ATTEMPTS = 4
 LEASE_TTL = 600.0
 
 ACK, RETRIABLE, ROW_FAULT, CONFIG_FAULT, NO_REPORT = "ack", "retriable", "row", "config", "none"
+#: (column, value as SQL text) a foreign writer may store, per database: zero dates
+#: (MariaDB without strict mode), infinities (PostgreSQL), times years ahead, a
+#: status outside the enum (MariaDB stores it as ''; PostgreSQL's enum refuses it).
+EDGES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mariadb": (
+        ("created_at", "0000-00-00 00:00:00"),
+        ("next_attempt_at", "0000-00-00 00:00:00"),
+        ("next_attempt_at", "9999-12-31 23:59:59"),
+        ("lease_expires_at", "0000-00-00 00:00:00"),
+        ("lease_expires_at", "9999-12-31 23:59:59"),
+        ("status", "sent"),
+    ),
+    "postgresql": (
+        ("created_at", "infinity"),
+        ("created_at", "-infinity"),
+        ("next_attempt_at", "-infinity"),
+        ("next_attempt_at", "infinity"),
+        ("lease_expires_at", "-infinity"),
+        ("lease_expires_at", "infinity"),
+    ),
+}
 OUTCOMES = (ACK, ACK, ACK, RETRIABLE, ROW_FAULT, CONFIG_FAULT, NO_REPORT)
 
 
@@ -140,6 +161,38 @@ class ProtocolModel(RuleBasedStateMachine):
             for row_id in found:
                 self.rows[row_id] = (key, topic)
                 self.attempts[row_id] = 0
+
+    @rule(
+        key=st.sampled_from(KEYS),
+        topic=st.sampled_from(TOPICS),
+        edge=st.integers(0, len(EDGES["mariadb"]) - 1),
+        later=st.integers(0, 2),
+    )
+    def write_at_an_edge(self, key: str, topic: str, edge: int, later: int) -> None:
+        """A row another writer stored with a column at its type's edge: a zero
+        date or an infinity in a time, a time years ahead, a status outside the
+        enum (docs/operations.md, *What a foreign row turns into*), then ``later``
+        rows of its key, which it must not be overtaken by. The relay's rules must
+        keep every promise with it in the table."""
+        dialect = "postgresql" if self.engine.dialect.name == "postgresql" else "mariadb"
+        column, value = EDGES[dialect][edge % len(EDGES[dialect])]
+        with self.engine.begin() as conn:
+            event_id = outboxkit.enqueue(conn, topic=topic, key=key, payload={"edge": value})
+            row_id = conn.execute(
+                sa.select(self.t.c.id).where(self.t.c.event_id == event_id)
+            ).scalar_one()
+            if dialect == "mariadb":
+                conn.exec_driver_sql("SET SESSION sql_mode = ''")  # zero dates, bad enums
+            sets = f"{column} = '{value}'"
+            if column == "lease_expires_at":
+                sets += ", status = 'delivering', lease_owner = 'gone'"
+            conn.exec_driver_sql(f"UPDATE {TABLE} SET {sets} WHERE id = {int(row_id)}")
+            if dialect == "mariadb":
+                conn.exec_driver_sql("SET SESSION sql_mode = DEFAULT")
+        self.rows[row_id] = (key, topic)
+        self.attempts[row_id] = 0
+        if later:
+            self.write(key, topic, later)
 
     # ------------------------------------------------------------------ claims
 

@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from relay_support import EmbeddedRelay, add_events, fast_settings, rows, status_counts, wait_for
+from relay_support import (
+    EmbeddedRelay,
+    add_events,
+    fast_settings,
+    http_get,
+    rows,
+    status_counts,
+    wait_for,
+)
 from support.databases import on_both_databases
 
 from outboxkit import Event
@@ -53,6 +61,43 @@ def test_injected_exception_restarts_the_loop_with_backoff_and_keeps_the_attempt
     assert relay.metric("outbox_rows_released_total") == 10, "the batch released twice"
     # Two crashed claims kept their attempt (no refund), the third delivered.
     assert {r.attempts for r in rows(engine, outbox)} == {3}
+
+
+def test_a_relay_that_crashes_on_every_batch_is_not_ready_and_does_not_exit_clean(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """A loop that crashes on every batch (a row it cannot handle): after three
+    crashes in a row readiness answers 503 naming the worker and the error's
+    class, and the exit record says ``crash-loop`` with exit code 1, not ``clean``."""
+    topic = kafka_topics(partitions=1)
+    add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x")])
+
+    def fault(batch: Batch) -> None:
+        raise Boom("this batch again")
+
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(fast_settings(db_url, kafka_bootstrap), on_batch=fault)
+        ready = relay.relay.health.url + "/healthz/ready"
+        assert http_get(ready)[0] == 200, "one crash is not a crash loop"
+        wait_for(lambda: relay.relay.supervisor.crashes >= 3, timeout=30, what="three crashes")
+        status, body = http_get(ready)
+        assert status == 503, body
+        assert isinstance(body, dict) and body["state"] == "running"
+        (loop,) = body["crash_loop"]
+        assert loop["worker"] == "relay" and loop["error"] == "Boom"
+        assert loop["consecutive_crashes"] >= 3
+        assert relay.stop() == EXIT_FAILURE
+    assert logs.events("worker-crash-loop")[0]["worker"] == "relay"
+    exit_line = logs.events("relay-exit")[0]
+    assert exit_line["result"] == "crash-loop" and exit_line["exit_code"] == EXIT_FAILURE
+    assert exit_line["level"] == "ERROR"
+    assert [c["worker"] for c in exit_line["crash_loop"]] == ["relay"]
+    assert status_counts(engine, outbox) == {"retryable": 1}
 
 
 def test_exception_during_drain_is_not_restarted_and_rows_are_released(

@@ -159,3 +159,75 @@ def test_uses_given_logger() -> None:
     with capture_json_logs() as cap:
         Supervisor(make_lifecycle(), logger=logger, sleep=lambda d: False).run("w", loop)
     assert cap.events("worker-crashed")[0]["logger"] == "outboxkit.relay.test"
+
+
+def test_a_worker_crashing_three_times_in_a_row_is_a_crash_loop_until_a_run_lasts() -> None:
+    """Three crashes in a row: readiness says not ready, naming the worker and the
+    error's class, and one ``worker-crash-loop`` line is logged; a run that
+    lasts ``reset_after`` ends it."""
+    lc = make_lifecycle()
+    clock = FakeClock()
+    seen: list[dict[str, object]] = []
+    sup = Supervisor(lc, clock=clock, sleep=lambda d: seen.append(sup.readiness()) or False)
+    runs = iter([0.1, 0.1, 0.1, 0.1])
+
+    def loop() -> None:
+        clock.now += next(runs, 0.0)
+        if len(seen) < 4:
+            raise Boom("no such row password=hunter2")
+        seen.append(sup.readiness())  # the fifth run, which does not crash
+        clock.now += 60.0
+        seen.append(sup.readiness())
+
+    with capture_json_logs() as cap:
+        sup.run("claimer", loop)
+    assert seen[0] == {} and seen[1] == {}, "one or two crashes are not a loop"
+    assert seen[2] == {
+        "ready": False,
+        "crash_loop": [
+            {
+                "worker": "claimer",
+                "error": "Boom",
+                "consecutive_crashes": 3,
+                "detail": "Boom: no such row password=***",
+            }
+        ],
+    }
+    assert seen[3]["crash_loop"][0]["consecutive_crashes"] == 4  # type: ignore[index]
+    assert seen[4]["ready"] is False, "a restarted run is not yet proof"
+    assert seen[5] == {}, "a run that lasted reset_after ends the loop"
+    (line,) = cap.events("worker-crash-loop")
+    assert line["worker"] == "claimer" and line["error"] == "Boom" and line["level"] == "ERROR"
+    assert "hunter2" not in cap.text
+
+
+def test_a_drain_during_a_crash_loop_sets_a_failing_exit_code_and_keeps_the_loop() -> None:
+    lc = make_lifecycle()
+    loop, _ = crashing_loop(100)
+    crashes = {"n": 0}
+
+    def sleep(delay: float) -> bool:
+        crashes["n"] += 1
+        if crashes["n"] == 3:
+            lc.drain("SIGTERM")
+        return lc.draining.is_set()
+
+    sup = Supervisor(lc, sleep=sleep)
+    sup.run("consumer-worker-0", loop)
+    assert [c.worker for c in sup.crash_loops_at_drain] == ["consumer-worker-0"]
+    assert sup.crash_loops_at_drain[0].error == "Boom"
+    assert lc.exit_code() == 1
+
+
+def test_a_drain_after_two_crashes_keeps_the_exit_code_clean() -> None:
+    lc = make_lifecycle()
+    loop, _ = crashing_loop(100)
+
+    def sleep(delay: float) -> bool:
+        if delay == 2:
+            lc.drain("SIGTERM")
+        return lc.draining.is_set()
+
+    sup = Supervisor(lc, sleep=sleep)
+    sup.run("w", loop)
+    assert sup.crash_loops_at_drain == () and lc.exit_code() == 0
