@@ -12,7 +12,7 @@ import time
 
 import sqlalchemy as sa
 
-from outboxkit.consumer import Consumer, Message
+from outboxkit.consumer import Consumer, Message, PermanentError
 from outboxkit.runtime.logs import log_event
 
 log = logging.getLogger("consumer_apps")
@@ -101,3 +101,14 @@ class ReadsHeaders(Consumer):
             event_id=message.event_id,
             headers=names,
         )
+
+
+class OrderTypes(Consumer):
+    """Parses ``{"type": ...}`` and, like a service would, puts the type it does not
+    know into its error: ``unknown order type <type>``. Logs ``handled`` for the rest."""
+
+    def handle(self, message: Message) -> None:
+        data = message.json()
+        if data.get("type") != "paid":
+            raise PermanentError(f"unknown order type {data['type']}")
+        log_event(log, "handled", partition=message.partition, offset=message.offset)
