@@ -46,7 +46,7 @@ from outboxkit.consumer.loop import DrainReport, PollLoop
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
-from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.consumer.settings import ConsumerSettings, dead_letter_problems, is_pattern
 from outboxkit.consumer.workers import Dispatcher, Run
 from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.errors import (
@@ -233,6 +233,14 @@ class Consumer:
             problems.append(missing("group_id", " (or class attribute group_id)"))
         if not self.subscribed:
             problems.append(missing("topics", " (or class attribute topics)"))
+        problems.extend(
+            dead_letter_problems(
+                self.subscribed,
+                dlq_topic=s.dlq_topic or self.dlq_topic,
+                dlq_suffix=s.dlq_suffix,
+                class_dlq=not s.dlq_topic and bool(self.dlq_topic),
+            )
+        )
         if not (s.kafka_bootstrap or s.kafka_config.get("bootstrap.servers")):
             problems.append(missing("kafka_bootstrap"))
         if s.inbox and engine is None and not s.db_url:
@@ -348,7 +356,9 @@ class Consumer:
             suffix=s.dlq_suffix,
         )
         for topic in self.subscribed:
-            for name, role in ((topic, "topic"), (self._dead_letters.topic_for(topic), "dlq")):
+            # A pattern is not a name: only its dead-letter topic (--dlq-topic) is looked up.
+            named = [] if is_pattern(topic) else [(topic, "topic")]
+            for name, role in [*named, (self._dead_letters.topic_for(topic), "dlq")]:
                 if name not in metadata.topics:
                     log_event(
                         _log,
