@@ -289,10 +289,10 @@ class Consumer:
             self._connect()
             self._open_inbox()
         except DependencyError as exc:
-            lc.fatal("start", exc, exit_code=EXIT_DEPENDENCY)
+            self._failed_start("dependency", EXIT_DEPENDENCY, exc)
             return False
         except ConfigError as exc:
-            lc.fatal("start", exc, exit_code=EXIT_CONFIG)
+            self._failed_start("config", EXIT_CONFIG, exc)
             return False
         try:
             self.on_start()
@@ -313,6 +313,20 @@ class Consumer:
             on_lost=self._loop.on_lost,
         )
         return True
+
+    def _failed_start(self, kind: str, code: int, exc: BaseException) -> None:
+        """An expected start failure (a dependency, the configuration): one line
+        saying what and the exit code, as the relay's, then the drain. No traceback:
+        the message is the whole story (an unexpected error keeps its traceback)."""
+        log_event(
+            _log,
+            "start-failed",
+            level=logging.ERROR,
+            kind=kind,
+            error=redact(f"{type(exc).__name__}: {exc}"),
+            exit_code=code,
+        )
+        self.lifecycle.fatal("start-failed", exit_code=code)
 
     def _connect(self) -> None:
         s = self.settings

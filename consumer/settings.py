@@ -17,6 +17,7 @@ from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
     at_most,
+    connect_timeout_problem,
     database_backend,
     invalid,
     non_negative,
@@ -159,8 +160,9 @@ class ConsumerSettings(RuntimeSettings):
     topics: tuple[str, ...] = setting((), help="topics to consume (default: the class's topics)")
     connect_timeout: float = setting(
         10.0,
-        help="seconds to reach Kafka at start before exiting with code 3 (as the relay's)",
-        validate=positive,
+        help="seconds to reach Kafka at start before exiting with code 3 (as the relay's); "
+        "at least 1",
+        validate=connect_timeout_problem,
     )
     worker_drain_timeout: float = setting(
         30.0,
