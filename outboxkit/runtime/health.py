@@ -120,14 +120,16 @@ class _Connections:
         """Cut every connection past its deadline: ``shutdown()`` ends the read or
         write its handler thread waits in, and the thread closes it."""
         now = time.monotonic()
+        # Under the lock: its thread releases a socket (with this lock) before it
+        # closes it, so no socket is shut down while, or after, it is closed and
+        # its descriptor reused.
         with self._lock:
             due = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
             for sock in due:
                 self._deadlines[sock] = math.inf  # cut once; released by its thread
+                with contextlib.suppress(OSError):  # already closed by its client
+                    sock.shutdown(socket.SHUT_RDWR)
             self.expired += len(due)
-        for sock in due:
-            with contextlib.suppress(OSError):  # already closed by its client
-                sock.shutdown(socket.SHUT_RDWR)
 
     def __len__(self) -> int:
         return len(self._deadlines)
