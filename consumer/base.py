@@ -46,7 +46,7 @@ from outboxkit.consumer.loop import DrainReport, PollLoop
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
-from outboxkit.consumer.settings import ConsumerSettings
+from outboxkit.consumer.settings import ConsumerSettings, dead_letter_problems, is_pattern
 from outboxkit.consumer.workers import Dispatcher, Run
 from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.errors import (
@@ -233,6 +233,14 @@ class Consumer:
             problems.append(missing("group_id", " (or class attribute group_id)"))
         if not self.subscribed:
             problems.append(missing("topics", " (or class attribute topics)"))
+        problems.extend(
+            dead_letter_problems(
+                self.subscribed,
+                dlq_topic=s.dlq_topic or self.dlq_topic,
+                dlq_suffix=s.dlq_suffix,
+                class_dlq=not s.dlq_topic and bool(self.dlq_topic),
+            )
+        )
         if not (s.kafka_bootstrap or s.kafka_config.get("bootstrap.servers")):
             problems.append(missing("kafka_bootstrap"))
         if s.inbox and engine is None and not s.db_url:
@@ -281,10 +289,10 @@ class Consumer:
             self._connect()
             self._open_inbox()
         except DependencyError as exc:
-            lc.fatal("start", exc, exit_code=EXIT_DEPENDENCY)
+            self._failed_start("dependency", EXIT_DEPENDENCY, exc)
             return False
         except ConfigError as exc:
-            lc.fatal("start", exc, exit_code=EXIT_CONFIG)
+            self._failed_start("config", EXIT_CONFIG, exc)
             return False
         try:
             self.on_start()
@@ -305,6 +313,20 @@ class Consumer:
             on_lost=self._loop.on_lost,
         )
         return True
+
+    def _failed_start(self, kind: str, code: int, exc: BaseException) -> None:
+        """An expected start failure (a dependency, the configuration): one line
+        saying what and the exit code, as the relay's, then the drain. No traceback:
+        the message is the whole story (an unexpected error keeps its traceback)."""
+        log_event(
+            _log,
+            "start-failed",
+            level=logging.ERROR,
+            kind=kind,
+            error=redact(f"{type(exc).__name__}: {exc}"),
+            exit_code=code,
+        )
+        self.lifecycle.fatal("start-failed", exit_code=code)
 
     def _connect(self) -> None:
         s = self.settings
@@ -348,7 +370,9 @@ class Consumer:
             suffix=s.dlq_suffix,
         )
         for topic in self.subscribed:
-            for name, role in ((topic, "topic"), (self._dead_letters.topic_for(topic), "dlq")):
+            # A pattern is not a name: only its dead-letter topic (--dlq-topic) is looked up.
+            named = [] if is_pattern(topic) else [(topic, "topic")]
+            for name, role in [*named, (self._dead_letters.topic_for(topic), "dlq")]:
                 if name not in metadata.topics:
                     log_event(
                         _log,

@@ -15,6 +15,8 @@ The dead-lettered record keeps the original key, value and headers and adds:
 ``dlq.group_id``         the consumer group that gave up
 ``dlq.error.class``      ``module.QualName`` of the exception
 ``dlq.error.message``    the exception text, redacted, at most 1000 characters
+                         (control, line-separator and bidirectional characters
+                         and lone surrogates written as ``\\uXXXX``)
 ``dlq.attempts``         handler attempts made (decimal)
 ``dlq.failed_at``        UTC time of the give-up, ISO 8601
 ``event_id``             the original ``event_id`` (kept from the original headers)
@@ -55,7 +57,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outboxkit.consumer.message import EVENT_ID_HEADER, Message
 from outboxkit.errors import TransientError
-from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.logs import log_event, redact, safe_text
 
 __all__ = ["DeadLetterUnavailable", "DeadLetters", "Failure", "producer_config"]
 
@@ -120,11 +122,13 @@ class Failure:
     @classmethod
     def of(cls, exc: BaseException, *, attempts: int, permanent: bool) -> Failure:
         kind = type(exc)
-        text = redact(str(exc))
+        # A handler's text is the record's text ("unknown order type \ud800"): made
+        # safe before it is cut, so the header is valid UTF-8 on one line.
+        text = safe_text(redact(str(exc)))
         if len(text) > MAX_ERROR_MESSAGE:
             text = text[: MAX_ERROR_MESSAGE - 3] + "..."
         return cls(
-            error_class=f"{kind.__module__}.{kind.__qualname__}",
+            error_class=safe_text(f"{kind.__module__}.{kind.__qualname__}"),
             error_message=text,
             attempts=attempts,
             permanent=permanent,

@@ -9,12 +9,15 @@ is ``--worker-drain-timeout`` / ``OUTBOXKIT_WORKER_DRAIN_TIMEOUT``); see
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 
 from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, guarded_problems, librdkafka_problem
 from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
     at_most,
+    connect_timeout_problem,
     database_backend,
     invalid,
     non_negative,
@@ -27,7 +30,7 @@ from outboxkit.runtime.settings import (
 )
 from outboxkit.schema.table import DEFAULT_INBOX_TABLE, identifier_problem
 
-__all__ = ["ConsumerSettings"]
+__all__ = ["ConsumerSettings", "dead_letter_problems", "is_pattern"]
 
 
 #: One thread per worker: far beyond this the process runs out of threads.
@@ -57,6 +60,90 @@ def _inbox_batch(value: int) -> str | None:
     return at_least_one(value) or at_most(MAX_INBOX_BATCH)(value)
 
 
+def is_pattern(topic: str) -> bool:
+    """librdkafka's rule: a subscribed name that starts with ``^`` is a regex."""
+    return topic.startswith("^")
+
+
+def dead_letter_problems(
+    topics: Sequence[str], *, dlq_topic: str | None, dlq_suffix: str, class_dlq: bool = False
+) -> list[str]:
+    """Why the dead-letter topics of ``topics`` would loop; empty when they cannot.
+
+    A message is dead-lettered to ``dlq_topic``, else ``<its topic><dlq_suffix>``.
+    Were that a topic this consumer reads (an empty suffix, ``--dlq-topic`` naming
+    a consumed topic, ``orders`` beside ``orders.dlq``), a poison record would come
+    back and fail again, one more copy each round, forever. A regex subscription
+    (``^...``) needs ``dlq_topic``, and no pattern may match it: the topics a
+    pattern will match are not known at start, so their ``<topic><suffix>`` names
+    can be neither checked nor created in advance, and a pattern such as
+    ``^orders\\..*`` matches its own derived names (``orders.eu.dlq``...).
+    ``class_dlq``: ``dlq_topic`` came from the class attribute, said in the message.
+    """
+    problems: list[str] = []
+    literal = [t for t in topics if not is_pattern(t)]
+    patterns: list[tuple[str, re.Pattern[str]]] = []
+    for topic in topics:
+        if not is_pattern(topic):
+            continue
+        try:
+            patterns.append((topic, re.compile(topic)))
+        except re.error as exc:
+            problems.append(invalid("topics", f"'{topic}' is not a regular expression: {exc}"))
+    origin = " (class attribute dlq_topic)" if class_dlq else ""
+
+    def consumed_by(name: str) -> str | None:
+        if name in literal:
+            return "a consumed topic"
+        for text, pattern in patterns:
+            if pattern.search(name):
+                return f"matched by the subscribed pattern '{text}'"
+        return None
+
+    if dlq_topic:
+        why = consumed_by(dlq_topic)
+        if why:
+            problems.append(
+                invalid(
+                    "dlq_topic",
+                    f"'{dlq_topic}'{origin} is {why}: a dead-lettered message would be "
+                    "read and fail again, forever",
+                )
+            )
+        return problems
+    if patterns:
+        problems.append(
+            invalid(
+                "dlq_topic",
+                "a regex subscription needs one dead-letter topic that no pattern matches "
+                f"(the <topic>{dlq_suffix} names of the topics a pattern will match cannot "
+                "be checked or created in advance)",
+            )
+        )
+    if not dlq_suffix and literal:
+        shown = ", ".join(f"'{t}'" for t in literal)
+        problems.append(
+            invalid(
+                "dlq_suffix",
+                f"must not be empty: a failed message of {shown} would be dead-lettered "
+                "back into the topic it came from, and fail again, forever",
+            )
+        )
+        return problems
+    for topic in literal:
+        derived = f"{topic}{dlq_suffix}"
+        why = consumed_by(derived)
+        if why:
+            problems.append(
+                invalid(
+                    "dlq_suffix",
+                    f"the dead-letter topic of '{topic}', '{derived}', is {why}: its "
+                    "messages would be handled again by this consumer",
+                )
+            )
+    return problems
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConsumerSettings(RuntimeSettings):
     """Settings of one consumer process (see ``docs/consumer.md``)."""
@@ -73,8 +160,9 @@ class ConsumerSettings(RuntimeSettings):
     topics: tuple[str, ...] = setting((), help="topics to consume (default: the class's topics)")
     connect_timeout: float = setting(
         10.0,
-        help="seconds to reach Kafka at start before exiting with code 3 (as the relay's)",
-        validate=positive,
+        help="seconds to reach Kafka at start before exiting with code 3 (as the relay's); "
+        "at least 1",
+        validate=connect_timeout_problem,
     )
     worker_drain_timeout: float = setting(
         30.0,

@@ -18,16 +18,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from order_tables import metadata, orders
 from pydantic import BaseModel, Field
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import outboxkit
 
+#: The largest amount the ``amount_cents`` column (BIGINT) holds. Checked here, so
+#: that ``1e20`` or ``2**63`` is a 422 naming the field, not a database error (500).
+MAX_AMOUNT_CENTS = 2**63 - 1
+
 
 class NewOrder(BaseModel):
     customer: str = Field(min_length=1, max_length=64)
-    amount_cents: int = Field(gt=0)
+    amount_cents: int = Field(gt=0, le=MAX_AMOUNT_CENTS)
 
 
 class PlacedOrder(BaseModel):
@@ -47,6 +53,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 app = FastAPI(title="orders", lifespan=lifespan)
+
+
+@app.exception_handler(RequestValidationError)
+async def invalid_order(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with where and why, without echoing the input: FastAPI's own answer
+    repeats it, and a number JSON cannot hold (``1e400`` parses as infinity)
+    made that answer fail to render (500)."""
+    detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in exc.errors()]
+    return JSONResponse(status_code=422, content={"detail": detail})
 
 
 @app.post("/orders", status_code=201)

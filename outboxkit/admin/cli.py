@@ -43,7 +43,7 @@ from outboxkit.relay.retention import count_purgeable, purge
 from outboxkit.runtime.db import database_url_problem
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY, EXIT_OK
-from outboxkit.runtime.logs import logging_configured, redact, redact_url
+from outboxkit.runtime.logs import UNSAFE_TEXT, logging_configured, redact, redact_url
 from outboxkit.runtime.parse import format_ts, parse_retention, parse_time
 from outboxkit.runtime.settings import (
     add_arguments,
@@ -57,9 +57,9 @@ from outboxkit.schema.table import STATUSES
 __all__ = ["register"]
 
 _SHOWN_IDS = 20
-#: What a terminal acts on: C0 controls, DEL, C1 controls (U+009B is CSI), and
-#: the bidirectional overrides and isolates that reorder the text shown.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+#: What a terminal acts on or splits lines on (controls, separators, bidirectional
+#: marks): the log formatters' set, so both show foreign text the same way.
+_UNSAFE = UNSAFE_TEXT
 _PROGRESS_EVERY_S = 5.0
 
 

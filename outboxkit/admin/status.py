@@ -6,12 +6,17 @@ query as the data), never from this machine's clock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import http.client
 import json
+import socket
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -23,6 +28,8 @@ from outboxkit.schema.apply import read_shard_count
 from outboxkit.schema.table import STATUSES, Status, db_now, outbox_table, validate_identifier
 
 __all__ = [
+    "RELAY_BODY_MAX",
+    "RELAY_DEADLINE_S",
     "LeaseOwner",
     "RelayView",
     "ShardView",
@@ -34,6 +41,10 @@ __all__ = [
 ]
 
 _UNDELIVERED = (Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value)
+#: Seconds a relay's readiness answer may take in total: connect, headers and body.
+RELAY_DEADLINE_S = 5.0
+#: Bytes of readiness body read at most; a relay's is a few hundred.
+RELAY_BODY_MAX = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,8 +178,15 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
     )
 
 
-def read_relay(url: str, *, timeout_s: float = 3.0) -> RelayView:
+def read_relay(url: str, *, timeout_s: float = RELAY_DEADLINE_S) -> RelayView:
     """Read ``/healthz/ready`` of a relay (both 200 and 503 carry the JSON body).
+
+    Whatever the server does, this returns within ``timeout_s`` (plus a moment)
+    with a view or an ``error``: the whole exchange has one deadline (a server
+    that sends a byte a second is cut at it, not timed per read), the body is
+    read up to :data:`RELAY_BODY_MAX` bytes, and a body that is not a JSON object
+    (nested too deeply for the parser included) or an answer that is not HTTP is
+    an error, never an exception.
 
     ``paused_topics`` may be a list of topic names, a mapping topic -> reason, or
     a list of ``{"topic": ..., "reason": ...}`` objects; all are normalised.
@@ -176,30 +194,103 @@ def read_relay(url: str, *, timeout_s: float = 3.0) -> RelayView:
     base = url.rstrip("/")
     ready = base if base.endswith("/healthz/ready") else base + "/healthz/ready"
     shown = redact_url(base)
+
+    def failed(error: str) -> RelayView:
+        return RelayView(url=shown, state=None, paused_topics={}, error=error)
+
     if not ready.startswith(("http://", "https://")):
-        return RelayView(url=shown, state=None, paused_topics={}, error="not an http(s) URL")
+        return failed("not an http(s) URL")
+    deadline = _Deadline()
+    opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
+    timer = threading.Timer(timeout_s, deadline.cut)
+    timer.daemon = True
+    timer.start()
     try:
-        with urllib.request.urlopen(ready, timeout=timeout_s) as resp:  # noqa: S310 - http(s) checked above
-            body, code = resp.read(), resp.status
-    except urllib.error.HTTPError as exc:
-        body, code = exc.read(), exc.code
-    except (OSError, ValueError) as exc:
-        return RelayView(url=shown, state=None, paused_topics={}, error=redact(str(exc)))
+        try:
+            with opener.open(ready, timeout=timeout_s) as resp:
+                body, code = resp.read(RELAY_BODY_MAX + 1), resp.status
+        except urllib.error.HTTPError as exc:
+            body, code = exc.read(RELAY_BODY_MAX + 1), exc.code
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        if deadline.expired:
+            return failed(f"no complete answer within {timeout_s:g} s")
+        if isinstance(exc, http.client.HTTPException) and not isinstance(exc, OSError):
+            return failed(f"not an HTTP answer ({type(exc).__name__})")
+        return failed(redact(str(exc)))
+    finally:
+        timer.cancel()
+    if deadline.expired:
+        return failed(f"no complete answer within {timeout_s:g} s")
+    if len(body) > RELAY_BODY_MAX:
+        return failed(f"readiness body larger than {RELAY_BODY_MAX} bytes")
     try:
         data = json.loads(body or b"{}")
-    except ValueError:
-        return RelayView(
-            url=shown, state=None, paused_topics={}, error="readiness body is not JSON"
-        )
+    except (ValueError, RecursionError):
+        return failed("readiness body is not JSON")
     if not isinstance(data, dict):
-        return RelayView(url=shown, state=None, paused_topics={}, error="unexpected readiness body")
+        return failed("unexpected readiness body")
     state = data.get("state")
+    try:
+        paused = _paused(data.get("paused_topics"))
+    except RecursionError:
+        return failed("unexpected readiness body")
     return RelayView(
         url=shown,
         state=str(state) if state is not None else None,
-        paused_topics=_paused(data.get("paused_topics")),
+        paused_topics=paused,
         ready=code == 200,
     )
+
+
+class _Deadline:
+    """The connections of one exchange, cut together when its time is up: a
+    socket timeout bounds each read, not a server that trickles bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connections: list[http.client.HTTPConnection] = []
+        self.expired = False
+
+    def track(self, factory: Callable[..., http.client.HTTPConnection]) -> Callable[..., Any]:
+        def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
+            conn = factory(host, **kwargs)
+            with self._lock:
+                self._connections.append(conn)
+            return conn
+
+        return make
+
+    def cut(self) -> None:
+        with self._lock:
+            self.expired = True
+            socks = [c.sock for c in self._connections if c.sock is not None]
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                # The plain socket's shutdown, also for TLS: SSLSocket.shutdown would
+                # drop its SSL state under the reading thread. The read returns at once.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self.deadline.track(http.client.HTTPConnection), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(
+            self.deadline.track(http.client.HTTPSConnection),
+            req,
+            context=self._context,  # type: ignore[attr-defined]
+        )
 
 
 def _paused(raw: object) -> dict[str, str]:

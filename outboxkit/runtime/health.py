@@ -13,10 +13,21 @@ Requests are not logged (probes every few seconds would be chatter).
 Each connection is served by its own thread. The listen queue holds
 ``LISTEN_BACKLOG`` connections (capped by the kernel's ``somaxconn``): with a
 short queue a burst of probes overflows it, and a dropped connection attempt
-is only repeated by the client after 1 s, Kubernetes' default probe timeout. A
-connection that sends no complete request within ``idle_timeout`` seconds
-(default 5) is closed without an answer, so idle or half-open connections do
-not hold a thread forever.
+is only repeated by the client after 1 s, Kubernetes' default probe timeout.
+
+Connections are bounded in number and in time, whatever a client sends:
+
+* at most ``max_connections`` (default 128) are open at once; one more is
+  closed at once, unanswered, and counted
+  (``health_connections_refused_total``);
+* each is closed ``idle_timeout`` seconds (default 5) after it was accepted,
+  answered or not, and counted if it was cut (``health_connections_expired_total``).
+  This is a deadline for the whole connection, not a timeout per read: a
+  client that sends one byte every few seconds never completes a request and
+  is still closed on time. A probe is answered in milliseconds.
+
+So slow or idle clients hold at most ``max_connections`` threads, each for at
+most ``idle_timeout`` (plus the 0.2 s the server loop takes to notice).
 """
 
 from __future__ import annotations
@@ -24,25 +35,31 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from outboxkit.runtime.errors import DependencyError
 from outboxkit.runtime.lifecycle import Lifecycle, State
 from outboxkit.runtime.logs import log_event, redact, sanitize
 
-__all__ = ["DEFAULT_IDLE_TIMEOUT", "LISTEN_BACKLOG", "HealthServer"]
+__all__ = ["DEFAULT_IDLE_TIMEOUT", "DEFAULT_MAX_CONNECTIONS", "LISTEN_BACKLOG", "HealthServer"]
 
 #: Connections the listen queue holds; the kernel caps it at net.core.somaxconn.
 LISTEN_BACKLOG = max(128, socket.SOMAXCONN)
-#: Seconds a connection may stay without a complete request (or between requests).
+#: Seconds a connection may stay open from its accept, answered or not.
 DEFAULT_IDLE_TIMEOUT = 5.0
+#: Connections open at once; more are closed at once. Probes and scrapes need a few.
+DEFAULT_MAX_CONNECTIONS = 128
 
 _log = logging.getLogger("outboxkit.runtime.health")
 
@@ -55,6 +72,87 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
     health: HealthServer
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # On the serving thread, before a handler thread exists: a connection
+        # over the cap costs no thread.
+        if not self.health._connections.admit(request):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.health._connections.release(request)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        # Called by serve_forever() every poll_interval (0.2 s).
+        self.health._connections.expire()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went away (or was cut at its deadline): nothing to report
+
+
+class _Connections:
+    """The open connections and their deadlines; shared by the serving thread
+    (admit, expire) and the handler threads (release)."""
+
+    def __init__(self, *, limit: int, lifetime: float) -> None:
+        self.limit = limit
+        self.lifetime = lifetime
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}
+        self.refused = 0
+        self.expired = 0
+
+    def admit(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if len(self._deadlines) >= self.limit:
+                self.refused += 1
+                return False
+            self._deadlines[sock] = time.monotonic() + self.lifetime
+            return True
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(sock, None)
+
+    def expire(self) -> None:
+        """Cut every connection past its deadline: ``shutdown()`` ends the read or
+        write its handler thread waits in, and the thread closes it."""
+        now = time.monotonic()
+        # Under the lock: its thread releases a socket (with this lock) before it
+        # closes it, so no socket is shut down while, or after, it is closed and
+        # its descriptor reused.
+        with self._lock:
+            due = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
+            for sock in due:
+                self._deadlines[sock] = math.inf  # cut once; released by its thread
+                with contextlib.suppress(OSError):  # already closed by its client
+                    sock.shutdown(socket.SHUT_RDWR)
+            self.expired += len(due)
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+
+class _ConnectionMetrics(Collector):
+    """``health_connections_refused_total`` / ``health_connections_expired_total``."""
+
+    def __init__(self, connections: _Connections) -> None:
+        self.connections = connections
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "health_connections_refused",
+            "Connections to the health port closed at once: max_connections were open",
+            value=self.connections.refused,
+        )
+        yield CounterMetricFamily(
+            "health_connections_expired",
+            "Connections to the health port cut at their deadline (idle_timeout after accept)",
+            value=self.connections.expired,
+        )
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
@@ -62,8 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
 
     def setup(self) -> None:
-        # The socket timeout covers every read: a client that sends nothing, or
-        # half a request, gets the connection closed (handle_one_request stops).
+        # Each read or write waits at most idle_timeout; the connection's deadline
+        # (_Connections.expire) bounds them all together.
         super().setup()
         self.connection.settimeout(self.server.health.idle_timeout)
 
@@ -128,11 +226,16 @@ class HealthServer:
         registry: CollectorRegistry,
         details: Callable[[], dict[str, object]] | None = None,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle_timeout must be > 0, got {idle_timeout!r}")
+        if not max_connections >= 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections!r}")
         self.lifecycle = lifecycle
         self.idle_timeout = idle_timeout
+        self._connections = _Connections(limit=max_connections, lifetime=idle_timeout)
+        registry.register(_ConnectionMetrics(self._connections))
         self.host = host
         self._port = port
         self.registry = registry

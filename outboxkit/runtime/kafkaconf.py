@@ -16,6 +16,7 @@ configuration reference.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -172,6 +173,12 @@ def librdkafka_problem(
     return f"invalid {KAFKA_CONFIG}: {named}{problem}"
 
 
+_SILENT = logging.getLogger("outboxkit.kafkaconf.check")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
+_SILENT.disabled = True
+
+
 def _try_client(config: Mapping[str, str], role: str) -> str | None:
     from confluent_kafka import Consumer, KafkaException, Producer
 
@@ -180,7 +187,11 @@ def _try_client(config: Mapping[str, str], role: str) -> str | None:
     }
     # Only errors matter here; librdkafka's warnings about this throwaway client
     # ("no bootstrap.servers", producer properties on a consumer) would mislead.
+    # With debug=... it logs anyway, straight to stderr outside the log format
+    # unless a logger takes its lines: a silent one (the real client's logger
+    # then routes the same debug lines through the log format).
     props.setdefault("log_level", 0)
+    props["logger"] = _SILENT
     try:
         if role == "producer":
             Producer(props).flush(0)

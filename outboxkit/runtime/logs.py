@@ -57,6 +57,7 @@ from outboxkit.runtime.kafkaconf import SENSITIVE_KAFKA_PROPERTIES
 __all__ = [
     "LOG_FORMATS",
     "MIN_SECRET_LENGTH",
+    "UNSAFE_TEXT",
     "ConsoleFormatter",
     "Episode",
     "JsonFormatter",
@@ -67,6 +68,7 @@ __all__ = [
     "redact",
     "redact_url",
     "register_secret",
+    "safe_text",
 ]
 
 MASK = "***"
@@ -326,7 +328,12 @@ class JsonFormatter(logging.Formatter):
         self.node_id = node_id
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(self.fields(record), ensure_ascii=False, default=lambda o: redact(str(o)))
+        text = json.dumps(self.fields(record), ensure_ascii=False, default=lambda o: redact(str(o)))
+        # The encoder escapes C0 controls but leaves the rest of UNSAFE_TEXT raw: a
+        # U+2028 splits the line in many viewers, a lone surrogate cannot be written
+        # as UTF-8. Outside strings a JSON line is ASCII, so each one is inside a
+        # string, where \uXXXX is its JSON escape: a parser reads the same value.
+        return UNSAFE_TEXT.sub(_escape, text)
 
     def fields(self, record: logging.LogRecord) -> dict[str, object]:
         """The record as the JSON object's fields, in order, every value redacted."""
@@ -360,9 +367,15 @@ class JsonFormatter(logging.Formatter):
         return out
 
 
-#: What a terminal acts on: C0 controls, DEL, C1 controls (U+009B is CSI), and the
-#: bidirectional overrides and isolates that reorder the text shown.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+#: What must never reach a log line, a header or a terminal raw: C0 controls, DEL,
+#: C1 controls (U+0085 is NEL, U+009B is CSI), the line and paragraph separators
+#: U+2028/U+2029 (viewers and JavaScript split lines on them), the bidirectional
+#: marks, embeddings, overrides and isolates that reorder the text shown (U+061C,
+#: U+200E, U+200F, U+202A-U+202E, U+2066-U+2069), and lone surrogates (text
+#: decoded from JSON's ``"\\ud800"``: no UTF-8 encoder accepts them).
+UNSAFE_TEXT = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 #: A value shown without quotes: no space, quote, '=' or backslash.
 _BARE = re.compile("[^\\s\"'=\\\\]+")
 _ENVELOPE = ("logger", "service", "node_id")
@@ -382,15 +395,26 @@ def _escape(match: re.Match[str]) -> str:
     return f"\\u{code:04x}"
 
 
+def safe_text(text: str) -> str:
+    """``text`` with every :data:`UNSAFE_TEXT` character written as ``\\uXXXX``.
+
+    For text from records and handlers that goes where it must stay one line of
+    valid UTF-8 (a dead-letter header, a terminal): the result always encodes,
+    holds no control, separator or bidirectional character, and still shows
+    what was there.
+    """
+    return UNSAFE_TEXT.sub(_escape, text)
+
+
 def _shown(value: object) -> str:
     """A field value as ``key=<this>``: bare when plain, else JSON-quoted; never a
     character that would drive the terminal."""
     if isinstance(value, str):
-        bare = _BARE.fullmatch(value) and not _UNSAFE.search(value)
+        bare = _BARE.fullmatch(value) and not UNSAFE_TEXT.search(value)
         text = value if bare else json.dumps(value, ensure_ascii=False)
     else:
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-    return _UNSAFE.sub(_escape, text)
+    return UNSAFE_TEXT.sub(_escape, text)
 
 
 class ConsoleFormatter(JsonFormatter):
@@ -407,7 +431,7 @@ class ConsoleFormatter(JsonFormatter):
         ts, level, event = fields.pop("ts"), str(fields.pop("level")), fields.pop("event")
         tail = {name: fields.pop(name) for name in _MULTILINE if name in fields}
         envelope = {name: fields.pop(name) for name in _ENVELOPE}
-        pairs = [f"{_UNSAFE.sub(_escape, k)}={_shown(v)}" for k, v in fields.items()]
+        pairs = [f"{UNSAFE_TEXT.sub(_escape, k)}={_shown(v)}" for k, v in fields.items()]
         context = " ".join(f"{k}={_shown(v)}" for k, v in envelope.items())
         head = f"{ts} {level:<7} {_shown(event)}"
         if self.colour:
@@ -417,7 +441,7 @@ class ConsoleFormatter(JsonFormatter):
         line = " ".join([head, *pairs, context])
         for text in tail.values():
             lines = str(text).splitlines()
-            line += "".join("\n    " + _UNSAFE.sub(_escape, part) for part in lines)
+            line += "".join("\n    " + UNSAFE_TEXT.sub(_escape, part) for part in lines)
         return line
 
 

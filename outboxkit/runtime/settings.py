@@ -68,12 +68,14 @@ __all__ = [
     "ENV_PREFIX",
     "MAX_DURATION_S",
     "MAX_INT",
+    "MIN_CONNECT_TIMEOUT_S",
     "MISSING",
     "RuntimeSettings",
     "SettingSpec",
     "add_arguments",
     "at_least_one",
     "at_most",
+    "connect_timeout_problem",
     "default_node_id",
     "describe",
     "env_name",
@@ -325,6 +327,24 @@ def retry_backoff_problem(base: float, cap: float) -> str | None:
     if cap >= base:
         return None
     return invalid("retry_backoff_cap", f"must be >= --retry-backoff-base ({cap:g} < {base:g})")
+
+
+#: Shortest start-up wait for a dependency: below it no real connection (DNS, TCP,
+#: TLS, a first request) can be expected to finish, and the database drivers count
+#: their connect timeouts in whole seconds anyway.
+MIN_CONNECT_TIMEOUT_S = 1.0
+
+
+def connect_timeout_problem(value: float) -> str | None:
+    """``--connect-timeout``: at least :data:`MIN_CONNECT_TIMEOUT_S`. A smaller one
+    (``0.001``, ``1e-320``) was accepted and then read as "unreachable" against a
+    dependency that was up."""
+    if value >= MIN_CONNECT_TIMEOUT_S:
+        return None
+    return (
+        f"must be at least {MIN_CONNECT_TIMEOUT_S:g} s: no connection to Kafka or a "
+        "database completes sooner, and the start would report it unreachable"
+    )
 
 
 def at_most(limit: float) -> Callable[[float], str | None]:

@@ -23,11 +23,18 @@ from outboxkit.schema import record_recovery
 pytestmark = [pytest.mark.integration, on_both_databases]
 
 #: What a terminal interprets: C0 (ESC, BEL, CR, backspace...), DEL, C1 (CSI is
-#: U+009B) and the bidirectional overrides/isolates that reorder what is shown.
-#: (Newlines are checked apart: the output's own lines end in one.)
-UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+#: U+009B, NEL U+0085), the line and paragraph separators U+2028/U+2029 that
+#: viewers split lines on, and the bidirectional marks, overrides and isolates
+#: that reorder what is shown. (Newlines are checked apart: the output's own
+#: lines end in one.)
+UNSAFE = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 
-HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\r\x08\x9b31m\u202eevil\nfake: line"
+HOSTILE = (
+    "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\r\x08\x9b31m\u202eevil\nfake: line"
+    "\u2028forged\u2029\x85\u200fx\u2067"
+)
 
 
 def _insert(engine: sa.Engine, table: str, n: int, *, text: str, status: str) -> str:
@@ -106,7 +113,8 @@ def test_escape_sequences_in_rows_are_shown_escaped(
 
 
 texts = st.text(
-    alphabet=st.characters(codec="utf-8") | st.sampled_from("\x1b\x9b\x07\r\n\t\u202e\x00\x7f["),
+    alphabet=st.characters(codec="utf-8")
+    | st.sampled_from("\x1b\x9b\x07\r\n\t\u202e\x00\x7f[\u2028\u2029\x85\u200e\u061c"),
     max_size=30,
 )
 

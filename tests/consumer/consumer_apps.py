@@ -12,7 +12,7 @@ import time
 
 import sqlalchemy as sa
 
-from outboxkit.consumer import Consumer, Message
+from outboxkit.consumer import Consumer, Message, PermanentError
 from outboxkit.runtime.logs import log_event
 
 log = logging.getLogger("consumer_apps")
@@ -110,3 +110,14 @@ class GivesUp(Consumer):
         from outboxkit.consumer import PermanentError
 
         raise PermanentError(f"order at offset {message.offset} cannot be handled")
+
+
+class OrderTypes(Consumer):
+    """Parses ``{"type": ...}`` and, like a service would, puts the type it does not
+    know into its error: ``unknown order type <type>``. Logs ``handled`` for the rest."""
+
+    def handle(self, message: Message) -> None:
+        data = message.json()
+        if data.get("type") != "paid":
+            raise PermanentError(f"unknown order type {data['type']}")
+        log_event(log, "handled", partition=message.partition, offset=message.offset)

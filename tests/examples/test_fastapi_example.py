@@ -283,6 +283,36 @@ def test_the_readme_commands_run_as_written_invoice_every_order_once_and_all_exi
     assert set(consumer_exit["totals"]) <= {"success", "duplicate"}, consumer_exit
 
 
+def test_an_amount_no_column_holds_is_a_422_not_a_500(
+    db_url: str, engine: sa.Engine, spawn: Callable[..., Proc]
+) -> None:
+    """``amount_cents`` is a BIGINT: 1e20 (an integral JSON number, which pydantic
+    takes as an int) and 2**63 are refused before anything is written, with a
+    message naming the field, not a database error and a traceback."""
+    apply_schema(engine, shards=8)
+    async_url = sa.make_url(db_url).set(drivername="mysql+asyncmy")
+    service = spawn(
+        str(EXAMPLE / "serve.py"),
+        "--port",
+        "0",
+        ORDERS_DB_URL=async_url.render_as_string(hide_password=False),
+    )
+    base_url = service.wait_line(r"Uvicorn running on (http://[\d.]+:\d+)", 60).group(1)
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        for amount in ("1e20", "1e19", str(2**63), "1e400"):
+            body = f'{{"customer": "ada", "amount_cents": {amount}}}'
+            r = client.post("/orders", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 422, (amount, r.status_code, r.text)
+            [detail] = r.json()["detail"]
+            assert detail["loc"] == ["body", "amount_cents"], detail
+        ok = client.post("/orders", json={"customer": "ada", "amount_cents": 2**63 - 1})
+        assert ok.status_code == 201, ok.text
+    assert service.stop() == 0, service.tail()
+    assert "Traceback" not in "".join(service.raw), service.tail()
+    assert _count(engine, "outbox_events") == 1
+    assert _count(engine, "example_orders") == 1
+
+
 @pytest.mark.unit
 def test_the_examples_extra_is_separate_and_the_package_imports_without_it() -> None:
     import tomllib

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import socket
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
+from support.waiting import bound
 
 from outboxkit.runtime import (
     DependencyError,
@@ -248,3 +250,71 @@ def test_an_idle_connection_is_closed_after_the_timeout(
     while threading.active_count() > threads_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= threads_before, "the connection's thread has ended"
+
+
+#: The documented default cap on open connections (HealthServer(max_connections=...)).
+_CAP = 128
+
+
+def _closed(sock: socket.socket) -> bool:
+    """True once the server closed ``sock`` (EOF or reset), without blocking.
+
+    ``sock`` must be in blocking mode: with a timeout set, Python waits for data
+    (up to the timeout) before the ``recv``, MSG_DONTWAIT or not."""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_slow_clients_are_capped_and_closed_at_the_request_deadline(
+    lifecycle: Lifecycle, make_server: Callable[..., HealthServer]
+) -> None:
+    """200 clients that each send one byte every 0.25 s, never a whole request.
+    A per-read timeout never fires for them: each would hold a thread for as
+    long as it keeps sending. At most the cap is served (one thread each); the
+    rest are closed at once and counted; every served one is closed at the
+    1 s deadline however it trickles; probes are answered again afterwards."""
+    server = make_server(idle_timeout=1.0)
+    lifecycle.set_running()
+    threads_before = threading.active_count()
+    clients = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(200)]
+    for sock in clients:
+        sock.settimeout(None)  # see _closed
+    peak = 0
+    try:
+        deadline = time.monotonic() + bound(10.0)
+        open_ = list(clients)
+        while open_ and time.monotonic() < deadline:
+            peak = max(peak, threading.active_count() - threads_before)
+            for sock in open_:
+                with contextlib.suppress(OSError):
+                    sock.send(b"G")
+            time.sleep(0.25)
+            open_ = [sock for sock in open_ if not _closed(sock)]
+        assert not open_, (
+            f"{len(open_)} trickling connections still open after {bound(10.0)} s, "
+            f"served by up to {peak} threads"
+        )
+    finally:
+        for sock in clients:
+            sock.close()
+    assert peak <= _CAP + 2, f"{peak} threads served 200 slow clients (cap {_CAP})"
+    _, metrics = get(f"http://127.0.0.1:{server.port}/metrics")
+    refused = _sample(metrics, "health_connections_refused_total")
+    expired = _sample(metrics, "health_connections_expired_total")
+    assert refused >= 200 - _CAP and expired >= 1, (refused, expired)
+    assert _probe(server.port)[1] == 200
+    end = time.monotonic() + bound(5.0)
+    while threading.active_count() > threads_before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads_before, "every connection's thread has ended"
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")

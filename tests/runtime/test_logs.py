@@ -273,6 +273,49 @@ def test_console_escapes_what_would_drive_the_terminal() -> None:
     assert r'topic="evil\u001b[2J\u202etopic"' in line and r'text="a\nb"' in line
 
 
+#: Characters no log line may carry raw: they split it (U+2028, U+2029, NEL and the
+#: other separators), reorder it (bidirectional marks), or cannot be encoded (lone
+#: surrogates). Newlines are checked apart: each line ends in one.
+_FORGING = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+    "\u2066-\u2069\ud800-\udfff]"
+)
+_FORGED_ID = "e-1\u2028fake: line\u2029\x85\x0b\x0c\x1c\u202eevil\u2066x\u2069\u200f\u061c\ud800"
+
+
+@pytest.mark.parametrize("log_format", ["json", "console"])
+def test_an_event_id_cannot_forge_lines_or_reorder_them(log_format: str) -> None:
+    """An event id from a record, with every character a viewer splits lines on or
+    that reorders text, stays on its one line, escaped; JSON reads back the same."""
+    out = io.StringIO()
+    _console(out, log_format=log_format)
+    log_event(log, "handler-gave-up", event_id=_FORGED_ID, error=f"KeyError: {_FORGED_ID}")
+    log.warning("plain %s", _FORGED_ID)
+    text = out.getvalue()
+    assert not _FORGING.findall(text), sorted(set(_FORGING.findall(text)))
+    lines = text.split("\n")
+    assert len(lines) == 3 and lines[-1] == "", lines
+    if log_format == "json":
+        first, second = (json.loads(line) for line in lines[:2])
+        assert first["event_id"] == _FORGED_ID and second["msg"] == f"plain {_FORGED_ID}"
+    else:
+        assert r"\u2028fake: line\u2029\u0085" in lines[0] and r"\u202eevil" in lines[1]
+    text.encode("utf-8")  # a lone surrogate would not encode
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.text(alphabet=st.characters(codec=None, exclude_categories=())))
+def test_no_text_reaches_a_log_line_raw(value: str) -> None:
+    for log_format in ("json", "console"):
+        out = io.StringIO()
+        _console(out, log_format=log_format)
+        log_event(log, "row", event_id=value, **{f"k{value}": value})
+        text = out.getvalue()
+        assert not _FORGING.findall(text) and text.count("\n") == 1
+        if log_format == "json":
+            assert json.loads(text)["event_id"] == value
+
+
 def test_auto_is_console_on_a_terminal_and_json_elsewhere() -> None:
     pipe, tty = io.StringIO(), _Terminal()
     _console(pipe, log_format="auto")
