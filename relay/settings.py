@@ -18,6 +18,7 @@ from outboxkit.runtime.settings import (
     RuntimeSettings,
     at_least_one,
     at_most,
+    connect_timeout_problem,
     invalid,
     is_postgresql_url,
     missing,
@@ -178,7 +179,7 @@ class RelaySettings(RuntimeSettings):
     connect_timeout: float = setting(
         10.0,
         help="seconds to reach the database and Kafka at start before exiting with code 3",
-        validate=positive,
+        validate=connect_timeout_problem,
     )
     # Retention (docs/admin.md): the same purge as `outboxkit admin purge`, off the hot path.
     retention: float | None = setting(

@@ -166,3 +166,17 @@ def test_properties_the_guarantees_depend_on_are_refused_at_load(props: str, nam
 )
 def test_values_that_keep_the_guarantees_are_accepted(props: str) -> None:
     load(RelaySettings, environ={**_BASE, "OUTBOXKIT_KAFKA_CONFIG": props})
+
+
+@pytest.mark.parametrize("value", ["0.001", "1e-320", "0.999"])
+def test_a_connect_timeout_no_connection_can_meet_is_refused(value: str) -> None:
+    """The relay's start wait has the consumer's floor: below a second, a start
+    against a database and a broker that are up read as "unreachable" (exit 3)."""
+    with pytest.raises(ConfigError) as info:
+        load(RelaySettings, environ={**_BASE, "OUTBOXKIT_CONNECT_TIMEOUT": value})
+    assert "--connect-timeout / OUTBOXKIT_CONNECT_TIMEOUT" in str(info.value)
+    assert "at least 1 s" in str(info.value)
+    assert (
+        load(RelaySettings, environ={**_BASE, "OUTBOXKIT_CONNECT_TIMEOUT": "1"}).connect_timeout
+        == 1
+    )
