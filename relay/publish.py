@@ -41,6 +41,15 @@ when an earlier one was purged. Messages already in flight to a broker cannot
 be taken back: their rows are released and, should Kafka acknowledge one later,
 ``acked-after-release`` is logged (the row is also sent again; see docs/relay.md).
 
+**A missing topic** is found before its rows are produced: librdkafka reports an
+unknown topic only after ``topic.metadata.propagation.max.ms``, and the batch,
+whose other rows were acknowledged long before, would wait for it. So a topic
+this producer has not yet seen acknowledged is looked up first (one metadata
+request, bounded by :data:`_TOPIC_CHECK_S`); a topic the broker says does not
+exist gets config-fault reports for its rows at once, without a produce, and is
+paused like any unknown topic. Topics known to exist are not looked up again;
+one that is then reported unknown (deleted) is forgotten.
+
 A **fatal** error (librdkafka gives up on the producer instance: an idempotent
 producer refused ``InitProducerId`` for lack of ``IDEMPOTENT_WRITE``/``WRITE``,
 a fenced producer, a broken sequence) is not any row's fault. The publisher
@@ -145,6 +154,12 @@ _FATAL_GRACE_S = 1.0
 #: After building a new producer, how long to watch it for a fatal error
 #: (InitProducerId is sent as soon as a broker connection is up).
 _REBUILD_SETTLE_S = 1.0
+#: Longest wait for the metadata of one topic not yet known to exist; past it
+#: (a slow or absent broker) the batch's rows are produced without the check.
+_TOPIC_CHECK_S = 1.0
+#: Topics remembered as existing (a bound, not a tuning knob).
+_MAX_KNOWN_TOPICS = 10_000
+_UNKNOWN_TOPIC_CODES = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
 #: How long to wait for room in a full producer queue before trying again
 #: (delivery reports are served meanwhile, which is what makes room).
 _QUEUE_FULL_POLL_S = 0.05
@@ -219,7 +234,8 @@ class Report:
 class InFlight:
     """The delivery reports of one batch; callbacks of an older batch never land here."""
 
-    def __init__(self, rows: Iterable[ClaimedRow]) -> None:
+    def __init__(self, rows: list[ClaimedRow]) -> None:
+        self.rows = rows
         self.expected = {r.id for r in rows}
         self.reports: dict[int, Report] = {}
         #: Producer spans waiting for their report (only with tracing on).
@@ -313,6 +329,8 @@ class Publisher:
         #: which also covers every ``produce`` call.
         self._purges = 0
         self._produce_lock = threading.Lock()
+        #: Topics the broker's metadata said exist (see :meth:`_missing_topics`).
+        self._known_topics: set[str] = set()
         # Decided once: None (no OpenTelemetry or no tracer provider) costs one
         # attribute test per row.
         self._tracing = producer_tracing(client_id=settings.node_id)
@@ -395,10 +413,16 @@ class Publisher:
         """
         rows = list(rows)
         inflight = InFlight(rows)
+        missing = self._missing_topics(rows)
         with self._produce_lock:
             generation = self._purges
         stopped: str | None = None
         for row in rows:
+            if row.topic in missing:
+                inflight.add(
+                    _local_report(row.id, KafkaError.UNKNOWN_TOPIC_OR_PART, missing[row.topic])
+                )
+                continue
             if stopped is None:
                 try:
                     stopped = self._produce(row, inflight, until, generation)
@@ -419,6 +443,41 @@ class Publisher:
             )
         self._poll(0)
         return inflight
+
+    def _missing_topics(self, rows: list[ClaimedRow]) -> dict[str, str]:
+        """The batch's topics that the broker says do not exist, with its error text.
+
+        Only topics not yet known to exist are looked up, one metadata request
+        each, bounded by :data:`_TOPIC_CHECK_S`; after one that does not answer in
+        time the rest are produced unchecked (librdkafka's own wait applies).
+        With auto-create on, the lookup creates the topic, as a produce would.
+        """
+        unseen = {r.topic for r in rows} - self._known_topics
+        missing: dict[str, str] = {}
+        for topic in sorted(unseen):
+            if topic_problem(topic):
+                continue  # never a valid name: the row check fails the row
+            try:
+                metadata = self.producer.list_topics(topic=topic, timeout=_TOPIC_CHECK_S)
+            except KafkaException as exc:  # no answer in time: produce as usual
+                self._record_fatal(exc)
+                break
+            except Exception:  # noqa: S112 (a name librdkafka refuses: the produce decides)
+                continue
+            found = metadata.topics.get(topic)
+            if found is None:
+                continue
+            if found.error is None:
+                if found.partitions:
+                    self._remember_topic(topic)
+            elif found.error.code() in _UNKNOWN_TOPIC_CODES:
+                missing[topic] = found.error.str()
+        return missing
+
+    def _remember_topic(self, topic: str) -> None:
+        if len(self._known_topics) >= _MAX_KNOWN_TOPICS:
+            self._known_topics.clear()
+        self._known_topics.add(topic)
 
     def _produce(
         self, row: ClaimedRow, inflight: InFlight, until: Callable[[], float], generation: int
@@ -560,6 +619,12 @@ class Publisher:
             self._tracing.abandon(inflight.spans)
         inflight.settle()
         reports = {i: self.blame(r) for i, r in inflight.snapshot().items()}
+        if any(r.code in _UNKNOWN_TOPIC_CODES for r in reports.values()):
+            # Deleted since it was known to exist: look it up again next time.
+            topics = {r.id: r.topic for r in inflight.rows}
+            for row_id, gone in reports.items():
+                if gone.code in _UNKNOWN_TOPIC_CODES:
+                    self._known_topics.discard(topics[row_id])
         fatal = self.fatal
         if fatal is None:
             return reports
