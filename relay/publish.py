@@ -44,7 +44,7 @@ be taken back: their rows are released and, should Kafka acknowledge one later,
 **A missing topic** is found before its rows are produced: librdkafka reports an
 unknown topic only after ``topic.metadata.propagation.max.ms``, and the batch,
 whose other rows were acknowledged long before, would wait for it. So a topic
-this producer has not yet seen acknowledged is looked up first (one metadata
+this producer has not yet seen in the broker's metadata is looked up first (one metadata
 request, bounded by :data:`_TOPIC_CHECK_S`); a topic the broker says does not
 exist gets config-fault reports for its rows at once, without a produce, and is
 paused like any unknown topic. Topics known to exist are not looked up again;
@@ -253,10 +253,10 @@ class InFlight:
             late = self.settled
         if late and report.ok:
             # In flight when the batch gave up on it: the row was released (and is
-            # sent again), but this copy made it. Its key's later rows were not
-            # produced after it by this batch, and the idempotent producer writes
-            # a partition in produce order, so only an earlier row of its key
-            # whose own send failed can now sit behind it.
+            # sent again), but this copy made it. The idempotent producer writes a
+            # partition in produce order, so the key's later rows this batch sent
+            # are behind it; only an earlier row of its key whose own send failed
+            # can now sit behind it too.
             log_event(
                 log,
                 "acked-after-release",
