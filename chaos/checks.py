@@ -29,7 +29,10 @@ DUPLICATE_CAUSES = (
     "net-latency",
     "net-timeout",
     "net-reset",
+    "relay-bounded-queue",
 )
+#: Relay faults that also cut every relay from a service: they explain any shard.
+FLEET_WIDE = frozenset({"relay-bounded-queue"})
 MAX_EVIDENCE = 20
 
 
@@ -213,7 +216,7 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
         """A relay fault explains rows of shards the relay owned when it began (a
         stalled relay's batch may first be sent by the next owner, after expiry)."""
         node = f.detail.get("node_id")
-        if not f.fault.kind.startswith("relay-") or node is None:
+        if not f.fault.kind.startswith("relay-") or f.fault.kind in FLEET_WIDE or node is None:
             return True
         spans = owners.get(shard_of.get(event_id, -1), [])
         return any(n == node and s <= f.started + 1 and e >= f.started - pre for n, s, e in spans)

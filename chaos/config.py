@@ -23,6 +23,7 @@ KINDS: tuple[str, ...] = (
     "net-latency",
     "net-timeout",
     "net-reset",
+    "relay-bounded-queue",
 )
 
 
@@ -39,6 +40,9 @@ class Timings:
     shard_renew_s: float = 0.5
     relay_batch_size: int = 200
     relay_max_attempts: int = 100
+    #: ``queue.buffering.max.messages`` of a relay under ``relay-bounded-queue``:
+    #: a twentieth of a batch fits into its producer.
+    bounded_queue_messages: int = 10
     consumer_session_timeout_ms: int = 6000
     slow_handler_s: float = 0.3
 

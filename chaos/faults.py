@@ -78,6 +78,31 @@ class Injector:
         time.sleep(max(0.0, f.hold_s - 0.3))
         proc.signal(signal.SIGCONT)
 
+    def _relay_bounded_queue(self, f: Fault, rec: FaultRecord) -> None:
+        """A relay whose producer holds a twentieth of a batch loses Kafka (no
+        data passes through the proxy, as ``net-timeout``) for longer than the
+        message timeout, and is drained while its batch waits for room in the
+        full queue: the drain must end within the flush budget with every row
+        released (the drains-clean check), and nothing its queue still held may
+        overtake a row sent again (the per-key order check). The outage reaches
+        every relay, so the fault explains duplicates of any shard."""
+        redeployed = self._terminate(f.target, rec)
+        rec.detail["exit_code"] = redeployed.exit_code
+        bounded = self.fleet.start(f.target, kafka_config=self.fleet.bounded_queue())
+        rec.detail["bounded"] = bounded.node_id
+        # Cut Kafka once it owns shards: the batches it then claims meet the full queue.
+        bounded.wait_for_event("shard-acquired", 10)
+        proxy = self.cluster.toxiproxy
+        proxy.add_toxic("kafka", f.kind, "timeout", {"timeout": 2000})
+        try:
+            time.sleep(f.hold_s)
+            drained = self._terminate(f.target, rec)
+            rec.detail["bounded_exit_code"] = drained.exit_code
+        finally:
+            proxy.remove_toxic("kafka", f.kind)
+        # Unbounded again, unless the slot always is (fleet.BOUNDED_SLOT).
+        rec.detail["replacement"] = self.fleet.start(f.target).node_id
+
     def _terminate(self, slot: str, rec: FaultRecord) -> Proc:
         with self.fleet.lock:
             proc = self.fleet.current[slot]

@@ -24,6 +24,10 @@ TABLE = "outbox_events"
 #: starts of one slot's process before a failing start counts as an unexpected exit
 START_ATTEMPTS = 20
 REDIS_PREFIX = "chaos:"
+#: The relay slot whose every process runs with a bounded producer queue
+#: (``Timings.bounded_queue_messages``): Kafka faults meet one such relay in
+#: every run, under load (docs/reliability.md).
+BOUNDED_SLOT = "relay-0"
 
 
 @dataclass
@@ -52,12 +56,17 @@ class Fleet:
             return self._slot_locks.setdefault(slot, threading.Lock())
 
     # -- settings ------------------------------------------------------------
-    def relay_env(self, node_id: str) -> dict[str, str]:
+    def relay_env(self, node_id: str, kafka_config: str = "") -> dict[str, str]:
+        """``kafka_config``: more ``OUTBOXKIT_KAFKA_CONFIG`` items (``k=v,k=v``)."""
         t = self.cfg.timings
         return {
             "OUTBOXKIT_DB_URL": self.cluster.relay_db_url,
             "OUTBOXKIT_KAFKA_BOOTSTRAP": self.cluster.relay_bootstrap,
-            "OUTBOXKIT_KAFKA_CONFIG": f"message.timeout.ms={int(t.message_timeout_s * 1000)}",
+            "OUTBOXKIT_KAFKA_CONFIG": ",".join(
+                filter(
+                    None, [f"message.timeout.ms={int(t.message_timeout_s * 1000)}", kafka_config]
+                )
+            ),
             "OUTBOXKIT_TABLE": TABLE,
             "OUTBOXKIT_NODE_ID": node_id,
             "OUTBOXKIT_SERVICE": "chaos-relay",
@@ -123,19 +132,20 @@ class Fleet:
         return self.logs / f"slow-{slot}"
 
     # -- processes -----------------------------------------------------------
-    def start(self, slot: str, *, wait: bool = True) -> Proc:
+    def start(self, slot: str, *, wait: bool = True, kafka_config: str = "") -> Proc:
         """Start ``slot``'s next process. With ``wait``, until it is up (its signal
         handlers installed): one that exits at start because a dependency is down
-        (exit 3, ``start-failed``) is started again with backoff, as a pod would be."""
+        (exit 3, ``start-failed``) is started again with backoff, as a pod would be.
+        ``kafka_config``: more producer settings for a relay (``k=v,k=v``)."""
         if not wait:
-            return self._spawn(slot)
+            return self._spawn(slot, kafka_config=kafka_config)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_result(lambda proc: proc.fate == "start-failed"),
             wait=tenacity.wait_exponential(multiplier=0.5, max=5.0),
             stop=tenacity.stop_after_attempt(START_ATTEMPTS),
             retry_error_callback=self._gave_up,
         )
-        proc: Proc = retrying(self._spawn_and_wait, slot)
+        proc: Proc = retrying(self._spawn_and_wait, slot, kafka_config)
         return proc
 
     def _gave_up(self, state: tenacity.RetryCallState) -> Proc:
@@ -150,8 +160,8 @@ class Fleet:
             )  # fmt: skip
         return proc
 
-    def _spawn_and_wait(self, slot: str) -> Proc:
-        proc = self._spawn(slot, fate="starting")
+    def _spawn_and_wait(self, slot: str, kafka_config: str = "") -> Proc:
+        proc = self._spawn(slot, fate="starting", kafka_config=kafka_config)
         started_event = "relay-started" if slot.startswith("relay") else "partitions-assigned"
         up = proc.wait_for_event(started_event, 60)
         with self.lock:
@@ -174,20 +184,26 @@ class Fleet:
         print(f"[chaos] {proc.node_id} failed to start (exit 3): {failed[-1].get('error')}")
         return True
 
-    def _spawn(self, slot: str, fate: str | None = None) -> Proc:
+    def bounded_queue(self) -> str:
+        """The producer setting of a relay with a bounded queue (``k=v``)."""
+        return f"queue.buffering.max.messages={self.cfg.timings.bounded_queue_messages}"
+
+    def _spawn(self, slot: str, fate: str | None = None, kafka_config: str = "") -> Proc:
         with self.lock:
             if self.closed:
                 raise RuntimeError(f"the run is over: {slot} is not started again")
             gen = self._generation.get(slot, -1) + 1
             self._generation[slot] = gen
             node_id = f"{slot}-g{gen}"
+            if slot == BOUNDED_SLOT:  # every Kafka fault meets a relay with a small queue
+                kafka_config = kafka_config or self.bounded_queue()
             if slot.startswith("relay"):
                 proc = Proc.start(
                     "relay",
                     slot,
                     node_id,
                     ["-m", "outboxkit", "relay"],
-                    self.relay_env(node_id),
+                    self.relay_env(node_id, kafka_config),
                     self.logs,
                 )
             else:

@@ -86,7 +86,7 @@ def _hold(kind: str, t: object, rng: random.Random) -> float:
     assert isinstance(t, Timings)
     if kind == "relay-stall":  # longer than the row lease and the shard lease
         return max(t.lease_ttl_s, t.shard_lease_ttl_s) + rng.uniform(1.0, 4.0)
-    if kind == "kafka-freeze":  # longer than message.timeout.ms
+    if kind in ("kafka-freeze", "relay-bounded-queue"):  # longer than message.timeout.ms
         return t.message_timeout_s + rng.uniform(1.0, 3.0)
     if kind == "kafka-kill":
         return rng.uniform(0.5, 3.0)

@@ -55,6 +55,7 @@ __all__ = [
     "on_drain",
     "on_forced",
     "on_hurry",
+    "produce_deadline",
     "release",
     "stop",
 ]
@@ -147,6 +148,16 @@ def batch_deadline(relay: Relay, batch: Batch) -> float:
     if started is not None:
         limit = min(limit, started + relay.settings.flush_timeout)
     return limit
+
+
+def produce_deadline(relay: Relay, batch: Batch) -> float:
+    """Until when a row of this batch that finds the producer's queue full may wait
+    for room (monotonic): the batch deadline less ``message.timeout.ms``, so that
+    every message handed over by then is reported (acknowledged or timed out) by
+    the batch deadline. It moves with the batch deadline: once draining it is
+    usually past (``--flush-timeout`` below the message timeout), on a hurry at once.
+    """
+    return batch_deadline(relay, batch) - relay.settings.message_timeout_ms() / 1000
 
 
 def stop(relay: Relay) -> int:

@@ -107,6 +107,10 @@ def decide(
     even if Kafka acknowledged it; it is released (attempt refunded) and sent
     again after its predecessor. A ``failed`` row does not hold its key back.
 
+    A row that was certainly not sent (``NOT_SENT``: never handed to the
+    producer, or purged from its queue unsent) is released with its attempt
+    refunded, even after a crash.
+
     When the earlier row's send *failed* (it has an error report) and the later
     one was acknowledged, the later event is already in the partition ahead of
     the earlier one: librdkafka's idempotent producer skips messages that hit
@@ -120,6 +124,10 @@ def decide(
         held = row.key is not None and row.key in open_keys
         if report is None:
             d = Decision(row, Fate.RELEASED, refund=refund_unknown)
+        elif report.kind is ErrorKind.NOT_SENT:
+            # Certainly not written (never handed over, or purged unsent): no
+            # attempt was used, whatever happened to the batch.
+            d = Decision(row, Fate.RELEASED, error=report.error, refund=True)
         elif report.ok and held:
             assert row.key is not None
             d = Decision(

@@ -15,7 +15,40 @@ Errors are classified by what should happen to the row (:class:`ErrorKind`):
 * ``CONFIG_FAULT``: the relay's configuration is wrong, not the row
   (authentication, authorization, unknown topic with auto-create off); the
   topic is paused and no attempt is used;
-* ``UNKNOWN``: anything else; retried with backoff, so ``max_attempts`` bounds it.
+* ``UNKNOWN``: anything else; retried with backoff, so ``max_attempts`` bounds it;
+* ``NOT_SENT``: the row certainly never reached Kafka: it was never handed to
+  the producer (its queue stayed full until the produce deadline, or the queue
+  was purged while the batch was produced), or it was purged from the
+  producer's queue before any send (``_PURGE_QUEUE``); the row is released,
+  its attempt refunded.
+
+**A full producer queue** (``queue.buffering.max.messages``/``kbytes``, large
+rows, a slow or absent broker): :meth:`Publisher.publish` waits for room, serving
+delivery reports, only until the batch's *produce deadline* (the batch deadline
+less ``message.timeout.ms``, moved by a drain or a hurry like the batch
+deadline): every message handed over by then has its report by the batch
+deadline. The row that found no room and every later row of the batch are not
+handed over at all (``NOT_SENT``), so what went out is a prefix of the batch in
+id order. A row that does not fit into the *empty* queue never will: it fails as
+the row's fault. When :meth:`Publisher.wait` gives up on a batch, the messages
+still queued in the producer are purged before any row is released (a released
+row is claimed and sent again: a stale queued copy of it would reach the
+partition ahead of its key's earlier rows sent again). A purge takes every
+queued message of the producer, also of the next batch being produced beside
+it (``--pipeline``): that batch stops producing at once, so per partition the
+purged messages are always the tail, and a later row of a key is never sent
+when an earlier one was purged. Messages already in flight to a broker cannot
+be taken back: their rows are released and, should Kafka acknowledge one later,
+``acked-after-release`` is logged (the row is also sent again; see docs/relay.md).
+
+**A missing topic** is found before its rows are produced: librdkafka reports an
+unknown topic only after ``topic.metadata.propagation.max.ms``, and the batch,
+whose other rows were acknowledged long before, would wait for it. So a topic
+this producer has not yet seen in the broker's metadata is looked up first (one metadata
+request, bounded by :data:`_TOPIC_CHECK_S`); a topic the broker says does not
+exist gets config-fault reports for its rows at once, without a produce, and is
+paused like any unknown topic. Topics known to exist are not looked up again;
+one that is then reported unknown (deleted) is forgotten.
 
 A **fatal** error (librdkafka gives up on the producer instance: an idempotent
 producer refused ``InitProducerId`` for lack of ``IDEMPOTENT_WRITE``/``WRITE``,
@@ -68,6 +101,7 @@ class ErrorKind(enum.Enum):
     ROW_FAULT = "row-fault"
     CONFIG_FAULT = "config-fault"
     UNKNOWN = "unknown"
+    NOT_SENT = "not-sent"
 
 
 _ROW_FAULTS = frozenset(
@@ -120,9 +154,20 @@ _FATAL_GRACE_S = 1.0
 #: After building a new producer, how long to watch it for a fatal error
 #: (InitProducerId is sent as soon as a broker connection is up).
 _REBUILD_SETTLE_S = 1.0
+#: Longest wait for the metadata of one topic not yet known to exist; past it
+#: (a slow or absent broker) the batch's rows are produced without the check.
+_TOPIC_CHECK_S = 1.0
+#: Topics remembered as existing (a bound, not a tuning knob).
+_MAX_KNOWN_TOPICS = 10_000
+_UNKNOWN_TOPIC_CODES = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
+#: How long to wait for room in a full producer queue before trying again
+#: (delivery reports are served meanwhile, which is what makes room).
+_QUEUE_FULL_POLL_S = 0.05
 
 
 def classify(code: int, *, retriable: bool = False) -> ErrorKind:
+    if code == KafkaError._PURGE_QUEUE:  # removed from the queue before any send
+        return ErrorKind.NOT_SENT
     if code in _ROW_FAULTS:
         return ErrorKind.ROW_FAULT
     if code in _CONFIG_FAULTS:
@@ -189,17 +234,44 @@ class Report:
 class InFlight:
     """The delivery reports of one batch; callbacks of an older batch never land here."""
 
-    def __init__(self, rows: Iterable[ClaimedRow]) -> None:
+    def __init__(self, rows: list[ClaimedRow]) -> None:
+        self.rows = rows
         self.expected = {r.id for r in rows}
         self.reports: dict[int, Report] = {}
         #: Producer spans waiting for their report (only with tracing on).
         self.spans: dict[int, Any] = {}
+        #: The rows' outcomes were decided (:meth:`Publisher.settle_reports`): a
+        #: report arriving now is late, its row was released meanwhile.
+        self.settled = False
         self._lock = threading.Lock()
 
     def add(self, report: Report) -> None:
         with self._lock:
-            if report.row_id in self.expected and report.row_id not in self.reports:
-                self.reports[report.row_id] = report
+            if report.row_id not in self.expected or report.row_id in self.reports:
+                return
+            self.reports[report.row_id] = report
+            late = self.settled
+        if late and report.ok:
+            # In flight when the batch gave up on it: the row was released (and is
+            # sent again), but this copy made it. The idempotent producer writes a
+            # partition in produce order, so the key's later rows this batch sent
+            # are behind it; only an earlier row of its key whose own send failed
+            # can now sit behind it too.
+            log_event(
+                log,
+                "acked-after-release",
+                level=logging.WARNING,
+                row_id=report.row_id,
+                partition=report.partition,
+                offset=report.offset,
+                note="a copy of a released row reached Kafka after its batch gave up on it; "
+                "the row is sent again (a duplicate)",
+            )
+
+    def settle(self) -> None:
+        """The batch's outcomes are being decided: later reports are late."""
+        with self._lock:
+            self.settled = True
 
     def done(self) -> bool:
         with self._lock:
@@ -252,6 +324,13 @@ class Publisher:
         self.fatal: ProducerFatal | None = None
         #: Producers built so far (1 + rebuilds).
         self.sessions = 0
+        #: Purges of the producer's queue so far: a batch being produced stops
+        #: when it changes (see :meth:`publish`). Read and changed under the lock,
+        #: which also covers every ``produce`` call.
+        self._purges = 0
+        self._produce_lock = threading.Lock()
+        #: Topics the broker's metadata said exist (see :meth:`_missing_topics`).
+        self._known_topics: set[str] = set()
         # Decided once: None (no OpenTelemetry or no tracer provider) costs one
         # attribute test per row.
         self._tracing = producer_tracing(client_id=settings.node_id)
@@ -323,21 +402,90 @@ class Publisher:
         except KafkaException as exc:
             raise DependencyError(f"Kafka unreachable: {redact(str(exc))}") from None
 
-    def publish(self, rows: Iterable[ClaimedRow]) -> InFlight:
-        """Produce ``rows`` in the given (id) order; reports land in the returned InFlight."""
+    def publish(self, rows: Iterable[ClaimedRow], until: Callable[[], float]) -> InFlight:
+        """Produce ``rows`` in the given (id) order; reports land in the returned InFlight.
+
+        ``until()`` (monotonic, re-read on every turn: a drain or a hurry moves it
+        closer) is the produce deadline: a row that finds the producer's queue full
+        waits for room only until then. That row and every later row of the batch
+        are then not handed over (``NOT_SENT``: released, the attempt refunded), nor
+        are they once the queue was purged for an older batch (see the module).
+        """
         rows = list(rows)
         inflight = InFlight(rows)
+        missing = self._missing_topics(rows)
+        with self._produce_lock:
+            generation = self._purges
+        stopped: str | None = None
         for row in rows:
-            try:
-                self._produce(row, inflight)
-            except BaseException as exc:  # not a row fault (an interrupt): name the row
-                exc.add_note(f"while producing outbox row id={row.id}")
-                raise
+            if row.topic in missing:
+                inflight.add(
+                    _local_report(row.id, KafkaError.UNKNOWN_TOPIC_OR_PART, missing[row.topic])
+                )
+                continue
+            if stopped is None:
+                try:
+                    stopped = self._produce(row, inflight, until, generation)
+                except BaseException as exc:  # not a row fault (an interrupt): name the row
+                    exc.add_note(f"while producing outbox row id={row.id}")
+                    raise
+            if stopped is not None:
+                inflight.add(_not_sent(row.id, stopped))
+        if stopped is not None:
+            log_event(
+                log,
+                "batch-produce-stopped",
+                level=logging.WARNING,
+                rows=len(rows),
+                unsent=sum(1 for r in inflight.snapshot().values() if r.kind is ErrorKind.NOT_SENT),
+                reason=stopped,
+                effect="the unsent rows are released (attempt refunded) and claimed again",
+            )
         self._poll(0)
         return inflight
 
-    def _produce(self, row: ClaimedRow, inflight: InFlight) -> None:
+    def _missing_topics(self, rows: list[ClaimedRow]) -> dict[str, str]:
+        """The batch's topics that the broker says do not exist, with its error text.
+
+        Only topics not yet known to exist are looked up, one metadata request
+        each, bounded by :data:`_TOPIC_CHECK_S`; after one that does not answer in
+        time the rest are produced unchecked (librdkafka's own wait applies).
+        With auto-create on, the lookup creates the topic, as a produce would.
+        """
+        unseen = {r.topic for r in rows} - self._known_topics
+        missing: dict[str, str] = {}
+        for topic in sorted(unseen):
+            if topic_problem(topic):
+                continue  # never a valid name: the row check fails the row
+            try:
+                metadata = self.producer.list_topics(topic=topic, timeout=_TOPIC_CHECK_S)
+            except KafkaException as exc:  # no answer in time: produce as usual
+                self._record_fatal(exc)
+                break
+            except Exception:  # noqa: S112 (a name librdkafka refuses: the produce decides)
+                continue
+            found = metadata.topics.get(topic)
+            if found is None:
+                continue
+            if found.error is None:
+                if found.partitions:
+                    self._remember_topic(topic)
+            elif found.error.code() in _UNKNOWN_TOPIC_CODES:
+                missing[topic] = found.error.str()
+        return missing
+
+    def _remember_topic(self, topic: str) -> None:
+        if len(self._known_topics) >= _MAX_KNOWN_TOPICS:
+            self._known_topics.clear()
+        self._known_topics.add(topic)
+
+    def _produce(
+        self, row: ClaimedRow, inflight: InFlight, until: Callable[[], float], generation: int
+    ) -> str | None:
         """Produce one row; whatever about this row cannot be sent fails this row only.
+
+        Returns None when the row is done with (handed to the producer, or given
+        its report), else why the batch stops producing here (this row included).
 
         The row's columns are checked first (a foreign writer may have stored
         anything): librdkafka takes the topic and header names as C strings, so a
@@ -352,11 +500,11 @@ class Publisher:
             )
         except StoredRowError as exc:
             inflight.add(_row_fault(row.id, f"invalid row: {exc}"))
-            return
+            return None
         except Exception as exc:  # a decoder bug must not take the batch down
             self._log_row_error(row, exc)
             inflight.add(_row_fault(row.id, f"invalid row: {type(exc).__name__}: {exc}"))
-            return
+            return None
         callback = _callback(inflight, row.id)
         if self._tracing is not None:
             headers, callback = self._tracing.send(
@@ -364,23 +512,36 @@ class Publisher:
             )
         while True:
             try:
-                self.producer.produce(
-                    row.topic, value=row.payload, key=row.key, headers=headers, on_delivery=callback
-                )
-                return
+                with self._produce_lock:
+                    if self._purges != generation:
+                        return "the producer's queue was purged for an older batch"
+                    self.producer.produce(
+                        row.topic,
+                        value=row.payload,
+                        key=row.key,
+                        headers=headers,
+                        on_delivery=callback,
+                    )
+                return None
             except BufferError:  # local queue full: serve reports, then retry
-                self._poll(0.1)
+                if len(self.producer) == 0:  # nothing to wait for: it never fits
+                    inflight.add(_row_fault(row.id, _TOO_LARGE_FOR_QUEUE))
+                    return None
+                left = until() - time.monotonic()
+                if left <= 0:
+                    return "the producer's queue stayed full until the produce deadline"
+                self._poll(min(_QUEUE_FULL_POLL_S, left))
                 if self.fatal is not None:  # nothing more can be sent with it
                     inflight.add(_local_report(row.id, KafkaError._FATAL, "producer fatal"))
-                    return
+                    return None
             except KafkaException as exc:
                 err = exc.args[0]
                 inflight.add(_local_report(row.id, err.code(), err.str()))
-                return
+                return None
             except Exception as exc:  # TypeError, ValueError...: this row's input
                 self._log_row_error(row, exc)
                 inflight.add(_row_fault(row.id, f"produce raised {type(exc).__name__}: {exc}"))
-                return
+                return None
 
     def _log_row_error(self, row: ClaimedRow, exc: Exception) -> None:
         log_event(
@@ -400,6 +561,11 @@ class Publisher:
 
         ``deadline`` is re-read on every turn: a drain or a hurry moves it closer.
         After a fatal error only a short grace is left (nothing more will be sent).
+
+        Giving up with reports missing, it first purges what is still queued in
+        the producer (their reports say ``_PURGE_QUEUE``: never sent): a row must
+        not be released while a copy of it can still leave this producer. What is
+        then still missing was in flight to a broker.
         """
         while not inflight.done():
             limit = deadline()
@@ -408,8 +574,37 @@ class Publisher:
                 limit = min(limit, fatal.mono + _FATAL_GRACE_S)
             left = limit - time.monotonic()
             if left <= 0:
-                return
+                break
             self._poll(min(0.05, left))
+        if not inflight.done() and self.fatal is None:
+            self._purge_queued(inflight)
+
+    def _purge_queued(self, inflight: InFlight) -> None:
+        """Take back every message not yet sent, and serve the reports that say so."""
+        with self._produce_lock:
+            self._purges += 1
+            try:
+                self.producer.purge(in_queue=True, in_flight=False, blocking=True)
+            except KafkaException as exc:
+                if not self._record_fatal(exc):
+                    raise
+        # The purge's reports are queued for the next poll (another thread polling
+        # beside this one may serve some of them: they land in their batches).
+        for _ in range(10):
+            before = inflight.missing()
+            self._poll(0.01)
+            if inflight.done() or inflight.missing() == before:
+                break
+        missing = inflight.missing()
+        if missing:
+            log_event(
+                log,
+                "released-in-flight",
+                level=logging.WARNING,
+                rows=missing,
+                effect="no delivery report by the batch deadline while in flight to a broker: "
+                "released and sent again; a copy may still be written (acked-after-release)",
+            )
 
     def settle_reports(self, inflight: InFlight) -> dict[int, Report]:
         """The batch's reports as the finalize step should see them.
@@ -422,7 +617,14 @@ class Publisher:
         """
         if self._tracing is not None:
             self._tracing.abandon(inflight.spans)
+        inflight.settle()
         reports = {i: self.blame(r) for i, r in inflight.snapshot().items()}
+        if any(r.code in _UNKNOWN_TOPIC_CODES for r in reports.values()):
+            # Deleted since it was known to exist: look it up again next time.
+            topics = {r.id: r.topic for r in inflight.rows}
+            for row_id, gone in reports.items():
+                if gone.code in _UNKNOWN_TOPIC_CODES:
+                    self._known_topics.discard(topics[row_id])
         fatal = self.fatal
         if fatal is None:
             return reports
@@ -500,6 +702,25 @@ def _callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError | None, A
             inflight.add(Report(row_id, err.code(), text, kind, None, None, now))
 
     return on_delivery
+
+
+_TOO_LARGE_FOR_QUEUE = (
+    "the message does not fit into the producer's empty queue: it is larger than "
+    "queue.buffering.max.kbytes (--kafka-config)"
+)
+
+
+def _not_sent(row_id: int, why: str) -> Report:
+    """The row was never handed to the producer: certainly not written."""
+    return Report(
+        row_id,
+        KafkaError._QUEUE_FULL,
+        f"not sent: {why}",
+        ErrorKind.NOT_SENT,
+        None,
+        None,
+        time.monotonic(),
+    )
 
 
 def _row_fault(row_id: int, text: str) -> Report:

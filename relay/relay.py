@@ -390,7 +390,8 @@ class Relay:
             held.known = [*spent, *(Decision(r, Fate.RELEASED, refund=True) for r in to_send)]
         elif to_send:
             held.sent = to_send
-            held.inflight = self._publisher.publish(to_send)
+            until = functools.partial(drain.produce_deadline, self, batch)
+            held.inflight = self._publisher.publish(to_send, until)
 
     def _outcomes(self, held: _Held) -> list[Decision]:
         """Wait for the batch's reports (bounded by its deadline) and decide every row."""

@@ -60,3 +60,17 @@ def test_the_relays_run_pipelined_as_asked(argv: list[str], setting: str | None)
     env = fleet.relay_env("relay-0")
     assert env.get("OUTBOXKIT_PIPELINE") == setting
     assert cfg.describe()["pipeline"] is (None if setting is None else setting == "true")
+
+
+def test_one_relay_slot_always_runs_with_a_bounded_producer_queue() -> None:
+    """Every Kafka fault of a run meets a relay whose producer queue holds a
+    twentieth of a batch; the other slots keep librdkafka's default."""
+    cfg = parse_args(["--smoke", "--seed", "1"])
+    cluster = SimpleNamespace(relay_db_url="db", relay_bootstrap="kafka", relay_redis_url="r")
+    fleet = Fleet(cfg, cluster, "t", Path("."))  # type: ignore[arg-type]
+    bounded = f"queue.buffering.max.messages={cfg.timings.bounded_queue_messages}"
+    assert fleet.bounded_queue() == bounded
+    assert bounded in fleet.relay_env("relay-0-g0", fleet.bounded_queue())[
+        "OUTBOXKIT_KAFKA_CONFIG"
+    ].split(",")
+    assert "queue.buffering" not in fleet.relay_env("relay-1-g0")["OUTBOXKIT_KAFKA_CONFIG"]

@@ -37,8 +37,8 @@ CHECKS = {
 #: (database, shard ownership, fault kinds): MariaDB with Redis leases, every kind;
 #: PostgreSQL with advisory locks, whose relays use no Redis (its faults left out).
 RUNS = {
-    "mariadb-redis": ("mariadb", "redis", 14),
-    "postgresql-advisory": ("postgresql", "advisory", 12),
+    "mariadb-redis": ("mariadb", "redis", 15),
+    "postgresql-advisory": ("postgresql", "advisory", 13),
 }
 
 

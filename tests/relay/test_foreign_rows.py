@@ -343,7 +343,7 @@ def test_an_exception_escaping_the_per_row_handling_names_the_row(
         reclaimed_from=None,
     )
     with pytest.raises(KeyboardInterrupt) as caught:
-        publisher.publish([row])
+        publisher.publish([row], until=lambda: float("inf"))
     text = "".join(traceback.format_exception(caught.value))
     assert "while producing outbox row id=4711" in text
     publisher.close(0)

@@ -100,3 +100,64 @@ def test_a_paused_topic_whose_rows_are_gone_is_resumed(
         assert resumed and resumed[0]["topic"] == missing, resumed
         assert resumed[0]["cause"] == "no-rows-left"
         assert relay.stop() == 0
+
+
+@pytest.mark.integration
+@on_both_databases
+def test_a_missing_topic_does_not_hold_back_the_other_topics_of_its_batch(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """Eight rows for a topic that does not exist among 40 good ones, in one batch.
+
+    librdkafka waits ``topic.metadata.propagation.max.ms`` before it reports an
+    unknown topic (here set far beyond the test's waits, as a long message
+    timeout does by default): the good rows must be delivered while the missing
+    topic's rows are still unresolved or already paused, never burnt."""
+    good = kafka_topics(partitions=2)
+    missing = f"okt_missing_{os.urandom(4).hex()}"
+    events = [Event(topic=good, key=f"g{i}", payload=b"g") for i in range(40)]
+    for i in range(8):
+        events.insert(i * 5, Event(topic=missing, key=f"m{i}", payload=b"m"))
+    add_events(engine, outbox, events)
+    settings = fast_settings(
+        db_url,
+        kafka_bootstrap,
+        batch_size=100,
+        lease_ttl=700.0,
+        paused_topic_retry=3600.0,
+        kafka_config={
+            "message.timeout.ms": "600000",
+            "topic.metadata.propagation.max.ms": "600000",
+        },
+    )
+    t = outbox_table(outbox)
+
+    def by_topic() -> dict[str, list[tuple[str, int]]]:
+        with engine.connect() as conn:
+            found = conn.execute(sa.select(t.c.topic, t.c.status, t.c.attempts))
+            out: dict[str, list[tuple[str, int]]] = {}
+            for topic, status, attempts in found:
+                out.setdefault(topic, []).append((status, attempts))
+            return out
+
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(settings)
+        wait_for(
+            lambda: {s for s, _ in by_topic()[good]} == {"delivered"},
+            timeout=60,
+            what="the good topic's rows delivered",
+        )
+        waiting = by_topic()[missing]
+        assert len(waiting) == 8
+        assert {s for s, _ in waiting} <= {"delivering", "retryable"}, waiting
+        assert all(a == 0 for s, a in waiting if s == "retryable"), "paused, not burnt"
+        labels = {"topic": missing, "reason": "unknown-topic"}
+        wait_for(lambda: relay.metric("outbox_topic_paused", labels) == 1, timeout=30)
+        assert [e["topic"] for e in logs.events("topic-paused")] == [missing]
+        assert relay.stop() == 0
+    assert by_topic()[missing] == [("retryable", 0)] * 8
