@@ -27,6 +27,8 @@ import sqlalchemy as sa
 from support.services import free_ports
 from support.waiting import bound, wait_for
 
+from outboxkit.schema import apply_schema
+
 pytestmark = pytest.mark.integration
 
 httpx = pytest.importorskip("httpx", reason="the examples extra is not installed")
@@ -284,19 +286,18 @@ def test_the_readme_commands_run_as_written_invoice_every_order_once_and_all_exi
 
 
 def test_an_amount_no_column_holds_is_a_422_not_a_500(
-    db_url: str, engine: sa.Engine, spawn: Callable[..., Proc]
+    db_url: str, engine: sa.Engine, procs: list[Proc]
 ) -> None:
     """``amount_cents`` is a BIGINT: 1e20 (an integral JSON number, which pydantic
     takes as an int) and 2**63 are refused before anything is written, with a
     message naming the field, not a database error and a traceback."""
     apply_schema(engine, shards=8)
     async_url = sa.make_url(db_url).set(drivername="mysql+asyncmy")
-    service = spawn(
-        str(EXAMPLE / "serve.py"),
-        "--port",
-        "0",
-        ORDERS_DB_URL=async_url.render_as_string(hide_password=False),
-    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["ORDERS_DB_URL"] = async_url.render_as_string(hide_password=False)
+    # Run from the example's folder, as its README does.
+    service = Proc([sys.executable, "serve.py", "--port", "0"], env=env, cwd=EXAMPLE)
+    procs.append(service)
     base_url = service.wait_line(r"Uvicorn running on (http://[\d.]+:\d+)", 60).group(1)
     with httpx.Client(base_url=base_url, timeout=10) as client:
         for amount in ("1e20", "1e19", str(2**63), "1e400"):
