@@ -103,7 +103,15 @@ from outboxkit.schema.table import (
     undelivered,
 )
 
-__all__ = ["Batch", "ClaimFence", "ClaimedRow", "candidates", "claim_batch", "create_engine"]
+__all__ = [
+    "Batch",
+    "ByteBudget",
+    "ClaimFence",
+    "ClaimedRow",
+    "candidates",
+    "claim_batch",
+    "create_engine",
+]
 
 log = logging.getLogger("outboxkit.relay.claim")
 
@@ -135,6 +143,10 @@ class ClaimedRow:
     #: The stored shard when it was outside the table's range (``shard`` then
     #: holds the shard the row was claimed under), else None.
     misplaced_shard: int | None = None
+    #: Why the row can never be sent, found by the claim (its payload is over the
+    #: producer's ``message.max.bytes``; see :class:`ByteBudget`): ``payload`` was
+    #: then not loaded. The publisher fails such a row without producing it.
+    unsendable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +185,25 @@ class ClaimFence:
     clause: sa.ColumnElement[bool]
     params: Mapping[str, Any]
     what: str
+
+
+@dataclass(frozen=True, slots=True)
+class ByteBudget:
+    """The bytes of payloads and headers one claim may load (``max_bytes``), and
+    the largest record the producer sends (``max_message_bytes``, its
+    ``message.max.bytes``). See :func:`_within_budget` for the rule."""
+
+    max_bytes: int
+    max_message_bytes: int
+
+    def inline_max(self, limit: int) -> int:
+        """Rows up to this size (payload + headers) come with the lock statement:
+        ``limit`` of them are ``max_bytes`` at most, whatever the claim then keeps."""
+        return max(1, self.max_bytes // limit)
+
+
+#: Without a budget every row comes with the lock statement.
+_ALL_INLINE = 2**62
 
 
 class _Fenced(Exception):
@@ -574,9 +605,14 @@ def claim_batch(
     id_upper: int | None = None,
     fence: ClaimFence | None = None,
     reclaim: bool = True,
+    budget: ByteBudget | None = None,
 ) -> Batch | None:
     """Lease up to ``limit`` due rows to ``owner``; None when nothing was due,
     or when ``fence`` was false (logged as ``claim-fenced``; nothing changed).
+
+    ``budget``: load at most that many bytes of payloads and headers (see
+    :func:`_within_budget`: rows left out hold their keys back, a payload the
+    producer can never send is not loaded); None loads every row claimed.
 
     ``id_upper``: look only at rows with ``id <= id_upper`` (a claim
     made while an earlier batch of ours is leased; see the module docstring).
@@ -610,15 +646,22 @@ def claim_batch(
             )
             if not found:
                 return None
-            locked_rows = conn.execute(lock, {"ids": [i for i, _ in found]}).all()
+            inline_max = _ALL_INLINE if budget is None else budget.inline_max(limit)
+            locked_rows = conn.execute(
+                lock, {"ids": [i for i, _ in found], "inline_max": inline_max}
+            ).all()
             locked = _keep_key_order(found, locked_rows)
+            unsendable: dict[int, str] = {}
+            if budget is not None:
+                locked, unsendable = _within_budget(locked, budget)
             if not locked:
                 return None
             claimed_mono = time.monotonic()
             leased = conn.execute(lease, {"ids": [r[0] for r in locked], **params})
             if fence is not None and leased.rowcount == 0:
                 raise _Fenced(len(locked))  # rolls the transaction back
-            rows = tuple(_claimed(r, shard_count) for r in locked)
+            rows = tuple(_claimed(r[:_SIZES_AT], shard_count) for r in locked)
+            _load_deferred(conn, table, rows, unsendable)
             reclaims = _record_reclaims(conn, table, owner, rows)
     except _Fenced as fenced:
         assert fence is not None
@@ -731,8 +774,18 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
     # The row's age at the claim, computed by the server as an integer: cheaper to
     # read than the two timestamps it comes from, and on the database clock.
     columns["age_us"] = sa.cast(micros_between(t.c.created_at, now), sa.BigInteger).label("age_us")
+    # Payload and headers only for rows up to ``inline_max`` bytes (see ByteBudget);
+    # the sizes of every row, which the server knows without sending the bytes.
+    payload_bytes = sa.func.octet_length(t.c.payload)
+    headers_bytes = sa.func.coalesce(sa.func.octet_length(t.c.headers), 0)
+    inline = payload_bytes + headers_bytes <= sa.bindparam(
+        "inline_max", _ALL_INLINE, type_=sa.BigInteger()
+    )
+    columns["payload"] = sa.case((inline, t.c.payload), else_=sa.null()).label("payload")
+    columns["headers"] = sa.case((inline, t.c.headers), else_=sa.null()).label("headers")
+    sizes = (payload_bytes.label("payload_bytes"), headers_bytes.label("headers_bytes"))
     lock = (
-        sa.select(*(columns[name] for name in _LOCKED_COLUMNS))
+        sa.select(*(columns[name] for name in _LOCKED_COLUMNS), *sizes)
         .where(id_in(t.c.id, dialect), eligible)
         .order_by(t.c.id)
         .with_for_update(skip_locked=True)
@@ -797,6 +850,107 @@ def _keep_key_order(
         if row is not None:
             kept.append(row)
     return kept
+
+
+#: Where the lock statement's size columns start (after ``_LOCKED_COLUMNS``):
+#: ``payload_bytes``, ``headers_bytes``.
+_SIZES_AT = len(_LOCKED_COLUMNS)
+
+
+def _within_budget(
+    locked: Sequence[Sequence[Any]], budget: ByteBudget
+) -> tuple[list[Sequence[Any]], dict[int, str]]:
+    """The locked rows (in id order) a claim keeps under ``budget``, and why each
+    kept row that can never be sent cannot (by row id).
+
+    - A row whose payload and key alone are over ``max_message_bytes`` can never
+      be produced (librdkafka refuses a record over ``message.max.bytes``): it
+      is kept, to be failed in id order with its key, but nothing of it is loaded
+      and it costs the budget nothing.
+    - Other rows are kept while the bytes of their payloads and headers fit in
+      ``max_bytes``; the first one always (a row bigger than the budget goes
+      alone, or it would never go). A row left out is not leased: it stays due
+      for the next claim, and, as a row another claimer holds, it takes its key's
+      later rows out of this batch, so they cannot overtake it.
+
+    So a claim loads at most ``max(max_bytes, max_message_bytes)``, plus the
+    rows under ``inline_max`` the lock statement brought and the claim left out
+    (``max_bytes`` in all, see :meth:`ByteBudget.inline_max`)."""
+    kept: list[Sequence[Any]] = []
+    unsendable: dict[int, str] = {}
+    blocked: set[bytes] = set()
+    used = 0
+    loading = False
+    for row in locked:
+        row_id, key = row[0], row[3]  # _LOCKED_COLUMNS: id, event_id, topic, message_key
+        if key is not None and key in blocked:
+            continue
+        payload_bytes, headers_bytes = int(row[_SIZES_AT]), int(row[_SIZES_AT + 1])
+        if payload_bytes + len(key or b"") > budget.max_message_bytes:
+            unsendable[row_id] = (
+                f"payload of {payload_bytes} bytes is over the producer's message.max.bytes "
+                f"({budget.max_message_bytes}): Kafka never takes it; not sent (raise "
+                "message.max.bytes on the relay and max.message.bytes on the topic, then "
+                "requeue it)"
+            )
+            kept.append(row)
+            continue
+        size = payload_bytes + headers_bytes
+        if loading and used + size > budget.max_bytes:
+            if key is not None:
+                blocked.add(key)
+            continue
+        loading = True
+        used += size
+        kept.append(row)
+    return kept, unsendable
+
+
+def _load_deferred(
+    conn: Connection, table: str, rows: Sequence[ClaimedRow], unsendable: Mapping[int, str]
+) -> None:
+    """Give ``rows`` the payloads and headers the lock statement left on the
+    server (rows over ``inline_max``): one more statement, only when a batch has
+    such rows. The rows are locked, so these are the values the claim saw.
+    A row in ``unsendable`` gets an empty payload and its reason instead."""
+    deferred: list[ClaimedRow] = []
+    for row in rows:
+        reason = unsendable.get(row.id)
+        if reason is not None:
+            row.payload, row.headers, row.unsendable = b"", None, reason
+        elif row.payload is None:
+            deferred.append(row)
+    if not deferred:
+        return
+    ids = [r.id for r in deferred]
+    if conn.dialect.name == "postgresql":
+        loaded = _pg_binary_rows(conn, table, ids)
+    else:
+        loaded = {
+            r[0]: r
+            for r in conn.execute(_payloads_statement(table, conn.dialect.name), {"ids": ids})
+        }
+    for row in deferred:
+        _, row.payload, row.headers = loaded[row.id]
+
+
+def _pg_binary_rows(conn: Connection, table: str, ids: list[int]) -> dict[int, Sequence[Any]]:
+    """PostgreSQL: ``id, payload, headers`` of ``ids`` in the binary protocol, in
+    the claim's transaction. In text, the default, a ``bytea`` travels as hex: the
+    driver held twice each payload's size before decoding it."""
+    driver = conn.connection.driver_connection
+    # Quoted as SQLAlchemy quotes it (a mixed-case name is not folded).
+    name = conn.dialect.identifier_preparer.quote(table)
+    query = f"SELECT id, payload, headers FROM {name} WHERE id = ANY(%s)"
+    with driver.cursor(binary=True) as cursor:  # type: ignore[union-attr]
+        cursor.execute(query, [ids])
+        return {r[0]: r for r in cursor.fetchall()}
+
+
+@functools.lru_cache(maxsize=32)
+def _payloads_statement(table: str, dialect: str) -> sa.Select[Any]:
+    t = outbox_table(table)
+    return sa.select(t.c.id, t.c.payload, t.c.headers).where(id_in(t.c.id, dialect))
 
 
 def _record_reclaims(

@@ -492,7 +492,7 @@ class Publisher:
         NUL, a lone surrogate or an illegal name must never reach it.
         """
         try:
-            problem = topic_problem(row.topic)
+            problem = row.unsendable or topic_problem(row.topic)
             if problem:
                 raise StoredRowError(problem)
             headers: list[tuple[str, str | bytes | None]] = list(

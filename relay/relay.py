@@ -37,6 +37,7 @@ from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import (
     Batch,
+    ByteBudget,
     ClaimedRow,
     check_session_settings,
     claim_batch,
@@ -163,6 +164,8 @@ class Relay:
         #: When a claim last looked for expired leases (monotonic; see reclaims_due).
         self._reclaims_looked = -math.inf
         self._shard_count: int | None = None
+        #: What one claim may load (docs/relay.md, "Big rows").
+        self._byte_budget = ByteBudget(settings.batch_max_bytes, settings.max_message_bytes())
         self._jittered = False
         self._next_sample = 0.0
         self._invalid_status = Episode(log, "status-invalid", "status-invalid-gone")
@@ -489,6 +492,7 @@ class Relay:
                 id_upper=self._next_id_upper(shards),
                 fence=claim_fence(self._ownership, shards),
                 reclaim=reclaim,
+                budget=self._byte_budget,
             )
             if reclaim:
                 self._reclaims_looked = started

@@ -30,11 +30,24 @@ from outboxkit.runtime.settings import (
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
-__all__ = ["COMPRESSION_CODECS", "MAX_PAUSE_S", "SHARD_OWNERSHIPS", "RelaySettings"]
+__all__ = [
+    "COMPRESSION_CODECS",
+    "DEFAULT_BATCH_MAX_BYTES",
+    "MAX_PAUSE_S",
+    "SHARD_OWNERSHIPS",
+    "RelaySettings",
+]
 
 COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 #: How shards are shared between relays (docs/scaling.md, docs/postgresql.md).
 SHARD_OWNERSHIPS = ("auto", "redis", "advisory", "all")
+
+#: The claim's byte budget (``--batch-max-bytes``): far above a batch of ordinary
+#: events (500 x 1 KB), and with the rest of a relay's memory under the shipped
+#: pods' 256 Mi limit (docs/operations.md, "Memory").
+DEFAULT_BATCH_MAX_BYTES = 16 * 1024 * 1024
+#: librdkafka's default ``message.max.bytes`` (the writer's own default limit).
+DEFAULT_MAX_MESSAGE_BYTES = 1_000_000
 
 #: Longest pause between purge batches: a longer one holds a purge for hours.
 MAX_PAUSE_S = 60.0
@@ -105,6 +118,13 @@ class RelaySettings(RuntimeSettings):
     )
     table: str = setting(DEFAULT_TABLE, help="outbox table to relay", validate=identifier_problem)
     batch_size: int = setting(500, help="rows claimed per batch", validate=at_least_one)
+    batch_max_bytes: int = setting(
+        DEFAULT_BATCH_MAX_BYTES,
+        help="bytes of payloads and headers a claim loads at most (fewer rows then); a "
+        "bigger row goes alone, one whose payload is over the producer's message.max.bytes "
+        "fails without being loaded (docs/relay.md, big rows)",
+        validate=at_least_one,
+    )
     poll_interval: float = setting(
         1.0,
         help="seconds to wait before claiming again when nothing was due; with the pipeline, "
@@ -270,6 +290,15 @@ class RelaySettings(RuntimeSettings):
         """The producer's message timeout (``message.timeout.ms`` or its alias
         ``delivery.timeout.ms``); every derived budget is computed from it."""
         return effective_message_timeout_ms(self.kafka_config)
+
+    def max_message_bytes(self) -> int:
+        """The producer's ``message.max.bytes`` (``--kafka-config``, else librdkafka's
+        default): no record larger than this is ever sent."""
+        raw = self.kafka_config.get("message.max.bytes", "")
+        try:
+            return int(raw.strip())
+        except ValueError:  # unset (or refused by validate, with librdkafka's words)
+            return DEFAULT_MAX_MESSAGE_BYTES
 
     def effective_batch_deadline(self) -> float:
         if self.batch_deadline is not None:

@@ -14,6 +14,7 @@ import json
 import re
 import zlib
 from collections.abc import Mapping
+from typing import Any
 
 HeaderValue = str | bytes
 
@@ -97,18 +98,47 @@ def encode_headers(headers: Mapping[str, HeaderValue] | None) -> str | None:
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
 
 
+class _RepeatedName(Exception):
+    """A JSON object in stored headers gives one name twice (args: the name)."""
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object as a dict, or
+    :class:`_RepeatedName` when a name repeats (``json.loads`` alone keeps the
+    last value and drops the others without a word)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _RepeatedName(name)
+            seen.add(name)
+    return out
+
+
 def decode_headers(text: str | None) -> dict[str, HeaderValue]:
     """Inverse of ``encode_headers``; :class:`StoredRowError` for anything else.
 
     Stored headers must be a JSON object whose values are strings or
     ``{"b64": "<base64>"}``: a null, number, boolean, list or other object would
     reach Kafka as something other than what was stored, so it is refused
-    instead of being turned into text.
+    instead of being turned into text. A name given twice in one object
+    (``{"type":"A","type":"B"}``, which ``encode_headers`` never writes) is
+    refused too: JSON leaves its meaning open (RFC 8259, section 4) and readers
+    of the row disagree on it (PostgreSQL's ``jsonb`` and Python keep the last
+    value, MariaDB's ``JSON_VALUE`` the first), so no reading of it is the
+    headers intact.
     """
     if not text:
         return {}
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=_unique_names)
+    except _RepeatedName as repeated:
+        raise StoredRowError(
+            f"stored headers give the name {shown(repeated.args[0])} more than once: "
+            "a JSON object's names must be unique (readers disagree on which value "
+            "counts, and Kafka would get only one of them)"
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise StoredRowError(f"stored headers are not valid JSON: {shown(str(exc))}") from None
     if not isinstance(raw, dict):

@@ -332,6 +332,50 @@ def test_k8s_config_maps_hold_no_secrets(k8s_docs: list[Doc]) -> None:
     assert check_config_maps(k8s_docs) == []
 
 
+#: A relay's peak resident set, measured (tests/relay/test_claim_bytes.py with
+#: OUTBOXKIT_BATCH_SIZE=100 and rows of 990,000 bytes, docs/operations.md,
+#: "Memory") with the settings the manifests ship: rows as large as the
+#: producer's default message.max.bytes filling the default claim budget
+#: (--batch-max-bytes, 16 MiB), pipelined on PostgreSQL: 133 MiB (113 MiB on
+#: MariaDB), of which about 83 MiB before any row. Rows over message.max.bytes
+#: are never loaded, so no row raises it.
+RELAY_PEAK_MIB = 133
+#: Room above the measured peak for what one run does not show (a heap
+#: fragmented over weeks, a trace exporter's buffers).
+RELAY_HEADROOM = 1.5
+#: Settings the measured peak depends on: a manifest that sets them needs a
+#: new measurement, not this figure.
+RELAY_MEMORY_SETTINGS = ("OUTBOXKIT_BATCH_MAX_BYTES",)
+
+
+def mebibytes(quantity: str) -> float:
+    """A Kubernetes memory quantity (``256Mi``, ``1Gi``, ``300M``, bytes) in MiB."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
+    match = re.fullmatch(r"([0-9.]+)([KMG]i?)?", str(quantity))
+    assert match, quantity
+    return float(match.group(1)) * units.get(match.group(2) or "", 1) / 2**20
+
+
+def test_k8s_relay_memory_limits_hold_the_measured_worst_case(k8s_docs: list[Doc]) -> None:
+    """Every relay container's memory limit holds its measured peak with headroom:
+    a limit below it is a pod killed at each claim of big rows, forever."""
+    relays = [
+        (name_of(w), c)
+        for w in workloads(k8s_docs)
+        for c in pod_spec(w)["containers"]
+        if is_outboxkit_image(c.get("image", "")) and container_role(c) == "relay"
+    ]
+    assert len(relays) >= 2, "the sidecar and the Deployment"
+    for where, container in relays:
+        limit = mebibytes(container["resources"]["limits"]["memory"])
+        assert limit >= RELAY_PEAK_MIB * RELAY_HEADROOM, (where, limit)
+        for setting in RELAY_MEMORY_SETTINGS:
+            value, _ = container_setting(container, setting, k8s_docs)
+            assert value is None, f"{where}: {setting} set; measure the peak again"
+        value, _ = container_setting(container, "OUTBOXKIT_KAFKA_CONFIG", k8s_docs)
+        assert "message.max.bytes" not in (value or ""), where
+
+
 def test_k8s_kustomizations_list_existing_files(yaml_module: ModuleType) -> None:
     for path in K8S_DIR.rglob("kustomization.yaml"):
         for resource in yaml_module.safe_load(path.read_text()).get("resources", []):

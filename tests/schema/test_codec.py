@@ -72,3 +72,44 @@ def test_a_refused_text_is_refused_again_after_a_good_one_was_cached() -> None:
         else:
             raise AssertionError("a number header value was accepted")
     assert kafka_headers(good, "e-2") == [("type", b"A"), ("event_id", b"e-2")]
+
+
+def _object_text(pairs: list[tuple[str, object]]) -> str:
+    """A JSON object with ``pairs`` in order, names repeated as given (``json.dumps``
+    of a dict cannot repeat one)."""
+    return "{" + ",".join(f"{json.dumps(n)}:{json.dumps(v)}" for n, v in pairs) + "}"
+
+
+_NAMES = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6)
+
+
+def _refusal(text: str) -> str:
+    try:
+        kafka_headers(text, "e-1")
+    except StoredRowError as exc:
+        return str(exc)
+    raise AssertionError(f"{text!r} was accepted")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pairs=st.dictionaries(_NAMES, st.text(max_size=6), min_size=1, max_size=4).map(
+        lambda d: list(d.items())
+    ),
+    data=st.data(),
+)
+def test_a_name_stored_twice_is_refused_whichever_value_comes_last(
+    pairs: list[tuple[str, object]], data: st.DataObject
+) -> None:
+    """``{"type":"A","type":"B"}``: ``json.loads`` keeps B, MariaDB's ``JSON_VALUE``
+    A; no choice is the stored headers intact, so the row is refused, naming it.
+    Also with the name spelled with escapes once, and inside a ``{"b64": ...}``."""
+    name, value = data.draw(st.sampled_from(pairs))
+    other = data.draw(st.text(max_size=6).filter(lambda v: v != value))
+    at = data.draw(st.integers(0, len(pairs)))
+    repeated = _object_text([*pairs[:at], (name, other), *pairs[at:]])
+    assert f"{name!a} more than once" in _refusal(repeated)
+    escaped = json.dumps({name: value}, ensure_ascii=True)[1:-1]  # "\u00e9"-style
+    plain = json.dumps(name, ensure_ascii=False) + ":" + json.dumps(other)
+    assert "more than once" in _refusal("{" + escaped + "," + plain + "}")
+    assert "'b64' more than once" in _refusal('{"blob":{"b64":"QQ==","b64":"Qg=="}}')
