@@ -73,14 +73,24 @@ _log = logging.getLogger("outboxkit.consumer")
 
 _MAX_MARKS = 64
 
-#: Commit errors a rejoin cures: the group is rebalancing, or moved to a
-#: generation this member has not joined yet (it gave up partitions in a
-#: cooperative rebalance and must poll to rejoin), or forgot this member.
-_REJOIN_ERRORS = frozenset(
+#: Commit errors that serving the group for a moment cures: the group is
+#: rebalancing, or moved to a generation this member has not joined yet (it gave
+#: up partitions in a cooperative rebalance and must poll to rejoin), or forgot
+#: this member; or its coordinator is loading, moving or not reached yet (after
+#: a broker restart or freeze). librdkafka flags none of these retriable on a
+#: synchronous commit.
+_TRANSIENT_COMMIT_ERRORS = frozenset(
     {
         KafkaError.REBALANCE_IN_PROGRESS,
         KafkaError.ILLEGAL_GENERATION,
         KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._WAIT_COORD,
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
     }
 )
 
@@ -99,7 +109,7 @@ def _curable(err: object) -> bool:
     """A commit error that serving the group (a rejoin) or a retry can cure."""
     if not isinstance(err, KafkaError):
         return False
-    return err.code() in _REJOIN_ERRORS or bool(err.retriable())
+    return err.code() in _TRANSIENT_COMMIT_ERRORS or bool(err.retriable())
 
 
 class PartitionOffsets:

@@ -77,6 +77,7 @@ class FakeKafka:
         self.committed: dict[TopicPartition, int] = {}
         self.paused: set[TopicPartition] = set()
         self.rebalancing = False
+        self.refusal = KafkaError.ILLEGAL_GENERATION
 
     @staticmethod
     def _tps(parts: Iterable[Any]) -> set[TopicPartition]:
@@ -104,7 +105,7 @@ class FakeKafka:
 
     def commit(self, offsets: list[Any], asynchronous: bool = False) -> list[Any]:
         if self.rebalancing:
-            raise KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION))
+            raise KafkaException(KafkaError(self.refusal))
         for p in offsets:
             self.committed[(p.topic, p.partition)] = p.offset
         return [KafkaTopicPartition(p.topic, p.partition, p.offset) for p in offsets]
@@ -232,6 +233,14 @@ class Model:
     group_at_drain=st.none() | st.integers(0, 5),
     during=_during,
     rebalancing=st.booleans(),
+    refusal=st.sampled_from(
+        [
+            KafkaError.ILLEGAL_GENERATION,
+            KafkaError.REBALANCE_IN_PROGRESS,
+            # the coordinator just after a broker restart or freeze (seen in the chaos suite)
+            KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        ]
+    ),
 )
 # A group rolled back during the drain, its messages then released by a
 # revocation: they were counted released and unknown.
@@ -240,16 +249,19 @@ class Model:
     group_at_drain=None,
     during=[("rollback", 0), ("revoke", 0)],
     rebalancing=False,
+    refusal=KafkaError.ILLEGAL_GENERATION,
 )
 def test_the_drain_counts_each_message_once_whatever_happens_during_it(
     ops: list[tuple[str, int]],
     group_at_drain: int | None,
     during: list[tuple[str, int]],
     rebalancing: bool,
+    refusal: int,
 ) -> None:
     """``group_at_drain``: a worker starts a group transaction just before the
     drain (so that rollbacks and revocations during it meet one); ``rebalancing``:
-    the exit commit finds the group rebalancing."""
+    the exit commit finds the group rebalancing (``refusal``: the error it
+    answers with until this member polled)."""
     model = Model()
     model.step("assign", 0)
     model.step("assign", 1)
@@ -267,7 +279,7 @@ def test_the_drain_counts_each_message_once_whatever_happens_during_it(
     assert report.batch_size == parts + report.released, report
     model.never_past_unfinished(kafka.stored, "stored")
 
-    kafka.rebalancing = rebalancing
+    kafka.rebalancing, kafka.refusal = rebalancing, refusal
     loop.commit_at_exit(time.monotonic() + 30.0)
     model.never_past_unfinished(kafka.committed, "committed")
     for tp, tracker in loop.offsets.items():
