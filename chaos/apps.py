@@ -5,12 +5,18 @@ Each message writes one row to the effect table through the inbox transaction
 table has no unique key: an effect applied twice shows as two rows.
 
 While the file named by ``CHAOS_SLOW_FILE`` exists, each message takes
-``CHAOS_SLOW_S`` seconds (a slow handler for drain faults).
+``CHAOS_SLOW_S`` seconds (a slow handler for drain faults). While the file
+named by ``CHAOS_TERM_AT_REVOKE_FILE`` exists, the consumer sends itself
+SIGTERM as soon as partitions are revoked from it (and removes the file): the
+``consumer-rebalance-drain`` fault, a drain that starts in the middle of a
+cooperative rebalance, which a harness outside the process could not time.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import time
 
 import sqlalchemy as sa
@@ -64,10 +70,31 @@ def create_effect_table(conn: sa.Connection) -> None:
     )
 
 
+class _TermAtRevoke(logging.Filter):
+    def __init__(self, armed: str) -> None:
+        super().__init__()
+        self.armed = armed
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # The event name of outboxkit's structured records (outboxkit.runtime.logs).
+        if getattr(record, "outboxkit_event", None) == "partitions-revoked":
+            try:
+                os.unlink(self.armed)
+            except FileNotFoundError:
+                return True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return True
+
+
 class EffectConsumer(Consumer):
     slow_file = os.environ.get("CHAOS_SLOW_FILE", "")
     slow_s = float(os.environ.get("CHAOS_SLOW_S", "0.3"))
     node = os.environ.get("OUTBOXKIT_NODE_ID", "consumer")
+
+    def on_start(self) -> None:
+        armed = os.environ.get("CHAOS_TERM_AT_REVOKE_FILE")
+        if armed:
+            logging.getLogger("outboxkit.consumer").addFilter(_TermAtRevoke(armed))
 
     def handle(self, message: Message) -> None:
         if self.slow_file and os.path.exists(self.slow_file):

@@ -14,6 +14,7 @@ KINDS: tuple[str, ...] = (
     "relay-stall",
     "consumer-kill",
     "consumer-drain",
+    "consumer-rebalance-drain",
     "kafka-kill",
     "kafka-freeze",
     "redis-restart",

@@ -186,6 +186,44 @@ class Injector:
             slow.unlink(missing_ok=True)
         rec.detail["replacement"] = self.fleet.start(f.target).node_id
 
+    def _consumer_rebalance_drain(self, f: Fault, rec: FaultRecord) -> None:
+        """A rolling deploy with surge: the replacement joins the group first, and
+        the old consumer gets SIGTERM at the revocation that causes, so its drain
+        and exit commit run while the group rebalances (cooperative: it must
+        rejoin before the group takes its commit). The consumer signals itself
+        when armed (chaos/apps.py). One that lost no partition by the time the
+        replacement is up (and 5 s more) is sent SIGTERM by the harness instead,
+        disarmed first so that it is not signalled twice (``at_revocation``
+        false)."""
+        with self.fleet.lock:
+            old = self.fleet.current[f.target]
+        rec.detail["node_id"] = old.node_id
+        old.wait_for_event("partitions-assigned", 60)  # a pod is up before it is replaced
+        armed = self.fleet.term_at_revoke_file(old.node_id)
+        armed.touch()
+        with self.fleet.lock:
+            old.fate = "term"
+            old.stopped_at = time.time()
+        try:
+            new = self.fleet.start(f.target, wait=False)
+            rec.detail["replacement"] = new.node_id
+            new.wait_for_event("partitions-assigned", 90)
+            old.wait(5)
+            try:
+                armed.unlink()  # not signalled yet: the harness does it
+            except FileNotFoundError:
+                rec.detail["at_revocation"] = True
+            else:
+                rec.detail["at_revocation"] = False
+                old.signal(signal.SIGTERM)
+            if old.wait(45) is None:
+                old.kill()
+                old.exit_code = -9
+                rec.detail["hung"] = True
+        finally:
+            armed.unlink(missing_ok=True)
+        rec.detail["exit_code"] = old.exit_code
+
     # -- Kafka, Redis, MariaDB -----------------------------------------------
     def _kafka_kill(self, f: Fault, rec: FaultRecord) -> None:
         self.cluster.kafka.kill()

@@ -126,10 +126,16 @@ class Fleet:
             "OUTBOXKIT_RETRY_MAX_TIME": "900",
             "CHAOS_SLOW_FILE": str(self.slow_file(slot)),
             "CHAOS_SLOW_S": str(t.slow_handler_s),
+            "CHAOS_TERM_AT_REVOKE_FILE": str(self.term_at_revoke_file(node_id)),
         }
 
     def slow_file(self, slot: str) -> Path:
         return self.logs / f"slow-{slot}"
+
+    def term_at_revoke_file(self, node_id: str) -> Path:
+        """While it exists, the consumer ``node_id`` sends itself SIGTERM at its next
+        revocation (chaos/apps.py): a drain that starts during a rebalance."""
+        return self.logs / f"term-at-revoke-{node_id}"
 
     # -- processes -----------------------------------------------------------
     def start(self, slot: str, *, wait: bool = True, kafka_config: str = "") -> Proc:

@@ -212,8 +212,8 @@ class Consumer:
                 with frozen_while_running(self.settings.gc_freeze):
                     self.supervisor.run("consumer-poll", self._poll_until_draining)
             lc.drain("stopped")
-            drain.shutdown(self)
-        return lc.exit_code()
+            code = drain.shutdown(self)
+        return code
 
     def stop(self) -> None:
         """Start the drain (thread-safe); :meth:`run` returns once it is done."""

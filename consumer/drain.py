@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from outboxkit.consumer.loop import DrainReport
 from outboxkit.consumer.offsets import commit_and_close
+from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_OK
 from outboxkit.runtime.exitrecord import CRASH_LOOP, ExitRecord
 from outboxkit.runtime.logs import log_event
 from outboxkit.runtime.metrics import push_exit_metrics
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ConsumerExitRecord",
     "cut",
+    "exit_code_of",
     "on_forced",
     "on_hurry",
     "push_metrics",
@@ -62,7 +64,7 @@ class ConsumerExitRecord(ExitRecord):
     event: ClassVar[str] = "consumer-exit"
 
 
-def shutdown(consumer: Consumer) -> None:
+def shutdown(consumer: Consumer) -> int:
     """Shutdown, in this order, and why:
 
     1. drain: pause every partition and release what has not started, then let
@@ -73,11 +75,15 @@ def shutdown(consumer: Consumer) -> None:
        never stored, Kafka redelivers it;
     3. commit synchronously what is done, then close the consumer (leaving the
        group moves the partitions at once instead of after
-       ``session.timeout.ms``); both bounded by ``close_timeout`` so a sick
+       ``session.timeout.ms``). A commit the group refuses while it rebalances
+       is retried, serving the group so the rebalance completes, within what
+       the drain's budget left; the close gets ``close_timeout``, so a sick
        cluster cannot hang the exit;
     4. close the dead-letter producer (nothing is pending: every write was
        awaited) and the inbox engine;
     5. ``on_stop``, the exit record, the metrics push, the health server.
+
+    Returns the exit code (:func:`exit_code_of`).
     """
     lc = consumer.lifecycle
     s = consumer.settings
@@ -90,8 +96,15 @@ def shutdown(consumer: Consumer) -> None:
         report = loop.end_drain()
         if consumer._async is not None:
             consumer._async.cancel_running()  # after end_drain counted them unknown
+        # The commit may find the group rebalancing (a new member joined as this
+        # one was told to stop): it is retried, the group served meanwhile, with
+        # what the drain's budget left (none once hurried), plus the close's.
         committed = commit_and_close(
-            loop, s.close_timeout, consumer._mark_closed, consumer._mark_committed
+            loop,
+            s.close_timeout,
+            consumer._mark_closed,
+            consumer._mark_committed,
+            budget_until=None if lc.hurry.is_set() else started + s.worker_drain_timeout,
         )
         report.committed = committed
     consumer.report = report
@@ -104,28 +117,50 @@ def shutdown(consumer: Consumer) -> None:
     consumer._call_hook("on_stop")
     consumer.metrics.shutdown_released.set(report.released + report.unknown)
     consumer.metrics.shutdown_committed.set(report.committed_messages)
-    write_exit_record(consumer, report, result=result_of(consumer, report))
+    result = result_of(consumer, report)
+    code = exit_code_of(consumer, result)
+    write_exit_record(consumer, report, result=result, exit_code=code)
     push_metrics(consumer)
     consumer.health.stop()
     lc.set_stopped()
+    return code
 
 
 def result_of(consumer: Consumer, report: DrainReport) -> str:
+    """The drain's result, the worst first: ``crash-loop`` (a worker kept crashing
+    until the drain), ``failed`` (a fatal error), ``commit-incomplete`` (finished
+    messages whose offsets the group does not hold: the next owner handles them
+    again), ``unknown-left`` (handlers that did not finish: redelivered, as they
+    must be), ``ok``."""
     if consumer.supervisor.crash_loops_at_drain:
         return CRASH_LOOP
-    if consumer.lifecycle.exit_code() != 0:
+    if consumer.lifecycle.exit_code() != EXIT_OK:
         return "failed"
-    if report.unknown:
-        return "unknown-left"
     # Only the commit decides: a close that timed out after it (leaving the group
     # while the broker is away; close-timed-out, ERROR) puts no offset at risk.
     if not consumer._commit_finished or report.commit_error:
         return "commit-incomplete"
+    if report.unknown:
+        return "unknown-left"
     return "ok"
 
 
-def write_exit_record(consumer: Consumer, report: DrainReport, *, result: str) -> None:
-    """``consumer-exit``: the one place the consumer writes its exit record."""
+def exit_code_of(consumer: Consumer, result: str) -> int:
+    """The process exit code for ``result``: the lifecycle's (a fatal error's code,
+    else 0), except that an exit commit that did not complete is
+    ``EXIT_DEPENDENCY``: Kafka did not take what this process finished, and an
+    exit code of 0 would read as a clean drain."""
+    code = consumer.lifecycle.exit_code()
+    if code == EXIT_OK and result == "commit-incomplete":
+        return EXIT_DEPENDENCY
+    return code
+
+
+def write_exit_record(
+    consumer: Consumer, report: DrainReport, *, result: str, exit_code: int | None = None
+) -> None:
+    """``consumer-exit``: the one place the consumer writes its exit record
+    (``exit_code``: what the process returns; default the lifecycle's)."""
     lc = consumer.lifecycle
     started = lc.drain_started_at or time.monotonic()
     totals = dict(consumer._loop.totals) if consumer._loop is not None else {}
@@ -143,7 +178,7 @@ def write_exit_record(consumer: Consumer, report: DrainReport, *, result: str) -
         totals=totals,
         duration_ms=round((time.monotonic() - started) * 1000),
         result=result,
-        exit_code=lc.exit_code(),
+        exit_code=lc.exit_code() if exit_code is None else exit_code,
         crash_loop=[c.describe() for c in consumer.supervisor.crash_loops_at_drain],
     ).write(_log)
 

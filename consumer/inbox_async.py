@@ -100,6 +100,10 @@ class AsyncInbox:
         # Keyed by worker thread; only touched by coroutines on the loop, and each
         # worker has at most one coroutine at a time.
         self._held: dict[int, _Held] = {}
+        # Workers whose transaction coroutine has not ended yet: a worker whose
+        # coroutine was cancelled at the drain deadline stops waiting for it at
+        # once, while the coroutine still rolls back on the worker's connection.
+        self._in_use: set[int] = set()
 
     @classmethod
     def open(
@@ -166,7 +170,15 @@ class AsyncInbox:
         return self.loop_thread.run(lambda: self._run(worker, message, handle))
 
     def release(self) -> None:
-        """Hand the calling worker's connection back (when the worker stops)."""
+        """Hand the calling worker's connection back (when the worker stops).
+
+        Not while the worker's transaction coroutine still runs: a worker whose
+        handler was cancelled at the drain deadline gets here at once, while the
+        coroutine still awaits its ``ROLLBACK`` on that connection; closing it
+        underneath left asyncmy's rollback waiting forever (the loop, and the
+        pool's disposal, were then abandoned). That coroutine hands the
+        connection back itself once its rollback is done.
+        """
         worker = threading.get_ident()
         if worker not in self._held:
             return
@@ -174,31 +186,35 @@ class AsyncInbox:
 
         # HandlerCancelled: the loop is stopping, and aclose() closes it.
         with contextlib.suppress(HandlerCancelled):
-            self.loop_thread.run(lambda: self._release(worker))
+            self.loop_thread.run(lambda: self._release_idle(worker))
 
     # -- on the loop ----------------------------------------------------------------
 
     async def _run(
         self, worker: int, message: Message, handle: Callable[[Message], Awaitable[None]]
     ) -> bool:
-        conn = await self._connection(worker)
+        self._in_use.add(worker)
         try:
-            if await conn.run_sync(self._inbox.claim, message):
-                self._held[worker].used_at = time.monotonic()
-                return True
+            conn = await self._connection(worker)
             try:
-                await handle(message.with_tx(conn))
-                assert conn.sync_connection is not None
-                check_not_aborted(conn.sync_connection)
+                if await conn.run_sync(self._inbox.claim, message):
+                    self._held[worker].used_at = time.monotonic()
+                    return True
+                try:
+                    await handle(message.with_tx(conn))
+                    assert conn.sync_connection is not None
+                    check_not_aborted(conn.sync_connection)
+                except BaseException:
+                    await conn.rollback()
+                    raise
+                await conn.commit()
             except BaseException:
-                await conn.rollback()
+                await self._release(worker)  # whatever state it is in, the pool sorts it out
                 raise
-            await conn.commit()
-        except BaseException:
-            await self._release(worker)  # whatever state it is in, the pool sorts it out
-            raise
-        self._held[worker].used_at = time.monotonic()
-        return False
+            self._held[worker].used_at = time.monotonic()
+            return False
+        finally:
+            self._in_use.discard(worker)
 
     async def _connection(self, worker: int) -> AsyncConnection:
         held = self._held.get(worker)
@@ -208,6 +224,12 @@ class AsyncInbox:
         if held is None:
             held = self._held[worker] = _Held(await self.engine.connect(), time.monotonic())
         return held.conn
+
+    async def _release_idle(self, worker: int) -> None:
+        """:meth:`_release`, unless the worker's transaction coroutine still runs
+        (it releases the connection itself when it ends)."""
+        if worker not in self._in_use:
+            await self._release(worker)
 
     async def _release(self, worker: int) -> None:
         held = self._held.pop(worker, None)

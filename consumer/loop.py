@@ -310,10 +310,10 @@ class PollLoop(OffsetCommits):
         self.draining = True
         for tp in list(self.offsets):
             self._pause(tp, "draining")
-        released = self.dispatcher.drain()
-        self._watch = set(self.dispatcher.running())
-        self._report.batch_size = len(self._watch) + len(released)
-        self._count_released(released)
+        released, running = self.dispatcher.drain()
+        self._watch = set(running)
+        self._report.batch_size = len(running) + len(released)
+        self._report.released += len(released)
 
     def wait_drained(self, deadline: float, hurry: Callable[[], bool]) -> None:
         """Serve callbacks and collect results until the drain batch is done."""
@@ -334,8 +334,17 @@ class PollLoop(OffsetCommits):
         return report
 
     def _count_released(self, items: list[WorkItem]) -> None:
-        if self._watch is not None or self.draining:
-            self._report.released += len(items)
+        """Messages handed back by a revocation or a loss: those of the drain batch
+        count as released, and leave it, so that none is also counted unknown at
+        its end (a group rolled back during the drain puts its messages back in
+        the run's queue, where a revocation then releases them)."""
+        watch = self._watch
+        if not watch:
+            return
+        for item in items:
+            if item in watch:
+                watch.discard(item)
+                self._report.released += 1
 
     def _count_drained(self, outcome: Outcome) -> None:
         if outcome is Outcome.SUCCESS:

@@ -5,7 +5,12 @@ here: :class:`PartitionOffsets` (the bookkeeping below), :class:`OffsetCommits`
 (``store_offsets``, the commit callback, the synchronous commit on revoke, the
 rebalance callbacks) and :func:`commit_and_close` (the final commit at exit).
 librdkafka commits stored offsets every ``commit_interval``; revocations and
-the exit commit synchronously. Rebalances (cooperative-sticky):
+the exit commit synchronously. The exit commit may find the group rebalancing
+(a rolling deploy's new member joined, this one gave up partitions and has not
+rejoined yet: ``ILLEGAL_GENERATION``, ``REBALANCE_IN_PROGRESS``); it then keeps
+serving the group, which completes the rejoin, and tries again within the
+drain's budget (:meth:`OffsetCommits.commit_at_exit`). Rebalances
+(cooperative-sticky):
 
 * assigned: the partitions are opened for work;
 * revoked: queued messages of those partitions are released, running ones get
@@ -52,6 +57,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import tenacity
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
 
@@ -61,11 +67,49 @@ from outboxkit.runtime.logs import log_event
 if TYPE_CHECKING:
     from outboxkit.consumer.loop import DrainReport
 
-__all__ = ["OffsetCommits", "PartitionOffsets", "commit_and_close"]
+__all__ = ["CommitRefused", "OffsetCommits", "PartitionOffsets", "commit_and_close"]
 
 _log = logging.getLogger("outboxkit.consumer")
 
 _MAX_MARKS = 64
+
+#: Commit errors that serving the group for a moment cures: the group is
+#: rebalancing, or moved to a generation this member has not joined yet (it gave
+#: up partitions in a cooperative rebalance and must poll to rejoin), or forgot
+#: this member; or its coordinator is loading, moving or not reached yet (after
+#: a broker restart or freeze). librdkafka flags none of these retriable on a
+#: synchronous commit.
+_TRANSIENT_COMMIT_ERRORS = frozenset(
+    {
+        KafkaError.REBALANCE_IN_PROGRESS,
+        KafkaError.ILLEGAL_GENERATION,
+        KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._WAIT_COORD,
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
+    }
+)
+
+
+class CommitRefused(Exception):
+    """A commit was not accepted. ``retriable``: only for now (the group is
+    rebalancing, the coordinator is moving): the same offsets may be committed
+    once this member rejoined."""
+
+    def __init__(self, message: str, *, retriable: bool) -> None:
+        super().__init__(message)
+        self.retriable = retriable
+
+
+def _curable(err: object) -> bool:
+    """A commit error that serving the group (a rejoin) or a retry can cure."""
+    if not isinstance(err, KafkaError):
+        return False
+    return err.code() in _TRANSIENT_COMMIT_ERRORS or bool(err.retriable())
 
 
 class PartitionOffsets:
@@ -139,6 +183,11 @@ class PartitionOffsets:
             return 0
         covered, self._counted = total - self._counted, total
         return covered
+
+    @property
+    def uncommitted(self) -> bool:
+        """An offset was stored that no confirmed commit covers yet."""
+        return self.stored is not None and (self.committed is None or self.stored > self.committed)
 
     @property
     def window(self) -> int:
@@ -223,6 +272,11 @@ class OffsetCommits:
 
     def on_lost(self, kafka: Any, partitions: list[Any]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
+        behind = [tp for tp in tps if (t := self.offsets.get(tp)) is not None and t.uncommitted]
+        if behind and self.draining:
+            # The exit commit cannot cover them any more: what finished there
+            # since the last commit is handled again by the next owner.
+            self._report.commit_error = f"lost before their commit: {', '.join(_names(behind))}"
         released = self.dispatcher.close(tps)
         self._count_released(released)
         self._forget(tps)
@@ -250,15 +304,72 @@ class OffsetCommits:
         """Synchronously commit the stored offsets of ``tps`` (default: all assigned).
 
         Returns ``{"topic/partition": offset}`` of what the broker confirmed.
-        Nothing to commit (``_NO_OFFSET``) is not an error.
+        Nothing to commit (``_NO_OFFSET``) is not an error; any other error is
+        logged and kept for the exit record (``commit_error``).
         """
+        try:
+            return self._commit_once(tps)
+        except CommitRefused as exc:
+            self._commit_failed(str(exc))
+            return {}
+
+    def commit_at_exit(self, until: float) -> dict[str, int]:
+        """The exit commit: :meth:`commit` every assigned partition, and while the
+        group refuses it for now (:class:`CommitRefused`), serve the group and
+        try again, until ``until`` (monotonic).
+
+        Serving is ``consume()`` with every partition paused (the drain paused
+        them, and a partition assigned meanwhile is paused as it comes): it runs
+        the rejoin the rebalance waits for and its callbacks. A record it still
+        returns is dropped, never handed out or stored: Kafka redelivers it. A
+        revocation meanwhile commits its partitions as usual, without waiting
+        for handlers (what still runs now is unknown).
+        """
+        self.closing = True
+        tries = 0
+
+        def retry_logged(state: tenacity.RetryCallState) -> None:
+            nonlocal tries
+            tries = state.attempt_number
+            if tries == 1:
+                exc = state.outcome.exception() if state.outcome else None
+                log_event(
+                    _log,
+                    "commit-retrying",
+                    level=logging.WARNING,
+                    error=str(exc),
+                    budget_s=round(max(0.0, until - time.monotonic()), 3),
+                    note="serving the group until it accepts the exit commit",
+                )
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(
+                lambda exc: isinstance(exc, CommitRefused) and exc.retriable
+            ),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=0.5),
+            stop=lambda _state: time.monotonic() >= until,
+            sleep=lambda seconds: self._serve_group(min(seconds, until - time.monotonic())),
+            before_sleep=retry_logged,
+            reraise=True,
+        )
+        try:
+            confirmed = retrying(self._commit_once)
+        except CommitRefused as exc:
+            self._commit_failed(str(exc), attempts=tries + 1)
+            return {}
+        if tries:
+            log_event(_log, "commit-recovered", attempts=tries + 1, committed=confirmed)
+        return confirmed
+
+    def _commit_once(self, tps: Iterable[TopicPartition] | None = None) -> dict[str, int]:
+        """One synchronous commit; :class:`CommitRefused` if any wanted offset was not
+        committed (what was committed is recorded first)."""
         wanted = []
         for tp in self.offsets if tps is None else tps:
             tracker = self.offsets.get(tp)
-            if tracker is None or tracker.stored is None:
+            if tracker is None or not tracker.uncommitted:
                 continue
-            if tracker.committed is not None and tracker.stored <= tracker.committed:
-                continue
+            assert tracker.stored is not None
             wanted.append(KafkaTopicPartition(tp[0], tp[1], tracker.stored))
         if not wanted:
             return {}
@@ -268,19 +379,41 @@ class OffsetCommits:
             err = exc.args[0] if exc.args else None
             if isinstance(err, KafkaError) and err.code() == KafkaError._NO_OFFSET:
                 return {}
-            log_event(_log, "commit-failed", level=logging.ERROR, error=str(exc))
-            self._report.commit_error = str(exc)
-            return {}
+            raise CommitRefused(str(exc), retriable=_curable(err)) from None
         confirmed: dict[str, int] = {}
+        refused: list[str] = []
+        curable = True
         for p in result or ():
             if p.error is not None:
-                log_event(_log, "commit-failed", level=logging.ERROR, error=str(p.error))
+                refused.append(f"{p.topic}/{p.partition}: {p.error}")
+                curable = curable and _curable(p.error)
                 continue
             tracker = self.offsets.get((p.topic, p.partition))
             if tracker is not None:
                 self._report.committed_messages += tracker.confirmed(p.offset)
             confirmed[f"{p.topic}/{p.partition}"] = p.offset
+        if refused:
+            raise CommitRefused("; ".join(refused), retriable=curable)
         return confirmed
+
+    def _commit_failed(self, error: str, **fields: object) -> None:
+        log_event(_log, "commit-failed", level=logging.ERROR, error=error, **fields)
+        if self.draining:
+            # The exit record describes the drain: a revocation's failed commit
+            # long before it is not the exit's (the new owner redid that work).
+            self._report.commit_error = error
+
+    def _serve_group(self, seconds: float) -> None:
+        """Poll for ``seconds`` so the group's rebalance can complete; take no work."""
+        deadline = time.monotonic() + max(0.0, seconds)
+        while True:
+            try:
+                self.kafka.consume(num_messages=500, timeout=0.05)
+            except KafkaException as exc:
+                log_event(_log, "commit-retry-poll-failed", level=logging.WARNING, error=str(exc))
+                return
+            if time.monotonic() >= deadline:
+                return
 
     def committed_offsets(self) -> dict[str, int]:
         """``{"topic/partition": offset}`` confirmed committed, for assigned partitions."""
@@ -305,15 +438,27 @@ def commit_and_close(
     close_timeout: float,
     on_closed: Callable[[], None],
     on_committed: Callable[[], None] = lambda: None,
+    *,
+    budget_until: float | None = None,
 ) -> dict[str, int]:
     """The final commit at exit: commit synchronously what is done, then close the
-    consumer (leaving the group), both within ``close_timeout``. Returns what the
-    group holds for this process's partitions; ``on_committed`` runs once the
-    commit returned, ``on_closed`` once closed."""
+    consumer (leaving the group). Returns what the group holds for this
+    process's partitions; ``on_committed`` runs once the commit returned,
+    ``on_closed`` once closed.
+
+    A commit the group refuses for now (a rebalance this member has to rejoin)
+    is retried while the group is served, until ``budget_until`` (monotonic:
+    what the drain's budget leaves; default now) plus half of ``close_timeout``;
+    the close gets the other half at least. Both run on one thread joined
+    within ``budget_until + close_timeout``, so a sick cluster cannot hang the
+    exit (a commit or close stuck inside librdkafka is left behind, logged).
+    """
     box: dict[str, int] = {}
+    start = time.monotonic()
+    until = max(start, budget_until or start) + close_timeout
 
     def commit_and_close() -> None:
-        loop.commit()
+        loop.commit_at_exit(until - close_timeout / 2)
         # What the group holds now for the partitions this process had, whether
         # the periodic commit or this one wrote it.
         box.update(loop.committed_offsets())
@@ -324,7 +469,7 @@ def commit_and_close(
 
     thread = threading.Thread(target=commit_and_close, name="consumer-close", daemon=True)
     thread.start()
-    thread.join(close_timeout)
+    thread.join(max(0.0, until - time.monotonic()))
     if thread.is_alive():
         log_event(
             _log,

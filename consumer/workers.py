@@ -183,8 +183,10 @@ class Dispatcher:
                 self._releasing.discard(tp)
         return released
 
-    def drain(self) -> list[WorkItem]:
-        """Hand out no new work: return every queued and waiting message (released).
+    def drain(self) -> tuple[list[WorkItem], list[WorkItem]]:
+        """Hand out no new work: return every queued and waiting message (released),
+        and what is running, under one lock: a group rolled back in between would
+        be in neither (its messages no longer held, not yet queued).
 
         Partitions stay open, so what is running now still counts when it finishes.
         """
@@ -203,7 +205,7 @@ class Dispatcher:
             self._ready.clear()
             self._cond.notify_all()
             self._room.notify_all()
-            return released
+            return released, self._running(None)
 
     def is_live(self, item: WorkItem) -> bool:
         with self._mutex:
@@ -472,12 +474,15 @@ class Dispatcher:
     def running(self, where: Callable[[WorkItem], bool] | None = None) -> list[WorkItem]:
         """Messages started and not reported: the current ones and the held ones."""
         with self._mutex:
-            found = []
-            for run in self._runs:
-                if run.current is not None and (where is None or where(run.current)):
-                    found.append(run.current)
-                found.extend(i for i in run.held if where is None or where(i))
-            return found
+            return self._running(where)
+
+    def _running(self, where: Callable[[WorkItem], bool] | None) -> list[WorkItem]:
+        found = []
+        for run in self._runs:
+            if run.current is not None and (where is None or where(run.current)):
+                found.append(run.current)
+            found.extend(i for i in run.held if where is None or where(i))
+        return found
 
     def counts(self) -> tuple[int, int, int]:
         """(running, waiting for a retry, queued)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 
 import sqlalchemy as sa
@@ -120,4 +121,34 @@ class OrderTypes(Consumer):
         data = message.json()
         if data.get("type") != "paid":
             raise PermanentError(f"unknown order type {data['type']}")
+        log_event(log, "handled", partition=message.partition, offset=message.offset)
+
+
+class _TermAtFirstRevoke(logging.Filter):
+    """Sends this process SIGTERM when its first partitions are revoked: the moment a
+    rolling deploy's new member joined and the old one is told to stop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.sent and getattr(record, "outboxkit_event", None) == "partitions-revoked":
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return True
+
+
+class RollingMember(Consumer):
+    """Logs ``handled`` per message (after ``APP_HANDLE_SLEEP`` s); with
+    ``APP_TERM_AT_REVOKE=1`` it gets SIGTERM at its first revocation."""
+
+    def on_start(self) -> None:
+        if os.environ.get("APP_TERM_AT_REVOKE") == "1":
+            logging.getLogger("outboxkit.consumer").addFilter(_TermAtFirstRevoke())
+
+    def handle(self, message: Message) -> None:
+        pause = float(os.environ.get("APP_HANDLE_SLEEP", "0"))
+        if pause:
+            time.sleep(pause)
         log_event(log, "handled", partition=message.partition, offset=message.offset)

@@ -32,6 +32,7 @@ from outboxkit.consumer.asyncio_handler import HandlerCancelled, LoopThread
 from outboxkit.consumer.inbox_async import async_db_url
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG
+from outboxkit.runtime.testing import capture_json_logs
 from outboxkit.schema import apply_schema
 
 # -- the loop thread ---------------------------------------------------------------
@@ -261,12 +262,17 @@ def test_a_handler_cancelled_at_the_drain_deadline_rolls_back_is_unknown_and_red
         settings(group_id=group, topics=(topic,), inbox=True, worker_drain_timeout=1.0),
         engine=aengine,
     )
-    with run_consumer(first) as running:
+    with capture_json_logs(level="INFO") as logs, run_consumer(first) as running:
         assert first.hanging.wait(20)
         assert _count(engine, "effects") == 1  # ev-0 committed; ev-1 in an open transaction
         started = time.monotonic()
         assert running.stop() == 0
         assert time.monotonic() - started < 1.0 + 5.0  # drain timeout + close, not the hour
+    # The cancelled coroutine's ROLLBACK finished before its connection was handed
+    # back: the worker, which stops waiting for it at once, does not close that
+    # connection underneath it (on MariaDB the rollback then never returned, the
+    # loop was abandoned and the engine's pool never disposed).
+    assert logs.events("event-loop-abandoned") == []
     report = first.report
     assert report is not None
     assert (report.batch_size, report.unknown, report.succeeded) == (1, 1, 0)

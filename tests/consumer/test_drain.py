@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kafkahelp import FAST_GROUP, committed, http_get, produce, wait_for
+from kafkahelp import FAST_GROUP, committed, end_offsets, http_get, make_events, produce, wait_for
 from procs import ConsumerProcess
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message
@@ -230,3 +230,54 @@ def test_console_log_format_gives_readable_lines(
     events = {m["event"]: m["rest"] for m in parsed}
     assert " partition=0 offset=0 logger=consumer_apps " in events["handler-finished"]
     assert " result=ok " in events["consumer-exit"], events["consumer-exit"]
+
+
+def _handled(proc: ConsumerProcess) -> list[tuple[int, int]]:
+    return [(r["partition"], r["offset"]) for r in proc.events("handled")]
+
+
+def test_drain_at_a_cooperative_revocation_commits_once_the_rebalance_completes(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], spawn: Any
+) -> None:
+    """A rolling deploy with surge: the new member joins, the old one gets SIGTERM
+    at its first revocation, with its drain batch empty. Its exit commit must
+    land (after the rejoin the rebalance needs), so the new member handles none
+    of what the old one finished on the partitions it kept."""
+    parts = 4
+    topic = kafka_topics(parts)
+    group = f"g-{topic}"
+    produce(kafka_bootstrap, topic, make_events(200, keys=20))
+    common = {
+        "OUTBOXKIT_TOPICS": topic,
+        "OUTBOXKIT_GROUP_ID": group,
+        # No periodic commit in between: what the old member finished is committed
+        # on revoke (the partitions it gives up) or at exit (the ones it keeps).
+        "OUTBOXKIT_COMMIT_INTERVAL": "600",
+        "OUTBOXKIT_WORKER_DRAIN_TIMEOUT": "10",
+    }
+    old = spawn("consumer_apps:RollingMember", APP_TERM_AT_REVOKE="1", **common)
+    wait_for(lambda: len(old.events("handled")) >= 200, 60, what="the backlog handled")
+    new = spawn("consumer_apps:RollingMember", **common)
+    assert old.wait(30) == 0, "".join(old.raw[-30:])
+    revoked = {int(n.rsplit("/", 1)[1]) for n in old.events("partitions-revoked")[0]["partitions"]}
+    kept = set(range(parts)) - revoked
+    assert revoked and kept, "".join(old.raw[-30:])
+    ends = end_offsets(kafka_bootstrap, topic, parts)
+    # One more message per partition: once the new member handled each of them,
+    # it has read every partition from the group's committed offset.
+    for p in range(parts):
+        produce(kafka_bootstrap, topic, [(None, b"marker", f"mm{p}")], partition=p)
+    wait_for(
+        lambda: {p for p, o in _handled(new) if o >= ends[p]} == set(range(parts)),
+        60,
+        what="the new member at every partition's end",
+    )
+    again = sorted((p, o) for p, o in _handled(new) if o < ends[p])
+    assert again == [], f"handled again by the new member: {again[:10]} ({len(again)})"
+    record = old.exit_record()
+    assert record["signal"] == "SIGTERM"
+    assert record["batch_size"] == 0 and _adds_up(record)
+    assert (record["result"], record["committed"]) == (
+        "ok",
+        {f"{topic}/{p}": ends[p] for p in sorted(kept)},
+    ), "".join(old.raw[-30:])

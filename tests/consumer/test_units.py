@@ -226,7 +226,7 @@ def test_draining_hands_back_what_a_run_has_not_started() -> None:
     for o, key in enumerate([b"a", b"a", b"a", b"b"]):
         d.submit(_item(tp, key, o))
     run, a0 = _started(d)
-    assert sorted(_offsets(d.drain())) == [1, 2, 3]
+    assert sorted(_offsets(d.drain()[0])) == [1, 2, 3]
     assert d.running() == [a0]  # running: it finishes and counts
     assert d.next(run, "success") is None  # nothing more is started
     assert d.results() == [(a0, "success", None)]
