@@ -416,7 +416,6 @@ class PgAdvisoryShards:
             lost = sorted(self._held)
             self._held.clear()
         verified_ms = self._verified_ms
-        self._pid = None
         self._members = ()
         if lost and not self._leaving:
             self.metrics.lost.inc(len(lost))
@@ -428,6 +427,7 @@ class PgAdvisoryShards:
                 self.log, "shard-lost", level=logging.WARNING, table=self.table,
                 shard=shard, reason=reason, db_ms=verified_ms,
             )  # fmt: skip
+        self._pid = None  # last: whoever sees no pid sees the losses logged
         self._set_owned_gauge()
 
     def _idle(self, conn: psycopg.Connection, seconds: float) -> None:

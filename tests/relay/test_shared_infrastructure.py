@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from relay_support import EmbeddedRelay, add_events, fast_settings, status_counts, wait_for
+from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay.conflicts import OwnershipConflicts
@@ -331,3 +334,218 @@ def test_members_on_one_server_are_no_conflict(redis_url: str, redis_prefix: str
     finally:
         for leases in made:
             leases.close()
+
+
+# -- mixed ownership modes on one outbox -------------------------------------------
+
+
+def _slow_batches(batch: Any) -> None:
+    """Each batch stays leased a moment (as with a slow broker), so the other relay's
+    backlog sample sees its rows ``delivering``."""
+    time.sleep(0.3)
+
+
+@contextlib.contextmanager
+def _writing(engine: sa.Engine, topic: str) -> Iterator[None]:
+    """Rows keep arriving (every 50 ms) while the block runs."""
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            add_events(engine, "outbox_events", [Event(topic=topic, key=f"k{n % 7}", payload=n)])
+            n += 1
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def _outsider(er: EmbeddedRelay) -> float:
+    return er.metric("outbox_ownership_conflicts", {"kind": "outsider"})
+
+
+@on_both_databases
+def test_a_relay_with_redis_and_one_without_on_one_outbox_are_reported(
+    db_url: str,
+    engine: sa.Engine,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    redis_url: str,
+    redis_prefix: str,
+    embedded: Callable[..., EmbeddedRelay],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under ``auto``, one relay with a Redis URL (leases) and one without (advisory
+    locks on PostgreSQL, every shard on MariaDB) on one table: each owns shards
+    the other does not know of. Both say so: the ERROR line, the gauge and the
+    readiness details of each name the other relay."""
+    caplog.set_level(logging.INFO)
+    apply_schema(engine, shards=SHARDS)
+    topic = kafka_topics(1)
+    with_redis = embedded(
+        fast_settings(
+            db_url, kafka_bootstrap, redis_url=redis_url, redis_prefix=redis_prefix,
+            node_id="relay-leases", **LEASE,
+        ),
+        on_batch=_slow_batches,
+    )  # fmt: skip
+    without = embedded(
+        fast_settings(db_url, kafka_bootstrap, node_id="relay-no-redis"), on_batch=_slow_batches
+    )
+    with _writing(engine, topic):
+        wait_for(
+            lambda: _outsider(with_redis) == 1 and _outsider(without) == 1,
+            timeout=30,
+            what="both relays report the other",
+        )
+    assert with_redis.relay._ready_details()["ownership_conflicts"]["outsider"]["others"] == [
+        "relay-no-redis"
+    ]
+    assert without.relay._ready_details()["ownership_conflicts"]["outsider"]["others"] == [
+        "relay-leases"
+    ]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "ownership-conflict" in r.getMessage() and r.levelno == logging.ERROR
+    ]
+    assert any("relay-no-redis" in line for line in lines), lines
+    assert any("relay-leases" in line for line in lines), lines
+
+
+def test_relays_of_one_mode_are_no_outsiders(
+    db_url: str,
+    engine: sa.Engine,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    redis_url: str,
+    redis_prefix: str,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """Two relays sharing the shards through Redis see each other claim and report
+    nothing."""
+    apply_schema(engine, shards=SHARDS)
+    topic = kafka_topics(1)
+    relays = [
+        embedded(
+            fast_settings(
+                db_url,
+                kafka_bootstrap,
+                redis_url=redis_url,
+                redis_prefix=redis_prefix,
+                node_id=f"relay-{i}",
+                **LEASE,
+            ),
+            on_batch=_slow_batches,
+        )
+        for i in range(2)
+    ]
+    with _writing(engine, topic):
+        time.sleep(6)  # a dozen backlog samples each, both relays claiming
+    for r in relays:
+        assert _outsider(r) == 0
+        assert "ownership_conflicts" not in r.relay._ready_details()
+    assert status_counts(engine, "outbox_events").get("delivered", 0) > 0
+
+
+# -- upgrade from table-named keys ---------------------------------------------------
+#
+# An older relay names its leases and locks by the bare table. Its stand-in here is
+# the same ownership built without an identity (``outbox=None``): it writes exactly
+# the legacy names (``{prefix}outboxkit:outbox_events:shard:3``, the advisory lock
+# keyed by crc32("outboxkit-shards:outbox_events")) that the older relay writes.
+
+
+def _never_both(
+    old: Any, new: Any, *, seconds: float, until: Callable[[], bool] | None = None
+) -> int:
+    """Sample both relays' claimable shards for ``seconds`` (or until ``until()``);
+    fail if a shard is ever claimable by both. Returns the samples taken."""
+    samples = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (until is not None and until()):
+        both = old.claimable() & new.claimable()
+        assert not both, f"shards {sorted(both)} claimable by an old and a new relay at once"
+        samples += 1
+        time.sleep(0.01)
+    return samples
+
+
+def test_an_older_relay_and_a_new_one_never_hold_one_lease_at_once(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A rolling upgrade: the older relay holds every shard under the legacy keys;
+    the new one, seeing it live, takes the legacy key beside its own for every
+    lease, so it gets nothing the older one holds, and everything once that one
+    drains. After that no legacy key is taken any more."""
+    import redis as redis_lib
+
+    from outboxkit.runtime.rediskeys import lease_key
+
+    old = _leases(redis_url, redis_prefix, "relay-old", outbox=None)
+    new = _leases(redis_url, redis_prefix, "relay-new", outbox="orders.outbox_events")
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        old.start(frozenset)
+        wait_for(lambda: old.claimable() == frozenset(range(SHARDS)), timeout=10)
+        new.start(frozenset)
+        assert _never_both(old, new, seconds=2.0) > 0
+        assert new.held() == frozenset(), "the new relay took a shard the older one holds"
+        assert new.is_member("relay-old"), "an older relay that respects the keys is no outsider"
+        old.release_all()
+        _never_both(old, new, seconds=15, until=lambda: len(new.claimable()) == SHARDS)
+        assert new.claimable() == frozenset(range(SHARDS))
+        wait_for(lambda: not new._legacy_members, timeout=10, what="the older relay gone")
+        # Leases taken while the older relay was live keep their companion until
+        # released; drop them and take every shard again: no legacy key now.
+        new.release_all()
+        again = _leases(redis_url, redis_prefix, "relay-new-2", outbox="orders.outbox_events")
+        try:
+            again.start(frozenset)
+            wait_for(lambda: len(again.claimable()) == SHARDS, timeout=15)
+            legacy = [lease_key(redis_prefix, "outbox_events", s) for s in range(SHARDS)]
+            assert client.exists(*legacy) == 0, "legacy keys taken with no older relay live"
+        finally:
+            again.close()
+    finally:
+        client.close()
+        old.close()
+        new.close()
+
+
+def test_an_older_relay_and_a_new_one_never_hold_one_advisory_lock_at_once(pg_url: str) -> None:
+    """The same upgrade with PostgreSQL advisory locks."""
+    from outboxkit.relay.pg_shards import PgAdvisoryShards
+
+    def shards(node_id: str, outbox: str | None) -> PgAdvisoryShards:
+        return PgAdvisoryShards(
+            pg_url,
+            table="outbox_events",
+            node_id=node_id,
+            shard_count=SHARDS,
+            tick_interval=0.1,
+            registry=CollectorRegistry(),
+            outbox=outbox,
+        )
+
+    old = shards("relay-old", None)
+    new = shards("relay-new", "db.public.outbox_events")
+    try:
+        old.start(frozenset)
+        wait_for(lambda: old.claimable() == frozenset(range(SHARDS)), timeout=10)
+        new.start(frozenset)
+        assert _never_both(old, new, seconds=2.0) > 0
+        assert new.held() == frozenset(), "the new relay took a shard the older one holds"
+        assert new.is_member("relay-old")
+        old.release_all()
+        _never_both(old, new, seconds=15, until=lambda: len(new.claimable()) == SHARDS)
+        assert new.claimable() == frozenset(range(SHARDS))
+    finally:
+        old.close()
+        new.close()
