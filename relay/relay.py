@@ -694,6 +694,12 @@ class Relay:
         for topic in sorted(gone):  # nothing left to probe with: the pause would never end
             self.paused.resume(topic, cause="no-rows-left")
 
+    @property
+    def outbox_name(self) -> str:
+        """The outbox's identity key once read at start (``orders.outbox_events``),
+        else the table name."""
+        return self._identity.key if self._identity is not None else self.settings.table
+
     def _follow_fingerprint(self, conn: sa.Connection) -> None:
         """The server may change under the relay (a failover): what it records beside
         its membership follows, so a stale fingerprint never reports a conflict."""

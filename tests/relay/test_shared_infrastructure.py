@@ -15,13 +15,23 @@ import contextlib
 import logging
 import threading
 import time
+import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from relay_support import EmbeddedRelay, add_events, fast_settings, status_counts, wait_for
+from relay_support import (
+    EmbeddedRelay,
+    Pushgateway,
+    add_events,
+    fast_settings,
+    outbox_key,
+    status_counts,
+    wait_for,
+)
 from support.databases import on_both_databases
 
 from outboxkit import Event
@@ -549,3 +559,36 @@ def test_an_older_relay_and_a_new_one_never_hold_one_advisory_lock_at_once(pg_ur
     finally:
         old.close()
         new.close()
+
+
+# -- Pushgateway groups ---------------------------------------------------------------
+
+
+def test_relays_of_two_outboxes_push_to_groups_of_their_own(
+    db_url: str,
+    second_db_url: str,
+    kafka_bootstrap: str,
+    embedded: Callable[..., EmbeddedRelay],
+    pushgateway: Pushgateway,
+) -> None:
+    """Two relays of two outboxes under one node id (an operator's fixed
+    OUTBOXKIT_NODE_ID in two services) push their exit metrics: each to a group
+    of its own, named by the outbox, so neither replaces the other's."""
+    node_id = pushgateway.track(f"relay-{uuid.uuid4().hex[:8]}")
+    outboxes = []
+    for url in (db_url, second_db_url):
+        with _engine(url) as eng:
+            apply_schema(eng, shards=SHARDS)
+            outboxes.append(outbox_key(eng))
+        er = embedded(
+            fast_settings(url, kafka_bootstrap, node_id=node_id, pushgateway_url=pushgateway.url)
+        )
+        assert er.stop() == 0
+    with urllib.request.urlopen(f"{pushgateway.url}/metrics", timeout=5) as resp:  # noqa: S310
+        text = resp.read().decode()
+    groups = {
+        line.split('outbox="', 1)[1].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith("outbox_shutdown_pending{") and f'instance="{node_id}"' in line
+    }
+    assert groups == set(outboxes), f"pushed groups {groups}, outboxes {outboxes}"
