@@ -38,6 +38,11 @@ from outboxkit.schema import apply_schema
 
 HERE = Path(__file__).resolve().parent
 RELAY_DB_USER = "chaos_relay"
+#: The neighbour outbox: another service's ``outbox_events`` on the same server
+#: (a database of its own on MariaDB, a schema of its own on PostgreSQL) whose
+#: relay shares the run's Redis and prefix. Its rows must all be delivered and
+#: the run's own must be unaffected: every shared name carries the outbox.
+NEIGHBOUR = "outboxkit_neighbour"
 
 
 class Toxiproxy:
@@ -166,6 +171,15 @@ class Cluster:
         driver = "postgresql+psycopg" if self.postgresql else "mysql+pymysql"
         return f"{driver}://{RELAY_DB_USER}:{pw}@127.0.0.1:{self.proxy_ports['db']}/outboxkit_test"
 
+    def neighbour(self, url: str) -> str:
+        """``url`` (the run's database) pointed at the neighbour outbox."""
+        u = sa.make_url(url)
+        if self.postgresql:
+            u = u.update_query_dict({"options": f"-csearch_path={NEIGHBOUR}"})
+        else:
+            u = u.set(database=NEIGHBOUR)
+        return u.render_as_string(hide_password=False)
+
     @property
     def bootstrap(self) -> str:
         return self.kafka.bootstrap
@@ -220,8 +234,18 @@ class Cluster:
                     sa.text(f"GRANT ALL ON outboxkit_test.* TO '{RELAY_DB_USER}'@'127.0.0.1'")
                 )
             create_effect_table(conn)
+            if self.postgresql:
+                conn.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {NEIGHBOUR}"))
+            else:
+                conn.execute(sa.text(f"CREATE DATABASE IF NOT EXISTS {NEIGHBOUR}"))
+                conn.execute(
+                    sa.text(f"GRANT ALL ON {NEIGHBOUR}.* TO '{RELAY_DB_USER}'@'127.0.0.1'")
+                )
         apply_schema(engine, shards=shards)
         engine.dispose()
+        neighbour = sa.create_engine(self.neighbour(self.db_url))
+        apply_schema(neighbour, shards=shards, inbox=None)
+        neighbour.dispose()
         if self.postgresql:
             # outboxkit may not create roles; the instance's superuser does.
             su = self.superuser_engine()
@@ -232,16 +256,21 @@ class Cluster:
             su.dispose()
             su = self.superuser_engine("outboxkit_test")
             with su.begin() as conn:
+                conn.execute(sa.text(f"GRANT USAGE ON SCHEMA {NEIGHBOUR} TO {RELAY_DB_USER}"))
                 for what in ("TABLES", "SEQUENCES", "FUNCTIONS"):
-                    conn.execute(
-                        sa.text(f"GRANT ALL ON ALL {what} IN SCHEMA public TO {RELAY_DB_USER}")
-                    )
+                    for schema in ("public", NEIGHBOUR):
+                        conn.execute(
+                            sa.text(
+                                f"GRANT ALL ON ALL {what} IN SCHEMA {schema} TO {RELAY_DB_USER}"
+                            )
+                        )
             su.dispose()
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
         futures = admin.create_topics(
             [
                 NewTopic(topic, num_partitions=partitions, replication_factor=1),
                 NewTopic(f"{topic}.dlq", num_partitions=1, replication_factor=1),
+                NewTopic(f"{topic}.neighbour", num_partitions=partitions, replication_factor=1),
             ]
         )
         for f in futures.values():

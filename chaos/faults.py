@@ -16,6 +16,7 @@ from chaos.fleet import REDIS_PREFIX, TABLE, Fleet
 from chaos.procs import Proc
 from chaos.schedule import Fault
 from outboxkit.relay.leases import lease_key
+from outboxkit.runtime.identity import read_identity
 
 
 @dataclass
@@ -34,6 +35,18 @@ class Injector:
         self.t = fleet.cfg.timings
         #: lease ends the relays could not log (killed or frozen), on Redis's clock
         self.lease_ends: list[dict[str, Any]] = []
+        self._outbox: str | None = None
+
+    def outbox_key(self) -> str:
+        """The identity the run's relays name their leases by (read once)."""
+        if self._outbox is None:
+            engine = self.cluster.engine(statement_timeout_s=10)
+            try:
+                with engine.connect() as conn:
+                    self._outbox = read_identity(conn, TABLE).key
+            finally:
+                engine.dispose()
+        return self._outbox
 
     def run(self, fault: Fault) -> FaultRecord:
         action = getattr(self, "_" + fault.kind.replace("-", "_"))
@@ -144,7 +157,8 @@ class Injector:
             return
         client = self.cluster.redis_client()
         try:
-            keys = [lease_key(REDIS_PREFIX, TABLE, s) for s in range(self.fleet.cfg.shards)]
+            outbox = self.outbox_key()
+            keys = [lease_key(REDIS_PREFIX, outbox, s) for s in range(self.fleet.cfg.shards)]
             values = client.mget(keys)
             sec, usec = client.time()
             now_ms = sec * 1000 + usec // 1000

@@ -28,6 +28,8 @@ REDIS_PREFIX = "chaos:"
 #: (``Timings.bounded_queue_messages``): Kafka faults meet one such relay in
 #: every run, under load (docs/reliability.md).
 BOUNDED_SLOT = "relay-0"
+#: The slot of the neighbour outbox's relay (``chaos.cluster.NEIGHBOUR``).
+NEIGHBOUR_SLOT = "neighbour-0"
 
 
 @dataclass
@@ -101,6 +103,15 @@ class Fleet:
             ),
         }
 
+    def neighbour_env(self, node_id: str) -> dict[str, str]:
+        """The neighbour outbox's relay: the run's relay settings, Redis and prefix,
+        on the other outbox of the same server (see ``chaos.cluster.NEIGHBOUR``)."""
+        return {
+            **self.relay_env(node_id),
+            "OUTBOXKIT_DB_URL": self.cluster.neighbour(self.cluster.relay_db_url),
+            "OUTBOXKIT_SERVICE": "chaos-neighbour",
+        }
+
     def consumer_env(self, node_id: str, slot: str) -> dict[str, str]:
         t = self.cfg.timings
         return {
@@ -168,7 +179,8 @@ class Fleet:
 
     def _spawn_and_wait(self, slot: str, kafka_config: str = "") -> Proc:
         proc = self._spawn(slot, fate="starting", kafka_config=kafka_config)
-        started_event = "relay-started" if slot.startswith("relay") else "partitions-assigned"
+        relay = slot.startswith(("relay", NEIGHBOUR_SLOT))
+        started_event = "relay-started" if relay else "partitions-assigned"
         up = proc.wait_for_event(started_event, 60)
         with self.lock:
             if not up and not proc.alive() and self._failed_start(proc):
@@ -203,7 +215,16 @@ class Fleet:
             node_id = f"{slot}-g{gen}"
             if slot == BOUNDED_SLOT:  # every Kafka fault meets a relay with a small queue
                 kafka_config = kafka_config or self.bounded_queue()
-            if slot.startswith("relay"):
+            if slot == NEIGHBOUR_SLOT:  # its own role: the run's checks are of the run's outbox
+                proc = Proc.start(
+                    "neighbour",
+                    slot,
+                    node_id,
+                    ["-m", "outboxkit", "relay"],
+                    self.neighbour_env(node_id),
+                    self.logs,
+                )
+            elif slot.startswith("relay"):
                 proc = Proc.start(
                     "relay",
                     slot,

@@ -39,7 +39,7 @@ from chaos.checks import (
 from chaos.cluster import Cluster
 from chaos.config import RunConfig, parse_args
 from chaos.faults import FaultRecord, Injector
-from chaos.fleet import TABLE, Fleet
+from chaos.fleet import NEIGHBOUR_SLOT, TABLE, Fleet
 from chaos.procs import Proc
 from chaos.schedule import Fault, make_schedule
 
@@ -128,13 +128,38 @@ class Run:
         self.cfg, self.schedule, self.cluster, self.fleet = cfg, schedule, cluster, fleet
         self.logs, self.run_id = logs, run_id
         self.injector = Injector(fleet, cluster)
+        self.injector.outbox_key()  # read while the database is surely up
         self.done: list[FaultRecord] = []
         self.engine = cluster.engine(statement_timeout_s=30)
+        self.neighbour_engine = sa.create_engine(
+            cluster.neighbour(cluster.db_url), pool_pre_ping=True
+        )
 
     def go(self) -> int:
         started = time.time()
         for slot in self.fleet.slots("relay") + self.fleet.slots("consumer"):
             self.fleet.start(slot)
+        # Another service's outbox on the same server, Redis and prefix: its relay
+        # and writer run beside the run's own, through the same faults.
+        self.fleet.start(NEIGHBOUR_SLOT)
+        neighbour_writer = Proc.start(
+            "writer",
+            "neighbour-writer",
+            "neighbour-writer",
+            [
+                "-m",
+                "chaos.writer",
+                self.cluster.neighbour(self.cluster.db_url),
+                f"{TOPIC}.neighbour",
+                str(self.neighbour_events),
+                str(max(1, self.cfg.keys // 10)),
+                str(self.cfg.duration_s),
+                str(self.cfg.seed + 1),
+            ],
+            {},
+            self.logs,
+        )
+        self.fleet.others.append(neighbour_writer)
         writer = Proc.start(
             "writer",
             "writer",
@@ -173,6 +198,7 @@ class Run:
                 self._progress(t0)
             time.sleep(1)
         writer.wait(5)
+        neighbour_writer.wait(60)
         self.done.sort(key=lambda r: r.started)  # the two tracks interleave
         wrote = writer.events("writer-done")
         say(f"writer exited {writer.exit_code}: {wrote[-1] if wrote else writer.tail(5)}")
@@ -183,6 +209,7 @@ class Run:
         checks = [
             writer_done(self.cfg, writer.exit_code, wrote[-1] if wrote else None),
             *run_checks(self.cfg, obs),
+            self._neighbour_check(neighbour_writer.exit_code),
         ]
         summary = self._summary(checks, obs, started, settled, writer)
         return self._verdict(checks, summary)
@@ -203,6 +230,42 @@ class Run:
                 f"fault {f.seq + 1}/{len(self.schedule)} {f.kind} {f.target} "
                 f"({took:.1f} s) {json.dumps(rec.detail)}{extra}"
             )
+
+    @property
+    def neighbour_events(self) -> int:
+        return max(100, self.cfg.events // 10)
+
+    def _neighbour_counts(self) -> tuple[int, int] | None:
+        """(written, delivered) of the neighbour outbox."""
+        try:
+            with self.neighbour_engine.connect() as conn:
+                written, delivered = conn.execute(
+                    sa.text(
+                        "SELECT COUNT(*),"
+                        " COALESCE(SUM(CASE WHEN status = 'delivered' THEN 1 ELSE 0 END), 0)"
+                        f" FROM {TABLE}"
+                    )
+                ).one()
+        except sa.exc.SQLAlchemyError:
+            return None
+        return int(written), int(delivered)
+
+    def _neighbour_check(self, writer_exit: int | None) -> Check:
+        """The neighbour outbox, sharing the server, Redis and prefix, was delivered
+        whole: no shard of it was held by the run's relays or left to nobody."""
+        counts = self._neighbour_counts() or (0, -1)
+        in_kafka = {c.event_id for c in read_topic(self.cluster.bootstrap, f"{TOPIC}.neighbour")}
+        written, delivered = counts
+        ok = writer_exit == 0 and written == self.neighbour_events == delivered
+        ok = ok and len(in_kafka) == written
+        return Check(
+            "neighbour outbox delivered",
+            ok,
+            f"neighbour writer exited {writer_exit}; {delivered} of {written} rows delivered "
+            f"({self.neighbour_events} planned), {len(in_kafka)} distinct events in Kafka",
+            [] if ok else ["see neighbour-writer.log and the neighbour-0 relay logs"],
+            figures={"written": written, "delivered": delivered, "in_kafka": len(in_kafka)},
+        )
 
     def _counts(self) -> dict[str, int] | None:
         try:
@@ -247,7 +310,9 @@ class Run:
                     distinct = conn.execute(
                         sa.text("SELECT COUNT(DISTINCT event_id) FROM chaos_effects")
                     ).scalar_one()
-                if c["delivered"] == c["written"] and distinct >= c["written"]:
+                n = self._neighbour_counts()
+                neighbour_done = n is not None and n[0] == n[1]
+                if c["delivered"] == c["written"] and distinct >= c["written"] and neighbour_done:
                     # a lease TTL more, so anything late would show
                     time.sleep(self.cfg.timings.lease_ttl_s)
                     say(f"settled in {time.monotonic() - began:.0f} s")

@@ -44,9 +44,12 @@ def main(argv: list[str]) -> int:
     total, keys, seconds, seed = int(total_s), int(keys_s), float(seconds_s), int(seed_s)
     # A statement the database does not answer gives up after 10 s (then retried).
     if sa.make_url(db_url).get_backend_name() == "postgresql":
+        # Kept beside the URL's own options (the neighbour outbox's search_path):
+        # connect_args replace the URL's query, they do not add to it.
+        own = sa.make_url(db_url).query.get("options", "")
         timeouts: dict[str, object] = {
             "connect_timeout": 10,
-            "options": "-c statement_timeout=10000",
+            "options": f"{own} -c statement_timeout=10000".strip(),
         }
     else:
         timeouts = {"read_timeout": 10, "write_timeout": 10}

@@ -1,10 +1,17 @@
 """Wake-up hints: tell relays, right after a commit, that rows are waiting.
 
 Relays poll the outbox every ``poll_interval``; a hint on the Redis channel
-``{prefix}outboxkit:{table}:wakeup`` makes them claim at once, so a quiet system
+``{prefix}outboxkit:{outbox}:wakeup`` makes them claim at once, so a quiet system
 delivers in milliseconds without hot polling. Hints are an optimisation only: a
 lost hint (Redis down, a relay reconnecting) costs at most one poll interval,
 never a row.
+
+``{outbox}`` is the outbox's identity (``orders.outbox_events``; see
+:mod:`outboxkit.runtime.identity`), read from the database, so two services
+sharing one Redis never wake each other's relays. The writer reads it once per
+database connection (one ``SELECT DATABASE()`` or catalog lookup when the
+connection first enqueues with wake-ups enabled) and keeps it in the
+connection's ``info``.
 
 Two ways to send them, both opt-in:
 
@@ -40,10 +47,12 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import redis
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from outboxkit.runtime import rediskeys
+from outboxkit.runtime.identity import read_identity
 from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
 
 if TYPE_CHECKING:
@@ -76,32 +85,71 @@ _HINT = b"1"
 DEFAULT_HINT_INTERVAL = 0.002
 
 
-def wakeup_channel(table: str = DEFAULT_TABLE, prefix: str = "") -> str:
-    """The pub/sub channel relays of ``table`` listen on."""
-    return rediskeys.wakeup_channel(prefix, validate_identifier(table))
+def wakeup_channel(
+    table: str = DEFAULT_TABLE, prefix: str = "", *, outbox: str | None = None
+) -> str:
+    """The pub/sub channel relays of the outbox ``outbox`` (an identity key such as
+    ``orders.outbox_events``) listen on. Without ``outbox``: the legacy channel
+    named by the bare ``table``, on which relays still listen for writers of
+    older versions."""
+    validate_identifier(table)
+    return rediskeys.wakeup_channel(prefix, outbox or table)
+
+
+#: How many wake-up hooks are installed in this process: without one, the writer
+#: records table names and reads nothing from the database.
+_hooks = 0
+_IDENTITY = "outboxkit.wakeup.identity"
+
+
+def outbox_key(conn: Connection, table: str) -> str:
+    """The identity key of ``table`` on ``conn``'s database, read once per database
+    connection (kept in its ``info``, which lives as long as the connection)."""
+    cache: dict[str, str] = conn.info.setdefault(_IDENTITY, {})
+    key = cache.get(table)
+    if key is None:
+        key = cache[table] = read_identity(conn, table).key
+    return key
 
 
 def mark_enqueued(target: Connection | Session, conn: Connection, table: str) -> None:
     """Record that this transaction wrote rows to ``table`` (called by the writer).
 
-    Costs a dict update; does nothing else unless :func:`enable_wakeups` listens.
+    Costs a dict update; with :func:`enable_wakeups` listening, the first call on
+    a database connection also reads the outbox's identity (one query).
     """
+    outbox = outbox_key(conn, table) if _hooks else table
     if isinstance(target, Session):
-        target.info.setdefault(ENQUEUED, set()).add(table)
-    conn.info.setdefault(ENQUEUED, set()).add(table)
+        target.info.setdefault(ENQUEUED, set()).add(outbox)
+    conn.info.setdefault(ENQUEUED, set()).add(outbox)
 
 
 def notify_relays(
-    redis_client: redis.Redis[Any], table: str = DEFAULT_TABLE, *, prefix: str = ""
+    redis_client: redis.Redis[Any],
+    table: str = DEFAULT_TABLE,
+    *,
+    prefix: str = "",
+    bind: Engine | Connection | None = None,
 ) -> bool:
     """Publish one hint for ``table`` now; call it after your commit.
+
+    ``bind``: the engine or connection the rows were written through; the hint
+    goes to the channel of the outbox's identity read from it (cached per
+    connection). Without it the hint goes to the legacy channel of the bare
+    table, which relays still listen on, but which every outbox of that table
+    name sharing the Redis hears too (a wasted claim each, never a lost row).
 
     Returns False (and logs at debug level) when Redis cannot be reached: the
     relays will still find the rows at their next poll.
     """
     try:
-        redis_client.publish(wakeup_channel(table, prefix), _HINT)
-    except redis.RedisError as exc:
+        if isinstance(bind, Engine):
+            with bind.connect() as conn:
+                outbox: str | None = outbox_key(conn, table)
+        else:
+            outbox = outbox_key(bind, table) if bind is not None else None
+        redis_client.publish(wakeup_channel(table, prefix, outbox=outbox), _HINT)
+    except (redis.RedisError, sa_exc.DBAPIError) as exc:
         _log.debug("wake-up hint not sent: %s: %s", type(exc).__name__, exc)
         return False
     return True
@@ -151,7 +199,8 @@ class WakeupPublisher:
         self.sent = 0
 
     def hint(self, tables: Iterable[str]) -> None:
-        """Queue a hint for each table; never blocks, never raises."""
+        """Queue a hint for each outbox (identity key, or a bare table for the legacy
+        channel); never blocks, never raises."""
         with self._cond:
             if self._closed:
                 return
@@ -205,7 +254,7 @@ class WakeupPublisher:
 
     def _publish(self, table: str) -> None:
         try:
-            self._redis.publish(wakeup_channel(table, self.prefix), _HINT)
+            self._redis.publish(rediskeys.wakeup_channel(self.prefix, table), _HINT)
         except Exception as exc:  # a hint must never break anything
             if not self._failing:
                 self._failing = True
@@ -242,6 +291,9 @@ class WakeupHook:
 
     def disable(self) -> None:
         """Remove the listeners and stop the publisher (after sending what is queued)."""
+        global _hooks
+        if self._listeners:
+            _hooks -= 1
         for target, name, fn in self._listeners:
             event.remove(target, name, fn)
         self._listeners.clear()
@@ -267,8 +319,10 @@ def enable_wakeups(
     (``OUTBOXKIT_REDIS_PREFIX``). ``min_interval``: seconds between two rounds
     of hints (0-1; see :class:`WakeupPublisher`); 0 sends one per commit.
     """
+    global _hooks
     publisher = WakeupPublisher(redis_client, prefix=prefix, min_interval=min_interval)
     hook = WakeupHook(target, publisher)
+    _hooks += 1
     if isinstance(target, Engine):
         _listen_engine(hook, target)
     elif "sqlalchemy.ext.asyncio" in sys.modules:  # imported by whoever holds an async target

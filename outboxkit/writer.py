@@ -50,7 +50,7 @@ from outboxkit.errors import (
     PayloadTooLargeError,
     UnserializablePayloadError,
 )
-from outboxkit.notify import NOTIFY_DIALECTS, notify_at_commit, notify_channel
+from outboxkit.notify import NOTIFY_DIALECTS, channel_sql, notify_at_commit
 from outboxkit.runtime.tracing import trace_headers, with_trace_headers
 from outboxkit.schema.apply import read_shard_count
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
@@ -345,10 +345,9 @@ def _insert_notifying(dialect: sa.Dialect, table: str) -> sa.TextClause:
     """PostgreSQL: one pending row (parameters ``<column>_0``) and the ``NOTIFY``
     of its shard (as :func:`outboxkit.notify.notify_at_commit`), in one statement."""
     sql, binds = _insert_sql(dialect, table, 1)
-    channel = notify_channel(table).replace("'", "''")
     return sa.text(
         f"WITH ins AS ({sql} RETURNING shard) "
-        f"SELECT pg_notify('{channel}', CAST(shard AS text)) FROM ins"
+        f"SELECT pg_notify({channel_sql(table)}, CAST(shard AS text)) FROM ins"
     ).bindparams(*binds)
 
 

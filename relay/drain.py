@@ -300,6 +300,9 @@ def finish_record(relay: Relay, record: ExitRecord) -> None:
             relay.settings.pushgateway_url,
             component="relay",
             node_id=relay.settings.node_id,
+            # The outbox's identity (the table when the relay never read it):
+            # relays of two outboxes never replace each other's group.
+            grouping={"outbox": relay.outbox_name},
             metrics=(relay.metrics.shutdown_pending, *relay.service_metrics.exit_metrics()),
             # Within what is left of the shutdown budget (the watchdog is
             # already disarmed here), but at least a moment to try.

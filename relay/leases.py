@@ -4,7 +4,15 @@ Per-key order across relays rests on one rule: a shard (and so every key hashed
 to it) is claimed from by at most one relay at a time. :class:`RedisShardLeases`
 implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
 
-* **Lease** per shard: key ``{prefix}outboxkit:{table}:shard:{n}`` holding
+* **Names** carry the outbox's identity, read from the database
+  (:mod:`outboxkit.runtime.identity`: ``orders.outbox_events`` on MySQL,
+  ``orders.public.outbox_events`` on PostgreSQL), so two outboxes sharing one
+  Redis and prefix never share a member set or a lease, whatever their tables
+  are called. The database server is not in the name (a failover must not
+  split ownership); each member records its server's fingerprint in
+  ``{prefix}outboxkit:{outbox}:servers``, and a relay that finds a member on
+  another server reports it (:mod:`outboxkit.relay.conflicts`).
+* **Lease** per shard: key ``{prefix}outboxkit:{outbox}:shard:{n}`` holding
   ``node_id:token`` with a PX TTL, taken with ``SET NX PX``. Renewal (PEXPIRE)
   and release (DEL) run as Lua compare-and-set on the exact value, so a relay
   never extends or deletes a lease it cannot prove is its own.
@@ -23,7 +31,7 @@ implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
   changes nothing (the monotonic deadline still holds); one set forward by
   more than what is left of a proof only stops claims until the next renewal
   proves the lease again.
-* **Membership**: a sorted set ``{prefix}outboxkit:{table}:members`` scored with
+* **Membership**: a sorted set ``{prefix}outboxkit:{outbox}:members`` scored with
   each relay's heartbeat expiry (Redis server time). Every relay computes the
   same deterministic split of shards over the live members
   (:func:`assign_shards`: rendezvous hashing with quotas, every member gets
@@ -43,6 +51,14 @@ implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
   nothing; the renewal thread keeps trying and everything resumes on its own.
   A lease that still carries our value after the outage is renewed (nobody else
   can have held it); one that is gone or taken is dropped and re-acquired.
+
+* **Upgrade from names without the identity.** Older relays name everything
+  by the bare table (``{prefix}outboxkit:{table}:...``). While that legacy
+  member set has live members, every lease this relay takes also takes the
+  legacy lease key of the shard (same value and TTL, in one script; see
+  :mod:`outboxkit.relay.lease_scripts`) and keeps it until released: an older
+  relay and this one never hold a shard at once. Once no older relay is live,
+  new leases are taken without it.
 
 Without Redis one relay owns every shard (:class:`~outboxkit.relay.shards.AllShards`);
 :class:`ForeignRelayMonitor` notices a second relay on the same table and says
@@ -70,12 +86,13 @@ from redis.retry import Retry
 # The assignment, the no-Redis monitor and the metrics live in modules of their
 # own; they are re-exported here, where callers have always found them.
 from outboxkit.relay.assignment import assign_shards
+from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.foreign import ForeignRelayMonitor, detect_foreign_relays
 from outboxkit.relay.lease_scripts import ACQUIRE_LUA, HEARTBEAT_LUA, RELEASE_LUA, RENEW_LUA
 from outboxkit.relay.metrics import ShardLeaseMetrics
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import Episode, log_event, redact
-from outboxkit.runtime.rediskeys import lease_key, members_key
+from outboxkit.runtime.rediskeys import lease_key, members_key, servers_key
 from outboxkit.schema.table import validate_identifier
 
 __all__ = [
@@ -145,6 +162,7 @@ class _Held:
     wall_until: float  # wall clock (time.time()); and before this
     surplus_since: float | None = None  # monotonic; set when no longer a target
     unproven: bool = False  # the deadline passed without a successful renew
+    companion: bool = False  # the legacy lease key is held too (older relays live)
 
 
 def _proven(h: _Held, now: float, wall: float) -> bool:
@@ -175,12 +193,27 @@ class RedisShardLeases:
         registry: CollectorRegistry | None = None,
         owned_gauge: bool = True,
         logger: logging.Logger | None = None,
+        outbox: str | None = None,
+        fingerprint: str | None = None,
+        conflicts: OwnershipConflicts | None = None,
     ) -> None:
+        """``outbox``: the identity key the names carry (the relay passes the one it
+        read from the database; without it, the bare ``table``, as older
+        versions named it). ``fingerprint``: the database server this relay
+        is connected to, recorded beside its membership (None: unknown, never
+        compared). ``conflicts``: where a member on another server is
+        reported."""
         self.table = validate_identifier(table)
         if shard_count < 1:
             raise ConfigError(f"shard_count must be >= 1 (got {shard_count})")
         if not node_id:
             raise ConfigError("node_id must not be empty")
+        self.outbox = outbox or self.table
+        #: The names older relays of this outbox use, when they differ from ours.
+        self._legacy = self.table if self.outbox != self.table else None
+        self._legacy_members: frozenset[str] = frozenset()
+        self.fingerprint = fingerprint
+        self.conflicts = conflicts
         self.node_id = node_id
         self.shard_count = shard_count
         self.settings = settings or LeaseSettings()
@@ -205,7 +238,10 @@ class RedisShardLeases:
         self._release = self._redis.register_script(RELEASE_LUA)
         self._acquire = self._redis.register_script(ACQUIRE_LUA)
         self._heartbeat = self._redis.register_script(HEARTBEAT_LUA)
-        self._members_key = members_key(self.settings.prefix, self.table)
+        self._members_key = members_key(self.settings.prefix, self.outbox)
+        self._heartbeat_keys = [self._members_key, servers_key(self.settings.prefix, self.outbox)]
+        if self._legacy is not None:
+            self._heartbeat_keys.append(members_key(self.settings.prefix, self._legacy))
         self._ttl_ms = max(1, round(self.settings.ttl * 1000))
 
         self._lock = threading.Lock()
@@ -292,9 +328,10 @@ class RedisShardLeases:
         self._stop_thread()
         with self._lock:
             held = {s: h.value for s, h in self._held.items()}
+            companions = {s for s, h in self._held.items() if h.companion}
         try:
-            self._heartbeat(keys=[self._members_key], args=[self.node_id, self._ttl_ms, "0"])
-            results, redis_ms = self._call_cas(self._release, held) if held else ({}, 0)
+            self._beat(join=False)
+            results, redis_ms = self._call_cas(self._release, held, companions) if held else ({}, 0)
         except redis.RedisError as exc:
             log_event(
                 self.log,
@@ -338,6 +375,14 @@ class RedisShardLeases:
         """Shards whose lease this relay holds (claimable or being handed over)."""
         with self._lock:
             return frozenset(self._held)
+
+    def is_member(self, node_id: str) -> bool | None:
+        """Whether ``node_id`` shares this outbox's shards with this relay: a live
+        member, or a live relay of an older version (it respects the legacy lease
+        keys this relay takes beside its own). None while Redis does not answer."""
+        if not self._redis_ok:
+            return None
+        return node_id in self._members or node_id in self._legacy_members
 
     # -- the renewal thread ----------------------------------------------------
 
@@ -405,9 +450,21 @@ class RedisShardLeases:
         with self._lock:
             self.metrics.owned.set(sum(1 for h in self._held.values() if not h.unproven))
 
+    def _beat(self, *, join: bool) -> tuple[list[object], list[object], list[object]]:
+        """One heartbeat (join or leave): the live members, their servers' fingerprints,
+        and the relays live under the legacy names."""
+        args = [self.node_id, self._ttl_ms, "1" if join else "0", self.fingerprint or ""]
+        raw, servers, legacy = self._heartbeat(keys=self._heartbeat_keys, args=args)
+        return list(raw), list(servers), list(legacy)
+
     def _join(self) -> tuple[str, ...]:
-        raw = self._heartbeat(keys=[self._members_key], args=[self.node_id, self._ttl_ms, "1"])
-        members = tuple(sorted(m.decode() if isinstance(m, bytes) else str(m) for m in raw))
+        raw, servers, legacy = self._beat(join=True)
+        live = [_text(m) for m in raw]
+        self._check_servers(
+            dict(zip(live, (_text(f) if f else None for f in servers), strict=True))
+        )
+        self._legacy_members = frozenset(_text(m) for m in legacy)
+        members = tuple(sorted(live))
         if members != self._members:
             targets = self._assignment(members).get(self.node_id, frozenset())
             before = self._targets
@@ -430,6 +487,29 @@ class RedisShardLeases:
                 )
         return members
 
+    def _check_servers(self, servers: dict[str, str | None]) -> None:
+        """Report members connected to another database server than this relay."""
+        if self.conflicts is None:
+            return
+        mine = self.fingerprint
+        others = {m: fp for m, fp in servers.items() if mine and fp and fp != mine}
+        if not others:
+            self.conflicts.clear("server")
+            return
+        self.conflicts.report(
+            "server",
+            frozenset(others.items()),
+            fingerprint=mine,
+            others=dict(sorted(others.items())),
+            detail=(
+                "relays connected to another database server share this outbox's shard "
+                "leases (same database and table names, same Redis and prefix): each claims "
+                "only its share of its own table and the rest stalls; give each outbox its "
+                "own --redis-prefix. During a failover this shows until every relay has "
+                "reconnected"
+            ),
+        )
+
     def _assignment(self, members: tuple[str, ...]) -> dict[str, frozenset[int]]:
         cached = self._assignment_cache
         if cached is not None and cached[0] == members:
@@ -441,10 +521,11 @@ class RedisShardLeases:
     def _renew_held(self) -> None:
         with self._lock:
             held = {s: h.value for s, h in self._held.items()}
+            companions = {s for s, h in self._held.items() if h.companion}
         if not held:
             return
         sent, sent_wall = time.monotonic(), time.time()
-        results, redis_ms = self._call_cas(self._renew, held)
+        results, redis_ms = self._call_cas(self._renew, held, companions)
         with self._lock:
             for shard, result in results.items():
                 h = self._held.get(shard)
@@ -506,9 +587,10 @@ class RedisShardLeases:
                 and s not in self._claiming
                 and s not in inflight
             }
+            companions = {s for s in ready if self._held[s].companion}
         if not ready:
             return
-        results, redis_ms = self._call_cas(self._release, ready)
+        results, redis_ms = self._call_cas(self._release, ready, companions)
         with self._lock:
             for shard, result in results.items():
                 h2 = self._held.pop(shard, None)
@@ -545,8 +627,11 @@ class RedisShardLeases:
         if not wanted or self._fenced():
             return
         values = {s: f"{self.node_id}:{secrets.token_hex(8)}" for s in wanted}
+        # While older relays are live, take their name of the lease too: they can
+        # neither hold a shard we hold nor be given one they hold.
+        companions = set(values) if self._legacy_members else set()
         sent, sent_wall = time.monotonic(), time.time()
-        results, redis_ms = self._call_cas(self._acquire, values)
+        results, redis_ms = self._call_cas(self._acquire, values, companions)
         with self._lock:
             for shard, result in results.items():
                 if result != 1:
@@ -555,6 +640,7 @@ class RedisShardLeases:
                     value=values[shard],
                     valid_until=self._deadline(sent),
                     wall_until=self._deadline(sent_wall),
+                    companion=shard in companions,
                 )
                 self.metrics.acquired.inc()
                 log_event(
@@ -593,11 +679,22 @@ class RedisShardLeases:
         self._run_id = run_id
         return fenced
 
-    def _call_cas(self, script: Script, values: dict[int, str]) -> tuple[dict[int, int], int]:
-        """Run a per-shard script; returns each shard's result and Redis's clock (ms)."""
+    def _call_cas(
+        self, script: Script, values: dict[int, str], companions: set[int] | None = None
+    ) -> tuple[dict[int, int], int]:
+        """Run a per-shard script on each shard's lease key, and on its legacy
+        companion for the shards in ``companions``; returns each shard's result
+        and Redis's clock (ms)."""
         shards = sorted(values)
-        keys = [lease_key(self.settings.prefix, self.table, s) for s in shards]
-        args: list[str | int] = [self._ttl_ms, *(values[s] for s in shards)]
+        prefix = self.settings.prefix
+        keys: list[str] = []
+        args: list[str | int] = [self._ttl_ms]
+        for s in shards:
+            own = [lease_key(prefix, self.outbox, s)]
+            if companions and s in companions and self._legacy is not None:
+                own.append(lease_key(prefix, self._legacy, s))
+            keys += own
+            args += [values[s], len(own)]
         *raw, redis_ms = script(keys=keys, args=args)
         return {s: int(r) for s, r in zip(shards, raw, strict=True)}, int(redis_ms)
 
@@ -640,3 +737,7 @@ class RedisShardLeases:
                 error=f"{type(exc).__name__}: {exc}",
                 note="claiming stops for each shard once its lease can no longer be proven",
             )
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

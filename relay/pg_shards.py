@@ -3,14 +3,25 @@
 :class:`PgAdvisoryShards` implements :class:`~outboxkit.relay.shards.ShardOwnership`
 with one dedicated database session per relay (autocommit, outside the pool):
 
-* **Lock keys.** Shard ``s`` of table ``T`` is the two-key advisory lock
-  ``(k, s)`` with ``k = crc32("outboxkit-shards:" + T)`` read as a signed 32-bit
-  integer (:func:`lock_keys`). Membership is the *shared* lock ``(k, -1)``.
+* **Lock keys.** Shard ``s`` of outbox ``O`` is the two-key advisory lock
+  ``(k, s)`` with ``k = crc32("outboxkit-shards:" + O)`` read as a signed 32-bit
+  integer (:func:`lock_keys`), where ``O`` is the outbox's identity read from
+  the database (``database.schema.table``, :mod:`outboxkit.runtime.identity`):
+  two schemas of one database, each with its own ``outbox_events``, never share
+  a lock. Membership is the *shared* lock ``(k, -1)``.
   Two-key locks are their own key space in PostgreSQL (``objsubid = 2`` in
   ``pg_locks``), apart from the one-key (bigint) lock that ``schema apply``
-  takes, and advisory locks are per database. Two tables whose names share a
-  CRC-32 would share shard locks: each shard still has one owner, only the split
-  is uneven; rename one table if that ever shows in the logs.
+  takes, and advisory locks are per database (and so per server: every member
+  of one outbox's locks is on the same server, with nothing to tell apart).
+  Two outboxes of one database whose identities share a CRC-32 (about one
+  pair in 4 billion) would share shard locks: each shard still has one owner,
+  but each relay claims only its share of its own table; the relays of the
+  other outbox then claim rows this relay never sees, and the members no
+  relay of this outbox knows show as ``rebalance`` lines with too many members.
+* **Upgrade.** Older relays keyed the locks by the bare table name. While any
+  session holds that legacy membership lock, a shard lock taken here also takes
+  the legacy lock of the shard (both or neither), and gives both back together:
+  an older relay and this one never hold a shard at once.
 * **Live members** are the sessions holding the shared member lock, read from
   ``pg_locks`` every ``tick_interval``; identified by their server pid. Every
   relay computes the same split over them (:func:`~outboxkit.relay.assignment.assign_shards`),
@@ -101,6 +112,16 @@ SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint, ARRAY(
   WHERE locktype = 'advisory' AND objsubid = 2 AND granted
     AND classid::bigint = %(classid)s AND objid::bigint = %(objid)s
     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), (
+  SELECT count(*) FROM pg_locks
+  WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+    AND classid::bigint = %(legacy)s AND objid::bigint = %(objid)s
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), ARRAY(
+  SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+  WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+    AND l.classid::bigint IN (%(classid)s, %(legacy)s) AND l.objid::bigint = %(objid)s
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
 """
 _LOCKS = sa.table(
@@ -132,9 +153,11 @@ _TRY_LOCK_SQL = "SELECT s, pg_try_advisory_lock(%(k)s, s) FROM unnest(%(shards)s
 _NOW_MS_SQL = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 
-def lock_keys(table: str, shard: int) -> tuple[int, int]:
-    """The two 32-bit keys of shard ``shard``'s advisory lock for ``table``."""
-    crc = zlib.crc32(f"outboxkit-shards:{validate_identifier(table)}".encode("ascii"))
+def lock_keys(outbox: str, shard: int) -> tuple[int, int]:
+    """The two 32-bit keys of shard ``shard``'s advisory lock for ``outbox`` (an
+    identity key such as ``orders.public.outbox_events``; a bare table name gives
+    the legacy keys of older versions)."""
+    crc = zlib.crc32(f"outboxkit-shards:{outbox}".encode())
     return crc - (1 << 32) if crc >= 1 << 31 else crc, shard
 
 
@@ -191,7 +214,11 @@ class PgAdvisoryShards:
         registry: CollectorRegistry | None = None,
         owned_gauge: bool = True,
         logger: logging.Logger | None = None,
+        outbox: str | None = None,
     ) -> None:
+        """``outbox``: the identity key the locks are named by (the relay passes the
+        one it read from the database; without it, the bare ``table``, as older
+        versions named them)."""
         self.table = validate_identifier(table)
         if shard_count < 1:
             raise ConfigError(f"shard_count must be >= 1 (got {shard_count})")
@@ -208,7 +235,17 @@ class PgAdvisoryShards:
         self.metrics = AdvisoryShardMetrics(
             registry or CollectorRegistry(), owned_gauge=owned_gauge
         )
-        self._key, _ = lock_keys(table, 0)
+        self.outbox = outbox or self.table
+        self._key, _ = lock_keys(self.outbox, 0)
+        #: The class key older relays of this outbox use, when it differs from ours.
+        self._legacy_key: int | None = lock_keys(self.table, 0)[0]
+        if self._legacy_key == self._key:
+            self._legacy_key = None
+        self._legacy_live = False
+        #: Shards whose legacy lock is held beside ours.
+        self._companions: set[int] = set()
+        #: application_name of every member session (ours and older relays').
+        self._member_apps: frozenset[str] = frozenset()
 
         self._lock = threading.Lock()
         #: shard -> monotonic time it stopped being a target (None: a target).
@@ -325,6 +362,14 @@ class PgAdvisoryShards:
         with self._lock:
             return frozenset(self._held) if self._alive else frozenset()
 
+    def is_member(self, node_id: str) -> bool | None:
+        """Whether ``node_id``'s relay holds this outbox's membership lock (or an
+        older version's, whose shard locks this relay respects), known by the
+        ``application_name`` of its session; None while the session is down."""
+        if not self._alive:
+            return None
+        return _app_name(node_id)[:_MAX_APP_NAME] in self._member_apps
+
     # -- the session thread ----------------------------------------------------
 
     def _stop_thread(self) -> None:
@@ -338,7 +383,7 @@ class PgAdvisoryShards:
         """One database session: join, then tick until stopped; raise when it fails."""
         conn = connect(
             self.db_url,
-            application_name=f"outboxkit-shards:{self.node_id}",
+            application_name=_app_name(self.node_id),
             connect_timeout=self.connect_timeout,
         )
         try:
@@ -365,12 +410,12 @@ class PgAdvisoryShards:
     def _session_ended(self) -> None:
         """Whatever the reason, the locks are gone (or going) with the session:
         nothing is claimable from this moment."""
+        self._companions.clear()
         with self._lock:
             self._alive = False
             lost = sorted(self._held)
             self._held.clear()
         verified_ms = self._verified_ms
-        self._pid = None
         self._members = ()
         if lost and not self._leaving:
             self.metrics.lost.inc(len(lost))
@@ -382,6 +427,7 @@ class PgAdvisoryShards:
                 self.log, "shard-lost", level=logging.WARNING, table=self.table,
                 shard=shard, reason=reason, db_ms=verified_ms,
             )  # fmt: skip
+        self._pid = None  # last: whoever sees no pid sees the losses logged
         self._set_owned_gauge()
 
     def _idle(self, conn: psycopg.Connection, seconds: float) -> None:
@@ -413,11 +459,14 @@ class PgAdvisoryShards:
 
     def _follow_members(self, conn: psycopg.Connection) -> None:
         objid = MEMBER_KEY & 0xFFFFFFFF
+        legacy = -1 if self._legacy_key is None else self._legacy_key & 0xFFFFFFFF
         row = conn.execute(
-            _MEMBERS_SQL, {"classid": self._key & 0xFFFFFFFF, "objid": objid}
+            _MEMBERS_SQL, {"classid": self._key & 0xFFFFFFFF, "objid": objid, "legacy": legacy}
         ).fetchone()
         assert row is not None
         self._verified_ms = int(row[0])
+        self._legacy_live = int(row[2]) > 0
+        self._member_apps = frozenset(str(a) for a in row[3] if a)
         members = tuple(sorted(int(pid) for pid in row[1]))
         if members == self._members:
             return
@@ -467,6 +516,9 @@ class PgAdvisoryShards:
         for shard in ready:
             db_ms = self._verified_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
+            if shard in self._companions:
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._legacy_key, shard))
+                self._companions.discard(shard)
             with self._lock:
                 self._held.pop(shard, None)
             self.metrics.handovers.inc()
@@ -486,6 +538,8 @@ class PgAdvisoryShards:
             return
         rows = conn.execute(_TRY_LOCK_SQL, {"k": self._key, "shards": wanted}).fetchall()
         got = sorted(int(s) for s, ok in rows if ok)
+        if got and self._legacy_live:
+            got = self._take_companions(conn, got)
         if not got:
             return
         db_ms = self._verified_ms = _db_ms(conn)
@@ -495,6 +549,16 @@ class PgAdvisoryShards:
         for shard in got:
             self.metrics.acquired.inc()
             log_event(self.log, "shard-acquired", table=self.table, shard=shard, db_ms=db_ms)
+
+    def _take_companions(self, conn: psycopg.Connection, got: list[int]) -> list[int]:
+        """Older relays are live: keep only the shards whose legacy lock could be
+        taken too, and give back ours of the others (both or neither)."""
+        rows = conn.execute(_TRY_LOCK_SQL, {"k": self._legacy_key, "shards": got}).fetchall()
+        both = sorted(int(s) for s, ok in rows if ok)
+        for shard in sorted(set(got) - set(both)):
+            conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
+        self._companions.update(both)
+        return both
 
     def _leave(self, conn: psycopg.Connection) -> None:
         """Drain: unlock everything now rather than when the session closes, so the
@@ -533,6 +597,15 @@ class PgAdvisoryShards:
             return
         with self._lock:
             self.metrics.owned.set(len(self._held) if self._alive else 0)
+
+
+#: PostgreSQL keeps the first 63 bytes of an application_name.
+_MAX_APP_NAME = 63
+
+
+def _app_name(node_id: str) -> str:
+    """The application_name of ``node_id``'s ownership session."""
+    return f"outboxkit-shards:{node_id}"
 
 
 def _db_ms(conn: psycopg.Connection) -> int:

@@ -1,10 +1,15 @@
 """Wake-ups by PostgreSQL ``NOTIFY``: the relay listens on the table's channel.
 
-On PostgreSQL the writer calls ``pg_notify('outboxkit:<table>', '<shard>')``
+On PostgreSQL the writer calls ``pg_notify('outboxkit:<schema>.<table>', '<shard>')``
 inside the caller's transaction (:mod:`outboxkit.notify`), so the notification
 is delivered when the rows become visible and never for a rollback.
-:class:`PgNotifyWaker` holds a dedicated autocommit session that runs
-``LISTEN "outboxkit:<table>"``; a background thread turns each notification
+:class:`PgNotifyWaker` holds a dedicated autocommit session that resolves the
+channel on the server exactly as the writer does (the table's schema on the
+session's ``search_path``), so two schemas of one database never wake each
+other's relays, and runs ``LISTEN "outboxkit:<schema>.<table>"``, plus the
+legacy ``outboxkit:<table>`` on which writers of older versions still notify
+(during an upgrade; a notification there may be another schema's and costs one
+empty claim); a background thread turns each notification
 into "claim now" (the relay's :meth:`wait` returns). A burst coalesces into one
 early return.
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from outboxkit.notify import notify_channel
+from outboxkit.notify import channel_sql, legacy_channel, notify_channel
 from outboxkit.relay.pg_session import (
     ReconnectLoop,
     connect,
@@ -34,6 +39,7 @@ from outboxkit.relay.pg_session import (
     masked_url,
 )
 from outboxkit.relay.wakeup import _DrainAware
+from outboxkit.runtime.identity import OutboxIdentity
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import Episode
 
@@ -57,10 +63,16 @@ class PgNotifyWaker(_DrainAware):
         node_id: str = "",
         connect_timeout: float = 5.0,
         logger: logging.Logger | None = None,
+        identity: OutboxIdentity | None = None,
     ) -> None:
+        """``identity``: the outbox as the relay read it (its schema names the
+        channel until the session resolves it itself)."""
         super().__init__(lifecycle_or_event)
         self.db_url = db_url
-        self.channel = notify_channel(table)
+        self.table = table
+        schema = identity.schema if identity is not None and identity.schema else "public"
+        self.channel = notify_channel(table, schema)
+        self.legacy_channel = legacy_channel(table)
         self.log = logger or _log
         self.hints = 0
         self._node_id = node_id
@@ -111,7 +123,10 @@ class PgNotifyWaker(_DrainAware):
             connect_timeout=self._connect_timeout,
         )
         try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            row = conn.execute(f"SELECT {channel_sql(self.table)}").fetchone()
+            self.channel = str(row[0]) if row is not None else self.channel
+            for channel in dict.fromkeys((self.channel, self.legacy_channel)):
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             self._backend_pid = conn.info.backend_pid
             self._on_listening()
             while not self._stop.is_set():

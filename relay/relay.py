@@ -44,9 +44,11 @@ from outboxkit.relay.claim import (
     create_engine,
     reclaims_due,
 )
+from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
-from outboxkit.relay.leases import ForeignRelayMonitor
+from outboxkit.relay.foreign import OutsiderMonitor
+from outboxkit.relay.leases import ForeignRelayMonitor, RedisShardLeases
 from outboxkit.relay.metrics import (
     RelayMetrics,
     count_invalid_status,
@@ -71,6 +73,7 @@ from outboxkit.runtime import (
     redact,
 )
 from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.identity import OutboxIdentity, read_fingerprint, read_identity
 from outboxkit.runtime.logs import Episode
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import freeze_heap
@@ -152,7 +155,12 @@ class Relay:
         self._ownership = ownership
         self._waker: Waker = waker if waker is not None else PollWaker()
         self._own_waker = waker is None
-        self._foreign: ForeignRelayMonitor | None = None
+        self._foreign: ForeignRelayMonitor | OutsiderMonitor | None = None
+        #: Which outbox this is and which server holds it, read at start; every
+        #: shared name carries the identity (outboxkit.runtime.identity).
+        self._identity: OutboxIdentity | None = None
+        self._fingerprint: str | None = None
+        self.conflicts = OwnershipConflicts(self.registry, log, outbox=settings.table)
         self._on_batch = on_batch
         self._publisher: Publisher | None = None
         self._producer_trouble: object | None = None
@@ -689,6 +697,7 @@ class Relay:
                 gone = paused - topics_with_rows(conn, self.settings.table, paused)
                 if self._foreign is not None:
                     self._foreign.check(conn)
+                self._follow_fingerprint(conn)
         except Exception as exc:  # a metrics hook never breaks the loop
             log_event(log, "backlog-sample-failed", level=logging.WARNING, error=redact(str(exc)))
             return
@@ -717,6 +726,22 @@ class Relay:
             "(or --all-failed) makes them pending; fix the writer (strict sql_mode)",
         )
 
+    @property
+    def outbox_name(self) -> str:
+        """The outbox's identity key once read at start (``orders.outbox_events``),
+        else the table name."""
+        return self._identity.key if self._identity is not None else self.settings.table
+
+    def _follow_fingerprint(self, conn: sa.Connection) -> None:
+        """The server may change under the relay (a failover): what it records beside
+        its membership follows, so a stale fingerprint never reports a conflict."""
+        fingerprint = read_fingerprint(conn)
+        if fingerprint is None or fingerprint == self._fingerprint:
+            return
+        self._fingerprint = fingerprint
+        if isinstance(self._ownership, RedisShardLeases):
+            self._ownership.fingerprint = fingerprint
+
     def _inflight_shards(self) -> frozenset[int]:
         return frozenset().union(*(h.batch.shards for h in self._held))
 
@@ -732,6 +757,9 @@ class Relay:
 
     def _ready_details(self) -> dict[str, object]:
         details: dict[str, object] = {"paused_topics": self.paused.details()}
+        conflicts = self.conflicts.details()
+        if conflicts:
+            details["ownership_conflicts"] = conflicts
         trouble = self._producer_trouble
         if trouble is not None:
             details["kafka_producer"] = f"rebuilding after {trouble}"
@@ -770,12 +798,20 @@ class Relay:
             coord = s if s.db_url else self._with_engine_url(s)
             if self._ownership is None:
                 self._ownership, self._foreign = default_ownership(
-                    coord, shard_count, registry=self.registry, logger=log
+                    coord,
+                    shard_count,
+                    registry=self.registry,
+                    logger=log,
+                    identity=self._identity,
+                    fingerprint=self._fingerprint,
+                    conflicts=self.conflicts,
                 )
             self._ownership.start(self._inflight_shards)
             self._open.append("shard-ownership")
             if self._own_waker:  # NOTIFY on PostgreSQL, Redis hints on MySQL, or polling
-                self._waker, opened = default_waker(coord, self.lifecycle, logger=log)
+                self._waker, opened = default_waker(
+                    coord, self.lifecycle, logger=log, identity=self._identity
+                )
                 self._open.extend([opened] if opened else [])
         except ConfigError as exc:
             return drain.failed_start(self, "config", EXIT_CONFIG, exc)
@@ -791,6 +827,7 @@ class Relay:
             log,
             "relay-started",
             table=s.table,
+            outbox=str(self._identity),
             shards=shard_count,
             health_port=self.health.port,
             pipeline=self._pipelined,
@@ -814,6 +851,9 @@ class Relay:
             with self.engine.connect() as conn:
                 shard_count = read_shard_count(conn, self.settings.table)
                 require_claim_schema(conn, self.settings.table)
+                self._identity = read_identity(conn, self.settings.table)
+                self._fingerprint = read_fingerprint(conn)
+                self.conflicts.outbox = self._identity.key
                 if not self._own_engine:
                     check_session_settings(conn, lease_ttl=self.settings.lease_ttl)
                 return shard_count

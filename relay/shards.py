@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from outboxkit.relay.foreign import ForeignRelayMonitor
+from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
 from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
 from outboxkit.relay.wakeup import PollWaker, Waker
 
@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from outboxkit.relay.claim import ClaimFence
+    from outboxkit.relay.conflicts import OwnershipConflicts
     from outboxkit.relay.settings import RelaySettings
+    from outboxkit.runtime.identity import OutboxIdentity
 
 __all__ = [
     "AllShards",
@@ -126,12 +128,21 @@ def default_ownership(
     *,
     registry: CollectorRegistry,
     logger: logging.Logger,
-) -> tuple[ShardOwnership, ForeignRelayMonitor | None]:
+    identity: OutboxIdentity | None = None,
+    fingerprint: str | None = None,
+    conflicts: OwnershipConflicts | None = None,
+) -> tuple[ShardOwnership, ForeignRelayMonitor | OutsiderMonitor | None]:
     """What ``--shard-ownership`` asks for (:meth:`RelaySettings.effective_shard_ownership`):
     Redis shard leases, PostgreSQL advisory locks, or every shard and a watch for
     a second relay on the table (which would give up per-key order). Returns the
-    ownership, and the monitor to check with each backlog sample."""
+    ownership, and the monitor to check with each backlog sample.
+
+    Leases and locks are named by ``identity`` (read from the database, see
+    :mod:`outboxkit.runtime.identity`); ``fingerprint`` (the database server) is
+    recorded beside a Redis membership and a member on another server reported
+    to ``conflicts``."""
     kind = s.effective_shard_ownership()
+    outbox = identity.key if identity is not None else None
     if kind == "advisory" and s.db_url:
         from outboxkit.relay.pg_shards import PgAdvisoryShards  # psycopg only on PostgreSQL
 
@@ -144,10 +155,12 @@ def default_ownership(
             registry=registry,
             owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
             logger=logger,
+            outbox=outbox,
         )
-        return ownership, None
+        return ownership, _outsiders(s, "advisory locks", ownership.is_member, conflicts)
     if kind != "redis" or not s.redis_url:
-        return AllShards(shard_count), ForeignRelayMonitor(s.table, s.node_id, logger)
+        monitor = ForeignRelayMonitor(s.table, s.node_id, logger, conflicts=conflicts)
+        return AllShards(shard_count), monitor
     leases = RedisShardLeases(
         s.redis_url,
         table=s.table,
@@ -162,6 +175,20 @@ def default_ownership(
         registry=registry,
         owned_gauge=False,  # the relay's own outbox_shards_owned counts claimable shards
         logger=logger,
+        outbox=outbox,
+        fingerprint=fingerprint,
+        conflicts=conflicts,
     )
     leases.check_reachable(s.connect_timeout)
-    return leases, None
+    return leases, _outsiders(s, "Redis leases", leases.is_member, conflicts)
+
+
+def _outsiders(
+    s: RelaySettings,
+    mode: str,
+    is_member: Callable[[str], bool | None],
+    conflicts: OwnershipConflicts | None,
+) -> OutsiderMonitor | None:
+    if conflicts is None:
+        return None
+    return OutsiderMonitor(s.table, s.node_id, mode=mode, is_member=is_member, conflicts=conflicts)

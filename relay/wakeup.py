@@ -3,8 +3,13 @@
 :class:`Waker` is the seam: the relay waits on it between empty claims.
 :class:`PollWaker`, the default, just sleeps ``poll_interval``.
 
-:class:`RedisWaker` subscribes to the table's wake-up channel (see
-:mod:`outboxkit.wakeup`) in a background thread; a hint sets an event, and
+:class:`RedisWaker` subscribes to the outbox's wake-up channel
+``{prefix}outboxkit:{outbox}:wakeup``, named by the outbox's identity (see
+:mod:`outboxkit.wakeup` and :mod:`outboxkit.runtime.identity`), so hints for
+another outbox with the same table name never wake it; and to the legacy
+channel named by the bare table, on which writers of older versions still send
+(a hint there may be another outbox's: it costs one empty claim, never a row).
+It listens in a background thread; a hint sets an event, and
 :meth:`RedisWaker.wait` returns as soon as it is set. A burst of hints
 coalesces into one early return. When Redis drops, the thread reconnects on
 its own (with backoff) and wakes the loop once after reconnecting, since hints
@@ -35,6 +40,7 @@ from outboxkit.wakeup import wakeup_channel
 
 if TYPE_CHECKING:
     from outboxkit.relay.settings import RelaySettings
+    from outboxkit.runtime.identity import OutboxIdentity
 
 __all__ = ["PollWaker", "RedisWaker", "Waker", "default_waker"]
 
@@ -128,10 +134,13 @@ class RedisWaker(_DrainAware):
         lifecycle_or_event: Lifecycle | threading.Event | None = None,
         *,
         logger: logging.Logger | None = None,
+        also: tuple[str, ...] = (),
     ) -> None:
+        """``also``: more channels that wake the relay (the legacy channel)."""
         super().__init__(lifecycle_or_event)
         self.redis_url = redis_url
         self.channel = channel
+        self.also = tuple(c for c in also if c != channel)
         self.log = logger or _log
         self.hints = 0
         self._subscribed = threading.Event()
@@ -182,7 +191,7 @@ class RedisWaker(_DrainAware):
         )
         pubsub = client.pubsub()
         try:
-            pubsub.subscribe(self.channel)
+            pubsub.subscribe(self.channel, *self.also)
             while not self._stop.is_set():
                 msg = pubsub.get_message(timeout=_READ_SLICE_S)
                 if msg is None:
@@ -210,10 +219,15 @@ class RedisWaker(_DrainAware):
 
 
 def default_waker(
-    s: RelaySettings, lifecycle: Lifecycle, *, logger: logging.Logger
+    s: RelaySettings,
+    lifecycle: Lifecycle,
+    *,
+    logger: logging.Logger,
+    identity: OutboxIdentity | None = None,
 ) -> tuple[Waker, str | None]:
     """The waker ``s`` asks for (:meth:`RelaySettings.wakeup_source`), started, and
-    the name of the resource to close at exit (None for polling)."""
+    the name of the resource to close at exit (None for polling). Channels are
+    named by ``identity`` (read from the database)."""
     source = s.wakeup_source()
     if source == "notify" and s.db_url:
         from outboxkit.relay.pg_wakeup import PgNotifyWaker
@@ -222,12 +236,16 @@ def default_waker(
             s.db_url,
             s.table,
             lifecycle,
+            identity=identity,
             node_id=s.node_id,
             connect_timeout=s.connect_timeout,
             logger=logger,
         )
         return waker, "pg-wakeups"
     if source == "redis" and s.redis_url:
-        channel = wakeup_channel(s.table, s.redis_prefix)
-        return RedisWaker(s.redis_url, channel, lifecycle, logger=logger), "redis-wakeups"
+        outbox = identity.key if identity is not None else None
+        channel = wakeup_channel(s.table, s.redis_prefix, outbox=outbox)
+        legacy = wakeup_channel(s.table, s.redis_prefix)
+        hints = RedisWaker(s.redis_url, channel, lifecycle, logger=logger, also=(legacy,))
+        return hints, "redis-wakeups"
     return PollWaker(), None

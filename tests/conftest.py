@@ -207,6 +207,14 @@ def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.fixture
+def second_db_url(db_url: str) -> Iterator[str]:
+    """Another fresh, empty database on the server of ``db_url`` (dropped
+    afterwards): for tests of two outboxes sharing one server."""
+    with _fresh_database(db_url) as url:
+        yield url
+
+
+@pytest.fixture
 def engine(db_url: str) -> Iterator[sa.Engine]:
     eng = sa.create_engine(db_url, pool_size=10, max_overflow=10)
     yield eng

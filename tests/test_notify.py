@@ -208,12 +208,38 @@ def test_every_table_name_has_a_valid_stable_channel(table: str) -> None:
     channel = notify_channel(table)
     assert channel == notify_channel(table)
     assert len(channel.encode()) <= 63  # PostgreSQL's limit for a channel name
-    if len(table) <= 53:
-        assert channel == f"outboxkit:{table}"
+    if len(table) <= 46:
+        assert channel == f"outboxkit:public.{table}"
     else:
-        assert channel.startswith(f"outboxkit:{table[:44]}:") and channel != notify_channel(
+        assert channel.startswith(f"outboxkit:{table[:35]}:") and channel != notify_channel(
             table[:-1] + ("a" if table[-1] != "a" else "b")
         )
+    assert notify_channel(table, "svc_a") != channel, "another schema, another channel"
+
+
+@pytest.mark.parametrize(
+    "schema", ["public", "svc_a", "Mixed Case", "ünïcode", "s" * 60, "a.b:c", "_x$1"]
+)
+@pytest.mark.parametrize("table", ["outbox_events", "t" * 49])
+def test_the_channel_the_writer_computes_in_sql_is_the_one_in_python(
+    pg_url: str, schema: str, table: str
+) -> None:
+    """The writer names the channel in its statement (the schema its table resolves
+    to); :func:`notify_channel` must give the same name for every schema name."""
+    from outboxkit.notify import channel_sql
+
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            quoted = conn.dialect.identifier_preparer.quote_identifier(schema)
+            conn.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {quoted}"))
+            conn.execute(sa.text(f"CREATE TABLE {quoted}.{table} (id int)"))
+            conn.execute(sa.text(f"SET LOCAL search_path = {quoted}"))
+            in_sql = conn.execute(sa.text(f"SELECT {channel_sql(table)}")).scalar()
+        assert in_sql == notify_channel(table, schema)
+        assert len(str(in_sql).encode()) <= 63
+    finally:
+        engine.dispose()
 
 
 def test_a_long_table_name_notifies_on_its_shortened_channel(pg_url: str) -> None:

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from outboxkit.relay._dbtime import micros_between, time_passed
+from outboxkit.runtime.identity import read_identity
 from outboxkit.runtime.logs import redact, redact_url
 from outboxkit.runtime.rediskeys import lease_key, lease_owner
 from outboxkit.schema.apply import read_shard_count
@@ -312,9 +313,10 @@ def _reason(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def shard_key(prefix: str, table: str, shard: int) -> str:
-    """The Redis key of one shard lease (value ``node_id:token``)."""
-    return lease_key(prefix, table, shard)
+def shard_key(prefix: str, outbox: str, shard: int) -> str:
+    """The Redis key of one shard lease (value ``node_id:token``) of ``outbox``
+    (its identity key, :mod:`outboxkit.runtime.identity`)."""
+    return lease_key(prefix, outbox, shard)
 
 
 def read_shards(
@@ -325,12 +327,13 @@ def read_shards(
 
     with engine.connect() as conn:
         count = read_shard_count(conn, table)
+        outbox = read_identity(conn, table).key  # the relays' names carry it
     client = redis.Redis.from_url(
         redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
     )
     try:
         values: Sequence[bytes | None] = client.mget(
-            [shard_key(prefix, table, n) for n in range(count)]
+            [shard_key(prefix, outbox, n) for n in range(count)]
         )
     finally:
         client.close()

@@ -119,16 +119,19 @@ def push_exit_metrics(
     node_id: str,
     metrics: Iterable[Collector],
     timeout: float = 5.0,
+    grouping: dict[str, str] | None = None,
 ) -> bool:
     """Push ``metrics`` (exit metrics only) as job ``outboxkit_<component>``,
-    group ``instance=<node_id>``; replaces that group. Never raises (see
+    group ``instance=<node_id>`` plus ``grouping`` (the relay adds
+    ``outbox=<identity>``, so relays of two outboxes never share a group, even
+    under one node id); replaces that group. Never raises (see
     :func:`push_metrics`)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Selected(metrics))
     return push_metrics(
         url,
         job=push_job(component),
-        grouping_key={"instance": node_id},
+        grouping_key={"instance": node_id, **(grouping or {})},
         registry=registry,
         timeout=timeout,
     )

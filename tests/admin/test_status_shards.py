@@ -9,6 +9,7 @@ from support.waiting import bound, wait_for
 
 from outboxkit.admin import read_shards
 from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
+from outboxkit.runtime.identity import read_identity
 
 
 @pytest.mark.integration
@@ -17,8 +18,12 @@ def test_admin_status_shows_the_owners_the_leases_wrote(
     engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str
 ) -> None:
     settings = LeaseSettings(ttl=1.5, renew_interval=0.25, batch_budget=0.4, prefix=redis_prefix)
+    with engine.connect() as conn:
+        key = read_identity(conn, outbox).key  # what a relay names its leases by
     relays = [
-        RedisShardLeases(redis_url, table=outbox, node_id=n, shard_count=8, settings=settings)
+        RedisShardLeases(
+            redis_url, table=outbox, node_id=n, shard_count=8, settings=settings, outbox=key
+        )
         for n in ("relay-a", "relay-b")
     ]
     try:

@@ -31,6 +31,7 @@ CHECKS = {
     "nothing stuck",
     "drains clean",
     "no overlapping shard owners",
+    "neighbour outbox delivered",
 }
 
 

@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from relay_support import EmbeddedRelay, Pushgateway, RelayProcess, missing_service
+from support.prometheus import delete_pushed_groups
 
 from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
 
@@ -59,8 +60,5 @@ def pushgateway() -> Iterator[Pushgateway]:
     gateway = Pushgateway(url)
     yield gateway
     for node_id in gateway.instances:
-        request = urllib.request.Request(  # noqa: S310
-            f"{gateway.url}/metrics/job/{PUSH_JOB}/instance/{node_id}", method="DELETE"
-        )
-        with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=5):  # noqa: S310
-            pass
+        with contextlib.suppress(OSError):
+            delete_pushed_groups(gateway.url, job=PUSH_JOB, instance=node_id)

@@ -28,6 +28,7 @@ from support.waiting import bound
 from outboxkit import Event, enqueue_many
 from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
 from outboxkit.relay._dbtime import db_now_plus
+from outboxkit.runtime.identity import read_identity
 from outboxkit.schema import outbox_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,6 +132,13 @@ def pg_rows_touched(plan: dict[str, Any]) -> int:
         return own + sum(walk(child) for child in node.get("Plans", []))
 
     return walk(plan["Plan"])
+
+
+def outbox_key(engine: sa.Engine, table: str = "outbox_events") -> str:
+    """The identity key the relays of ``table`` on ``engine`` name their shared
+    Redis keys and locks by (``outboxkit.runtime.identity``)."""
+    with engine.connect() as conn:
+        return read_identity(conn, table).key
 
 
 def rows(engine: sa.Engine, table: str) -> list[sa.Row[Any]]:

@@ -15,7 +15,14 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
-from relay_support import EmbeddedRelay, add_events, fast_settings, status_counts, wait_for
+from relay_support import (
+    EmbeddedRelay,
+    add_events,
+    fast_settings,
+    outbox_key,
+    status_counts,
+    wait_for,
+)
 
 from outboxkit import Event
 from outboxkit.relay import RelaySettings
@@ -47,9 +54,10 @@ def test_kafka_closes_before_shard_leases_go_and_the_database_last(
     relay = er.relay
     client = redis.Redis.from_url(redis_url)
     shards = range(8)
+    key = outbox_key(engine, outbox)
 
     def leases_held() -> int:
-        values = client.mget([lease_key(redis_prefix, outbox, s) for s in shards])
+        values = client.mget([lease_key(redis_prefix, key, s) for s in shards])
         return sum(1 for v in values if v and v.decode().startswith(settings.node_id + ":"))
 
     assert leases_held() > 0

@@ -523,8 +523,10 @@ class _Grants:
             id(leases._release): "release",
         }
 
-        def recording(script: Any, values: dict[int, str]) -> tuple[dict[int, int], int]:
-            results, redis_ms = real(script, values)
+        def recording(
+            script: Any, values: dict[int, str], companions: set[int] | None = None
+        ) -> tuple[dict[int, int], int]:
+            results, redis_ms = real(script, values, companions)
             with self._lock:
                 for shard, result in results.items():
                     if result == 1:

@@ -29,6 +29,7 @@ from relay_support import (
     consume,
     db_time,
     fast_settings,
+    outbox_key,
     rows,
     status_counts,
     wait_for,
@@ -186,7 +187,9 @@ def test_three_relays_deliver_every_row_in_key_order_with_a_fair_split(
     started = time.monotonic()
     procs = start_relays(relay_process, settings)
     wait_for(
-        lambda: fair_now(redis_client, redis_prefix, table, 3), timeout=20, what="a fair split"
+        lambda: fair_now(redis_client, redis_prefix, outbox_key(engine, table), 3),
+        timeout=20,
+        what="a fair split",
     )
     wait_for(
         lambda: status_counts(engine, table).get("delivered") == total,
@@ -195,7 +198,7 @@ def test_three_relays_deliver_every_row_in_key_order_with_a_fair_split(
         what="all rows delivered",
     )
     took = time.monotonic() - started
-    assert_fair(lease_owners(redis_client, redis_prefix, table), 3)
+    assert_fair(lease_owners(redis_client, redis_prefix, outbox_key(engine, table)), 3)
     for p in procs:
         p.signal(signal.SIGTERM)
     assert [p.wait(30) for p in procs] == [0, 0, 0]
@@ -235,7 +238,7 @@ def test_rolling_restart_keeps_order_loses_nothing_and_burns_no_attempt(
 
     procs = start_relays(relay_process, [settings(f"relay-{i}-a") for i in range(3)])
     every = list(procs)
-    wait_for(lambda: fair_now(redis_client, redis_prefix, table, 3), timeout=20)
+    wait_for(lambda: fair_now(redis_client, redis_prefix, outbox_key(engine, table), 3), timeout=20)
     handovers = []
     for i in range(3):
         delivered_before = status_counts(engine, table).get("delivered", 0)
@@ -243,11 +246,15 @@ def test_rolling_restart_keeps_order_loses_nothing_and_burns_no_attempt(
         procs[i].signal(signal.SIGTERM)
         assert procs[i].wait(30) == 0
         stopped = time.monotonic()
-        wait_for(lambda: fair_now(redis_client, redis_prefix, table, 2), timeout=20)
+        wait_for(
+            lambda: fair_now(redis_client, redis_prefix, outbox_key(engine, table), 2), timeout=20
+        )
         handovers.append(time.monotonic() - stopped)
         procs[i] = start_relays(relay_process, [settings(f"relay-{i}-b")])[0]
         every.append(procs[i])
-        wait_for(lambda: fair_now(redis_client, redis_prefix, table, 3), timeout=20)
+        wait_for(
+            lambda: fair_now(redis_client, redis_prefix, outbox_key(engine, table), 3), timeout=20
+        )
     assert max(handovers) < 5.0, f"handovers waited for the TTL: {handovers}"
 
     wait_for(
@@ -291,23 +298,23 @@ def test_sigkill_shards_taken_over_within_ttl_plus_renew_period(
         for i in range(3)
     ]
     procs = start_relays(relay_process, settings)
-    wait_for(lambda: fair_now(redis_client, redis_prefix, table, 3), timeout=20)
+    wait_for(lambda: fair_now(redis_client, redis_prefix, outbox_key(engine, table), 3), timeout=20)
     assert status_counts(engine, table).get("delivered", 0) < total
     victim = procs[0]
-    owners = lease_owners(redis_client, redis_prefix, table)
+    owners = lease_owners(redis_client, redis_prefix, outbox_key(engine, table))
     victim_shards = [s for s, o in enumerate(owners) if o == "relay-0"]
     victim.proc.kill()
     killed = time.monotonic()
 
     def taken_over() -> bool:
-        now = lease_owners(redis_client, redis_prefix, table)
+        now = lease_owners(redis_client, redis_prefix, outbox_key(engine, table))
         return all(now[s] not in (None, "relay-0") for s in victim_shards)
 
     wait_for(taken_over, timeout=30, interval=0.02, what="takeover")
     took = time.monotonic() - killed
     ttl, renew = LEASE["shard_lease_ttl"], LEASE["shard_renew_interval"]
     assert took <= ttl + renew + 0.5, f"takeover took {took:.2f} s"
-    wait_for(lambda: fair_now(redis_client, redis_prefix, table, 2), timeout=10)
+    wait_for(lambda: fair_now(redis_client, redis_prefix, outbox_key(engine, table), 2), timeout=10)
 
     wait_for(
         lambda: status_counts(engine, table).get("delivered") == total,
@@ -354,7 +361,7 @@ def test_redis_stopped_for_10_s_stops_claiming_then_resumes(
         ]
         procs = start_relays(relay_process, settings)
         client = redis.Redis.from_url(instance.url)
-        wait_for(lambda: fair_now(client, "", table, 3), timeout=20)
+        wait_for(lambda: fair_now(client, "", outbox_key(engine, table), 3), timeout=20)
         client.close()
         assert status_counts(engine, table).get("delivered", 0) < total
         instance.kill()

@@ -25,6 +25,7 @@ from relay_support import (
     cli_args,
     consume,
     fast_settings,
+    outbox_key,
     wait_for,
 )
 from test_pg_shards import Unnoticing, server_owners, terminate
@@ -374,7 +375,7 @@ def test_relay_processes_killed_and_restarted_keep_every_event_and_key_order(
         return relay_process(cli_args(fast_settings(pg_url, kafka_bootstrap, batch_size=20)))
 
     def holders() -> set[int]:
-        owners = server_owners(pg_engine)
+        owners = server_owners(pg_engine, outbox=outbox_key(pg_engine))
         return set(owners.values()) if len(owners) == SHARDS else set()
 
     relays = [start() for _ in range(3)]

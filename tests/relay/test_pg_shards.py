@@ -88,9 +88,13 @@ def make_shards(pg_url: str) -> Iterator[ShardsFactory]:
         shards.close()
 
 
-def server_owners(engine: sa.Engine, table: str = TABLE) -> dict[int, int]:
-    """shard -> pid of the session that holds its advisory lock, from pg_locks."""
-    key1, _ = lock_keys(table, 0)
+def server_owners(
+    engine: sa.Engine, table: str = TABLE, *, outbox: str | None = None
+) -> dict[int, int]:
+    """shard -> pid of the session that holds its advisory lock, from pg_locks.
+    ``outbox``: the identity key the locks are named by (a relay's); without it,
+    the bare table (as ``PgAdvisoryShards`` built without an identity names them)."""
+    key1, _ = lock_keys(outbox or table, 0)
     with engine.connect() as conn:
         rows = conn.execute(
             sa.text(

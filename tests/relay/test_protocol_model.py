@@ -38,6 +38,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -614,3 +615,217 @@ def test_model_catches_an_unreported_reorder_by_a_relay_that_lost_its_lease(
     assert isinstance(taken_over, SimBatch)
     m.finalize_batch(stale)
     m.protocol_holds()
+
+
+# ---------------------------------------------------------------------------------
+# Two outboxes sharing one Redis and one database server
+# ---------------------------------------------------------------------------------
+
+#: Relays of each outbox: r0, r1 serve outbox "a"; r2, r3 serve outbox "b".
+OWNERS = {"r0": "a", "r1": "a", "r2": "b", "r3": "b"}
+
+
+class SharedInfrastructureModel(RuleBasedStateMachine):
+    """Relays of two outboxes, each with the default table name, sharing one Redis
+    and prefix (two databases of one MariaDB server, or two schemas of one
+    PostgreSQL database). Their shard leases (the real ``RedisShardLeases``,
+    ticked by the model instead of their thread) join, renew, hand over and
+    leave in random interleavings with writes and claims.
+
+    After every step: within one outbox no shard is claimable by two relays,
+    and every claim delivers its key's rows in id order. At the end: each
+    outbox's live relays together own every shard of their outbox, and deliver
+    every row (on names that carry only the table, the two outboxes split one
+    member set and each left part of its table undelivered).
+    """
+
+    engines: dict[str, sa.Engine]  # set by the test
+    redis_url: str
+    prefix: str
+
+    def __init__(self) -> None:
+        super().__init__()
+        from outboxkit.relay.leases import LeaseSettings
+        from outboxkit.runtime.identity import read_identity
+
+        self.t = outbox_table(TABLE)
+        self.keys: dict[str, str] = {}
+        for name, engine in self.engines.items():
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DELETE FROM {TABLE}"))
+                self.keys[name] = read_identity(conn, TABLE).key
+        self.settings = LeaseSettings(
+            ttl=60.0, renew_interval=1.0, batch_budget=1.0, prefix=self.prefix
+        )
+        self.rows: dict[str, dict[int, str]] = {"a": {}, "b": {}}  # outbox -> id -> key
+        self.sent: dict[str, dict[str, list[int]]] = {"a": {}, "b": {}}  # key -> first sends
+        self.leases: dict[str, Any] = {}
+        self.uid = itertools.count()
+
+    def _leases(self, relay: str) -> Any:
+        from outboxkit.relay.leases import RedisShardLeases
+
+        outbox = OWNERS[relay]
+        leases = RedisShardLeases(
+            self.redis_url,
+            table=TABLE,
+            node_id=f"{relay}-{next(self.uid)}",
+            shard_count=SHARDS,
+            settings=self.settings,
+            outbox=self.keys[outbox],
+        )
+        leases._inflight = frozenset  # the model settles every claim inside its block
+        return leases
+
+    @rule(outbox=st.sampled_from(("a", "b")), key=st.sampled_from(KEYS), n=st.integers(1, 3))
+    def write(self, outbox: str, key: str, n: int) -> None:
+        engine = self.engines[outbox]
+        with engine.begin() as conn:
+            ids = [outboxkit.enqueue(conn, topic="t", key=key, payload=i) for i in range(n)]
+            found = conn.execute(
+                sa.select(self.t.c.id).where(self.t.c.event_id.in_(ids)).order_by(self.t.c.id)
+            ).scalars()
+            for row_id in found:
+                self.rows[outbox][row_id] = key
+
+    @rule(relay=st.sampled_from(sorted(OWNERS)))
+    def join(self, relay: str) -> None:
+        if relay not in self.leases:
+            self.leases[relay] = self._leases(relay)
+        self.leases[relay]._tick()
+
+    @rule(relay=st.sampled_from(sorted(OWNERS)))
+    def tick(self, relay: str) -> None:
+        if relay in self.leases:
+            self.leases[relay]._tick()
+
+    @rule(relay=st.sampled_from(sorted(OWNERS)))
+    def leave(self, relay: str) -> None:
+        leases = self.leases.pop(relay, None)
+        if leases is not None:
+            leases.release_all()
+            leases.close()
+
+    @rule(relay=st.sampled_from(sorted(OWNERS)), limit=st.integers(1, 6))
+    def claim_and_deliver(self, relay: str, limit: int) -> None:
+        leases = self.leases.get(relay)
+        if leases is not None:
+            self._deliver(relay, leases, limit)
+
+    def _deliver(self, relay: str, leases: Any, limit: int) -> int:
+        outbox = OWNERS[relay]
+        engine = self.engines[outbox]
+        with leases.claiming() as shards:
+            if not shards:
+                return 0
+            batch = claim_batch(
+                engine, TABLE, owner=leases.node_id, shards=shards, limit=limit,
+                lease_ttl=LEASE_TTL,
+            )  # fmt: skip
+            if batch is None:
+                return 0
+            reports = {}
+            for r in batch.rows:
+                key = self.rows[outbox][r.id]
+                first = self.sent[outbox].setdefault(key, [])
+                if r.id not in first:
+                    first.append(r.id)
+                    assert first == sorted(first), f"outbox {outbox} key {key} sent {first}"
+                reports[r.id] = Report(r.id, None, None, None, 0, r.id, time.monotonic())
+            decisions = decide(batch.rows, reports, max_attempts=MAX_ATTEMPTS, refund_unknown=True)
+            finalize(
+                engine, TABLE, batch, decisions, backoff=Backoff(base=0.001, cap=0.002),
+                delete_on_deliver=False,
+            )  # fmt: skip
+            return len(batch.rows)
+
+    @invariant()
+    def one_relay_per_shard_of_an_outbox(self) -> None:
+        for outbox in ("a", "b"):
+            seen: dict[int, str] = {}
+            for relay, leases in self.leases.items():
+                if OWNERS[relay] != outbox:
+                    continue
+                for shard in leases.claimable():
+                    assert shard not in seen, (
+                        f"shard {shard} of outbox {outbox} claimable by {seen[shard]} and {relay}"
+                    )
+                    seen[shard] = relay
+
+    def teardown(self) -> None:
+        try:
+            for relay, outbox in (("r0", "a"), ("r2", "b")):
+                if not any(OWNERS[r] == outbox for r in self.leases):
+                    self.join(relay)
+            for _ in range(6):  # handovers finish within a few ticks
+                for leases in self.leases.values():
+                    leases._tick()
+            for outbox in ("a", "b"):
+                owned: set[int] = set()
+                for relay, leases in self.leases.items():
+                    if OWNERS[relay] == outbox:
+                        owned |= leases.claimable()
+                assert owned == set(range(SHARDS)), (
+                    f"outbox {outbox}: its relays own shards {sorted(owned)} of {SHARDS}"
+                )
+            for _ in range(4 * sum(len(r) for r in self.rows.values()) + 10):
+                if not any(self._deliver(r, leases, 50) for r, leases in self.leases.items()):
+                    break
+            for outbox, engine in self.engines.items():
+                with engine.connect() as conn:
+                    statuses = dict(conn.execute(sa.select(self.t.c.id, self.t.c.status)).all())
+                stuck = {i: s for i, s in statuses.items() if s != "delivered"}
+                assert not stuck, f"outbox {outbox}: rows never delivered: {stuck}"
+        finally:
+            for relay in list(self.leases):
+                self.leave(relay)
+
+
+def _in_schema(url: str, schema: str) -> str:
+    return (
+        sa.make_url(url)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
+
+
+@pytest.fixture
+def two_outboxes(db_url: str, request: pytest.FixtureRequest) -> Iterator[dict[str, sa.Engine]]:
+    """Two outboxes named ``outbox_events`` on one server: two databases of MariaDB,
+    two schemas of one PostgreSQL database."""
+    if sa.make_url(db_url).get_backend_name() == "postgresql":
+        admin = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            for schema in ("svc_a", "svc_b"):
+                conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+        admin.dispose()
+        urls = [_in_schema(db_url, "svc_a"), _in_schema(db_url, "svc_b")]
+    else:
+        urls = [db_url, request.getfixturevalue("second_db_url")]
+    engines = {name: sa.create_engine(url) for name, url in zip("ab", urls, strict=True)}
+    for engine in engines.values():
+        apply_schema(engine, shards=SHARDS)
+    yield engines
+    for engine in engines.values():
+        engine.dispose()
+
+
+@on_both_databases
+def test_two_outboxes_sharing_one_redis_and_one_server_model(
+    two_outboxes: dict[str, sa.Engine], redis_url: str, redis_prefix: str
+) -> None:
+    SharedInfrastructureModel.engines = two_outboxes
+    SharedInfrastructureModel.redis_url = redis_url
+    SharedInfrastructureModel.prefix = redis_prefix
+    run_state_machine_as_test(
+        SharedInfrastructureModel,
+        settings=settings(
+            max_examples=int(os.environ.get("OUTBOXKIT_MODEL_EXAMPLES", "4")),
+            stateful_step_count=25,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.generate, Phase.shrink],
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )

@@ -17,6 +17,7 @@ from test_writer_async import async_url
 
 from outboxkit import enable_wakeups, enqueue, enqueue_async, notify_relays
 from outboxkit.relay.wakeup import RedisWaker
+from outboxkit.runtime.identity import read_identity
 from outboxkit.wakeup import WakeupPublisher, wakeup_channel
 
 pytestmark = pytest.mark.integration
@@ -48,10 +49,18 @@ class Listener:
 
 
 @pytest.fixture
-def listener(redis_url: str, redis_prefix: str, outbox: str) -> Iterator[Listener]:
-    lst = Listener(redis_url, wakeup_channel(outbox, redis_prefix))
+def listener(
+    redis_url: str, redis_prefix: str, outbox: str, engine: sa.Engine
+) -> Iterator[Listener]:
+    lst = Listener(redis_url, _channel(engine, outbox, redis_prefix))
     yield lst
     lst.close()
+
+
+def _channel(engine: sa.Engine, outbox: str, prefix: str) -> str:
+    """The channel the writer's hints for ``outbox`` go to: named by its identity."""
+    with engine.connect() as conn:
+        return wakeup_channel(outbox, prefix, outbox=read_identity(conn, outbox).key)
 
 
 def _enqueue(target: Any, outbox: str) -> None:
@@ -208,18 +217,22 @@ def test_without_enable_no_hint_and_explicit_notify(
         _enqueue(conn, outbox)
     assert listener.count(0.3) == 0
     client = redis.Redis.from_url(redis_url)
-    assert notify_relays(client, outbox, prefix=redis_prefix)
+    assert notify_relays(client, outbox, prefix=redis_prefix, bind=engine)
     assert listener.count(1.0) == 1
+    assert notify_relays(client, outbox, prefix=redis_prefix)  # the legacy channel
+    assert listener.count(0.3) == 0, "without bind the hint goes to the legacy channel"
     client.close()
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     assert notify_relays(dead, outbox) is False, "a hint that cannot be sent never raises"
 
 
 def test_hints_of_frequent_commits_are_coalesced(
-    redis_url: str, redis_prefix: str, outbox: str, listener: Listener
+    redis_url: str, redis_prefix: str, outbox: str, listener: Listener, engine: sa.Engine
 ) -> None:
     # One hint at once, then at most one per min_interval, whatever the commit rate.
     publisher = WakeupPublisher(redis_url, prefix=redis_prefix, min_interval=1.0)
+    with engine.connect() as conn:
+        outbox = read_identity(conn, outbox).key  # what the writer records
     try:
         start = time.monotonic()
         publisher.hint([outbox])
@@ -300,7 +313,7 @@ def test_commit_wakes_a_waiting_relay(
     engine: sa.Engine, outbox: str, redis_url: str, redis_prefix: str
 ) -> None:
     hook = enable_wakeups(engine, redis_url, prefix=redis_prefix)
-    waker = _subscribed_waker(redis_url, wakeup_channel(outbox, redis_prefix))
+    waker = _subscribed_waker(redis_url, _channel(engine, outbox, redis_prefix))
     try:
         latencies = []
         committed: list[float] = []
