@@ -1,0 +1,111 @@
+"""Kafka as production runs it: three brokers, replication factor 3,
+``min.insync.replicas=2``. The relay and the consumer against leader
+failover, an ISR below ``min.insync.replicas``, a rolling restart of every
+broker and a move of the consumer group's coordinator.
+
+The cluster is shared by the tests of this folder (``conftest.py``); each test
+breaks one node at a time and the ``cluster`` fixture makes it whole again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from relay_support import EmbeddedRelay, add_events, consume, fast_settings, rows, wait_for
+from support.cluster import KafkaCluster
+
+from outboxkit import Event
+from outboxkit.schema import outbox_table
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+
+def keyed_events(topic: str, count: int, keys: int, start: int = 0) -> list[Event]:
+    """Event ``i`` is number ``i // keys`` of key ``i % keys``: id order is per-key order."""
+    return [
+        Event(topic=topic, key=f"k{i % keys}", payload={"k": i % keys, "n": i // keys})
+        for i in range(start, start + count)
+    ]
+
+
+def first_deliveries_in_key_order(messages: list[Any]) -> Counter[tuple[int, int]]:
+    """Assert that per key the first copy of each event comes in event order;
+    the copies of each event."""
+    seen: Counter[tuple[int, int]] = Counter()
+    firsts: dict[int, list[int]] = defaultdict(list)
+    for m in messages:
+        body = json.loads(m.value)
+        ident = (body["k"], body["n"])
+        seen[ident] += 1
+        if seen[ident] == 1:
+            firsts[body["k"]].append(body["n"])
+    for key, order in firsts.items():
+        assert order == sorted(order), f"key k{key} overtook itself: {order[:20]}"
+    return seen
+
+
+def count_status(engine: sa.Engine, table: str, status: str) -> int:
+    t = outbox_table(table)
+    with engine.connect() as conn:
+        n = conn.scalar(sa.select(sa.func.count()).where(t.c.status == status))
+    return int(n or 0)
+
+
+def test_leader_killed_mid_backlog_loses_nothing_reorders_nothing_and_counts_no_attempt(
+    cluster: KafkaCluster,
+    cluster_topic: Callable[..., str],
+    db_url: str,
+    engine: sa.Engine,
+    outbox: str,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """kill -9 of the node that leads every partition the relay produces to.
+
+    The idempotent producer (acks=all) keeps its sequence numbers across the
+    leader change: a request whose answer died with the old leader is sent
+    again to the new one, which holds the replicated producer state and
+    acknowledges a batch it already has as a duplicate instead of appending it
+    twice. With the message timeout longer than the failover, no delivery
+    report is an error: every row is delivered on its first attempt, once.
+    """
+    leader, events_n, keys = 2, 3000, 30
+    topic = cluster_topic(assignment=[[leader, 1, 3], [leader, 3, 1]])
+    add_events(engine, outbox, keyed_events(topic, events_n, keys))
+    relay = embedded(
+        fast_settings(
+            db_url,
+            cluster.bootstrap,
+            batch_size=50,
+            lease_ttl=40.0,
+            kafka_config={"message.timeout.ms": "20000"},
+        )
+    )
+    wait_for(lambda: count_status(engine, outbox, "delivered") >= 300, timeout=60, what="300")
+    cluster.node(leader).kill()
+    at_kill = count_status(engine, outbox, "delivered")
+    wait_for(
+        lambda: count_status(engine, outbox, "delivered") == events_n,
+        timeout=120,
+        interval=0.5,
+        what="every row delivered after the leader's kill",
+    )
+    assert at_kill < events_n, "the relay finished before the kill: nothing was tested"
+    parts = cluster.partitions(topic, exclude=[leader])
+    assert all(p.leader not in (leader, -1) for p in parts.values()), parts
+
+    stored = rows(engine, outbox)
+    assert Counter(r.status for r in stored) == {"delivered": events_n}
+    assert Counter(r.attempts for r in stored) == {1: events_n}, "an attempt was counted"
+    assert relay.metric("outbox_rows_retryable_total") == 0
+    assert relay.metric("outbox_rows_failed_total") == 0
+
+    messages = consume(cluster.up_bootstrap([leader]), topic, expected=events_n, timeout=60)
+    copies = first_deliveries_in_key_order(messages)
+    assert len(copies) == events_n, "an event is missing"
+    assert max(copies.values()) == 1, f"duplicates: {[k for k, n in copies.items() if n > 1]}"
+    print(f"killed leader {leader} at {at_kill}/{events_n} delivered; {len(messages)} messages")
