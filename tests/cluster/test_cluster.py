@@ -10,6 +10,7 @@ breaks one node at a time and the ``cluster`` fixture makes it whole again.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -109,3 +110,76 @@ def test_leader_killed_mid_backlog_loses_nothing_reorders_nothing_and_counts_no_
     assert len(copies) == events_n, "an event is missing"
     assert max(copies.values()) == 1, f"duplicates: {[k for k, n in copies.items() if n > 1]}"
     print(f"killed leader {leader} at {at_kill}/{events_n} delivered; {len(messages)} messages")
+
+
+def test_isr_below_min_insync_is_a_dependency_fault_and_delivery_resumes_in_order(
+    cluster: KafkaCluster,
+    cluster_topic: Callable[..., str],
+    db_url: str,
+    engine: sa.Engine,
+    outbox: str,
+    embedded: Callable[..., EmbeddedRelay],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGSTOP of a follower: the partition's ISR shrinks to its leader alone,
+    below ``min.insync.replicas=2``, and every acks=all write is refused with
+    NOT_ENOUGH_REPLICAS until the follower is back.
+
+    The topic has two replicas (leader and the frozen follower): with three
+    combined broker+controller nodes, an ISR of one on a three-replica topic
+    needs two nodes gone, which also takes the controller quorum away. Two
+    replicas and a min ISR of 2 is the state a production topic (RF 3, min
+    ISR 2) is in once a second replica falls behind.
+    """
+    caplog.set_level(logging.INFO, logger="outboxkit.relay")
+    leader, follower, keys = 1, 3, 10
+    topic = cluster_topic(assignment=[[leader, follower]], config={"min.insync.replicas": "2"})
+    add_events(engine, outbox, keyed_events(topic, 100, keys))
+    relay = embedded(
+        fast_settings(
+            db_url, cluster.bootstrap, lease_ttl=20.0, kafka_config={"message.timeout.ms": "4000"}
+        )
+    )
+    wait_for(lambda: count_status(engine, outbox, "delivered") == 100, timeout=60, what="100")
+
+    cluster.freeze(follower)
+    cluster.wait_isr(topic, 0, 1)
+    add_events(engine, outbox, keyed_events(topic, 100, keys, start=100))
+
+    def retry_lines() -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if getattr(r, "outboxkit_event", None) == "delivery-retry"
+            or r.getMessage().startswith("delivery-retry")
+        ]
+
+    wait_for(
+        lambda: [r for r in retry_lines() if f"topic={topic}" in r.getMessage()],
+        timeout=60,
+        interval=0.2,
+        what="a delivery-retry line naming the topic",
+    )
+    line = next(r.getMessage() for r in retry_lines() if f"topic={topic}" in r.getMessage())
+    assert "isr" in line and f"{[leader]}" in line, line
+    errors = relay.metric(
+        "outbox_kafka_delivery_errors_total", {"topic": topic, "error": "_MSG_TIMED_OUT"}
+    )
+    assert errors > 0
+    assert count_status(engine, outbox, "failed") == 0
+    assert relay.metric("outbox_topic_paused", {"topic": topic, "reason": "unknown-topic"}) == 0
+    assert not [r for r in caplog.records if "topic-paused" in r.getMessage()]
+
+    cluster.resume(follower)
+    wait_for(
+        lambda: count_status(engine, outbox, "delivered") == 200,
+        timeout=90,
+        interval=0.5,
+        what="delivery resumed by itself once the follower returned",
+    )
+    assert count_status(engine, outbox, "failed") == 0
+    messages = consume(cluster.bootstrap, topic, expected=200, timeout=60)
+    copies = first_deliveries_in_key_order(messages)
+    assert len(copies) == 200, "an event is missing"
+    retried = max(r.attempts for r in rows(engine, outbox))
+    print(f"{sum(copies.values()) - 200} duplicates; most attempts of a row {retried}")
