@@ -32,9 +32,13 @@ REPLICA_LAG_MS = 4000
 
 @pytest.fixture(scope="session")
 def kafka_cluster() -> Iterator[KafkaCluster]:
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+    # OUTBOXKIT_TEST_KEEP_CLUSTER=<name>: use (or start) the cluster of that name
+    # and leave it running after the run, for quick reruns while working on these
+    # tests (stop it with deploy/local/down.sh or kafka-cluster.sh stop).
+    kept = os.environ.get("OUTBOXKIT_TEST_KEEP_CLUSTER", "")
+    run_id = kept or os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
     try:
-        manager = shared_cluster(run_id, replica_lag_ms=REPLICA_LAG_MS)
+        manager = shared_cluster(run_id, keep=bool(kept), replica_lag_ms=REPLICA_LAG_MS)
         cluster = manager.__enter__()
     except (RuntimeError, OSError) as exc:
         if IN_CI:

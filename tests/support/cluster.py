@@ -24,6 +24,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ def first_free_run(count: int) -> int:
                     ok = False
                     break
         if ok:
-            return base
+            return int(base)
     raise RuntimeError(f"no {count} consecutive free ports in {block.start}-{block.stop - 1}")
 
 
@@ -208,7 +209,8 @@ class KafkaCluster:
             timeout=30,
             what=f"a leader for {topic}[{partition}]",
         )
-        return int(found)
+        assert isinstance(found, int)
+        return found
 
     def wait_full_isr(self, topics: Sequence[str] = (), timeout: float = 60) -> None:
         """Wait until every node is a live broker and every partition of
@@ -251,19 +253,26 @@ class KafkaCluster:
         return found
 
     def coordinator(self, group: str, exclude: Sequence[int] = ()) -> int:
-        """The node id that coordinates ``group`` now."""
+        """The node id that coordinates ``group`` now.
+
+        Asked from a child process: librdkafka's admin client (2.16) can abort
+        the whole process on an assertion when a broker resets the connection
+        under a describe_consumer_groups request, as brokers being killed do."""
 
         def ask() -> int | None:
-            with self.admin(exclude) as admin:
-                try:
-                    futures = admin.describe_consumer_groups([group], request_timeout=5)
-                    desc = futures[group].result(timeout=10)
-                except Exception:
-                    return None
-            node = getattr(desc, "coordinator", None)
-            return None if node is None or node.id < 0 else int(node.id)
+            proc = subprocess.run(
+                [sys.executable, "-c", _ASK_COORDINATOR, self.up_bootstrap(exclude), group],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            out = proc.stdout.strip()
+            return int(out) if proc.returncode == 0 and out.isdigit() and int(out) > 0 else None
 
-        return int(wait_for(ask, timeout=30, interval=0.5, what=f"coordinator of {group}"))
+        found = wait_for(ask, timeout=30, interval=0.5, what=f"coordinator of {group}")
+        assert isinstance(found, int)
+        return found
 
     def create_topic(
         self,
@@ -277,7 +286,7 @@ class KafkaCluster:
         """Create ``topic`` (replication factor 3 unless ``assignment`` places
         each partition's replicas, first one preferred leader), wait until every
         partition has a leader and its full ISR."""
-        from confluent_kafka.admin import NewTopic
+        from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
         if assignment is not None:
             new = NewTopic(
@@ -307,14 +316,25 @@ class KafkaCluster:
                     fut.result(timeout=20)
 
 
+_ASK_COORDINATOR = """
+import sys
+from confluent_kafka.admin import AdminClient
+admin = AdminClient({"bootstrap.servers": sys.argv[1], "log_level": 0})
+desc = admin.describe_consumer_groups([sys.argv[2]], request_timeout=5)[sys.argv[2]].result(10)
+print(desc.coordinator.id)
+"""
+
+
 @contextlib.contextmanager
-def shared_cluster(run_id: str, **kwargs: Any) -> Iterator[KafkaCluster]:
+def shared_cluster(run_id: str, *, keep: bool = False, **kwargs: Any) -> Iterator[KafkaCluster]:
     """The cluster of this test run, started by the first pytest-xdist worker
     that needs it and stopped (its state deleted) by the last one to let go.
 
     ``run_id`` names the run (``PYTEST_XDIST_TESTRUNUID``): every worker of a
     run shares one cluster, so a run starts three JVMs, not three per worker.
     The workers' count of users is kept under a file lock in the state folder.
+    With ``keep`` the last one leaves it running (a later run with the same
+    ``run_id`` finds it up in a second): for working on the cluster tests.
     """
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     name = f"cl{run_id[:10]}"
@@ -335,12 +355,14 @@ def shared_cluster(run_id: str, **kwargs: Any) -> Iterator[KafkaCluster]:
     finally:
         with _locked(lock_path):
             users, _ = _read_ledger(ledger)
-            if users <= 1:
+            if users <= 1 and keep:
+                ledger.write_text(f"0 {port}\n")
+            elif users <= 1:
                 cluster.destroy()
                 ledger.unlink(missing_ok=True)
             else:
                 ledger.write_text(f"{users - 1} {port}\n")
-        if not ledger.exists():
+        if not ledger.exists() and not keep:
             lock_path.unlink(missing_ok=True)
 
 
