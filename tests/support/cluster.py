@@ -69,6 +69,18 @@ def first_free_run(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports in {block.start}-{block.stop - 1}")
 
 
+class ClusterNode(KafkaInstance):
+    """One node of a cluster: started again with the cluster's flags, never as a
+    broker of its own (even when its state folder is gone)."""
+
+    def __init__(self, name: str, port: int, controller_port: int, cluster_args: list[str]) -> None:
+        super().__init__(name, port, controller_port)
+        self.cluster_args = cluster_args
+
+    def _extra_args(self) -> list[str]:
+        return [*super()._extra_args(), *self.cluster_args]
+
+
 class KafkaCluster:
     """Three KRaft nodes on ``port``..``port+5`` (brokers on the first three)."""
 
@@ -79,8 +91,17 @@ class KafkaCluster:
         self.port = port
         self.heap = heap
         self.replica_lag_ms = replica_lag_ms
+        voters = ",".join(f"{k}@127.0.0.1:{port + NODES + k - 1}" for k in range(1, NODES + 1))
         self.nodes = {
-            k: KafkaInstance(f"{name}-{k}", port + k - 1, port + NODES + k - 1)
+            k: ClusterNode(
+                f"{name}-{k}",
+                port + k - 1,
+                port + NODES + k - 1,
+                cluster_args=[
+                    *("--node-id", str(k), "--voters", voters, "--replication", str(NODES)),
+                    *("--min-isr", "2", "--replica-lag-ms", str(replica_lag_ms), "--heap", heap),
+                ],
+            )
             for k in range(1, NODES + 1)
         }
         #: Nodes a test froze (SIGSTOP) and has not resumed: never asked anything.
