@@ -12,6 +12,7 @@ once the drain began (see :mod:`outboxkit.relay.drain`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,10 +114,14 @@ class RetryReporter:
         probe: Callable[[str], list[dict[str, Any]] | None],
         *,
         interval: float = RETRY_LOG_INTERVAL,
+        background: bool = True,
     ) -> None:
         self._metrics = metrics
         self._probe = probe
         self._interval = interval
+        #: Probe and log on a thread of their own: the probe may wait for a
+        #: broker (2 s at most), and the loop must not wait with it.
+        self._background = background
         self._last: dict[str, float] = {}
 
     def report(self, decisions: Sequence[Decision], lost: set[int]) -> None:
@@ -135,15 +140,28 @@ class RetryReporter:
             if now - self._last.get(topic, -float("inf")) < self._interval:
                 continue
             self._last[topic] = now
-            log_event(
-                log,
-                "delivery-retry",
-                level=logging.WARNING,
-                topic=topic,
-                rows=len(rows),
-                errors=errors,
-                error=rows[0].error,
-                partitions=self._probe(topic),
-                action="retried with backoff (Kafka cluster fault, not the rows'); "
-                "the topic is not paused",
-            )
+            args = (topic, len(rows), errors, rows[0].error)
+            if self._background:
+                threading.Thread(
+                    target=self._log, args=args, name="outboxkit-retry-log", daemon=True
+                ).start()
+            else:
+                self._log(*args)
+
+    def _log(self, topic: str, rows: int, errors: dict[str, int], error: str | None) -> None:
+        try:
+            partitions = self._probe(topic)
+        except Exception:  # a probe for a log line never breaks anything
+            partitions = None
+        log_event(
+            log,
+            "delivery-retry",
+            level=logging.WARNING,
+            topic=topic,
+            rows=rows,
+            errors=errors,
+            error=error,
+            partitions=partitions,
+            action="retried with backoff (Kafka cluster fault, not the rows'); "
+            "the topic is not paused",
+        )

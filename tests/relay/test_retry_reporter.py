@@ -34,7 +34,7 @@ def test_retryable_rows_count_per_topic_and_error_and_log_once_per_interval(
         probed.append(topic)
         return [{"partition": 0, "leader": 1, "isr": [1], "replicas": [1, 3]}]
 
-    reporter = RetryReporter(RelayMetrics(registry), probe, interval=3600)
+    reporter = RetryReporter(RelayMetrics(registry), probe, interval=3600, background=False)
     batch = [
         decision(1, "orders", Fate.RETRYABLE),
         decision(2, "orders", Fate.RETRYABLE, "NOT_ENOUGH_REPLICAS: Broker: Not enough replicas"),
