@@ -52,10 +52,15 @@ def kafka_cluster() -> Iterator[KafkaCluster]:
 
 @pytest.fixture
 def cluster(kafka_cluster: KafkaCluster) -> Iterator[KafkaCluster]:
-    """The shared cluster, whole again after the test (nodes up, ISRs full)."""
-    kafka_cluster.restore()
-    yield kafka_cluster
-    kafka_cluster.restore()
+    """The shared cluster, whole again after the test (nodes up, ISRs full).
+
+    One test at a time on it, across the pytest-xdist workers (a file lock):
+    each test breaks one node at a time, and two tests breaking two nodes at
+    once would take the controller quorum away from both."""
+    with kafka_cluster.exclusive():
+        kafka_cluster.restore()
+        yield kafka_cluster
+        kafka_cluster.restore()
 
 
 @pytest.fixture

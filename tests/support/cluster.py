@@ -148,6 +148,7 @@ class KafkaCluster:
         for k in self.nodes:
             shutil.rmtree(self.nodes[k].state_dir, ignore_errors=True)
         shutil.rmtree(STATE_DIR / f"kafka-cluster-{self.name}", ignore_errors=True)
+        (STATE_DIR / f"kafka-cluster-{self.name}.tests.lock").unlink(missing_ok=True)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -159,6 +160,13 @@ class KafkaCluster:
         tb: TracebackType | None,
     ) -> None:
         self.destroy()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the cluster alone (a file lock shared by every process of the run)."""
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        with _locked(STATE_DIR / f"kafka-cluster-{self.name}.tests.lock"):
+            yield
 
     def node(self, k: int) -> KafkaInstance:
         return self.nodes[k]
