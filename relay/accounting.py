@@ -12,6 +12,10 @@ once the drain began (see :mod:`outboxkit.relay.drain`).
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from outboxkit.relay.claim import Batch
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult
@@ -19,7 +23,13 @@ from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.runtime.logs import log_event
 
-__all__ = ["count_outcomes", "delivered", "pause_topics", "warn_acked_out_of_order"]
+__all__ = [
+    "RetryReporter",
+    "count_outcomes",
+    "delivered",
+    "pause_topics",
+    "warn_acked_out_of_order",
+]
 
 log = logging.getLogger("outboxkit.relay")
 
@@ -75,3 +85,83 @@ def pause_topics(paused: PausedTopics, decisions: list[Decision], lost: set[int]
             by_topic.setdefault(d.row.topic, []).append(d)
     for topic, rows in by_topic.items():
         paused.pause(topic, rows[0].pause_reason or "config", rows[0].error or "", len(rows))
+
+
+#: Seconds between two ``delivery-retry`` lines of one topic (the counter counts every row).
+RETRY_LOG_INTERVAL = 10.0
+
+
+class RetryReporter:
+    """Says which topic a retryable batch failed on and why: the Kafka cluster's
+    fault, not the relay's nor the row's.
+
+    Every row set back to ``retryable`` for a retriable Kafka error counts in
+    ``outbox_kafka_delivery_errors{topic, error}``. At most one
+    ``delivery-retry`` WARNING per topic per :data:`RETRY_LOG_INTERVAL`
+    names the topic, the rows, the error, and the partitions' state as the
+    cluster reports it (``probe``): leader and ISR against the replicas, so an
+    operator reads "ISR [1] of replicas [1, 3]" (writes with acks=all refused
+    with NOT_ENOUGH_REPLICAS while the ISR is below ``min.insync.replicas``;
+    librdkafka retries those until the message timeout, so the delivery report
+    itself only says ``_MSG_TIMED_OUT``) or "no leader" (a leader change). The
+    topic is not paused: the relay retries with backoff until the cluster
+    accepts the rows again.
+    """
+
+    def __init__(
+        self,
+        metrics: RelayMetrics,
+        probe: Callable[[str], list[dict[str, Any]] | None],
+        *,
+        interval: float = RETRY_LOG_INTERVAL,
+        background: bool = True,
+    ) -> None:
+        self._metrics = metrics
+        self._probe = probe
+        self._interval = interval
+        #: Probe and log on a thread of their own: the probe may wait for a
+        #: broker (2 s at most), and the loop must not wait with it.
+        self._background = background
+        self._last: dict[str, float] = {}
+
+    def report(self, decisions: Sequence[Decision], lost: set[int]) -> None:
+        by_topic: dict[str, list[Decision]] = {}
+        for d in decisions:
+            if d.fate is Fate.RETRYABLE and d.row.id not in lost:
+                by_topic.setdefault(d.row.topic, []).append(d)
+        now = time.monotonic()
+        for topic, rows in by_topic.items():
+            errors: dict[str, int] = {}
+            for d in rows:
+                name = (d.error or "unknown").split(":", 1)[0].strip() or "unknown"
+                errors[name] = errors.get(name, 0) + 1
+            for name, n in errors.items():
+                self._metrics.delivery_errors.labels(topic=topic, error=name).inc(n)
+            if now - self._last.get(topic, -float("inf")) < self._interval:
+                continue
+            self._last[topic] = now
+            args = (topic, len(rows), errors, rows[0].error)
+            if self._background:
+                threading.Thread(
+                    target=self._log, args=args, name="outboxkit-retry-log", daemon=True
+                ).start()
+            else:
+                self._log(*args)
+
+    def _log(self, topic: str, rows: int, errors: dict[str, int], error: str | None) -> None:
+        try:
+            partitions = self._probe(topic)
+        except Exception:  # a probe for a log line never breaks anything
+            partitions = None
+        log_event(
+            log,
+            "delivery-retry",
+            level=logging.WARNING,
+            topic=topic,
+            rows=rows,
+            errors=errors,
+            error=error,
+            partitions=partitions,
+            action="retried with backoff (Kafka cluster fault, not the rows'); "
+            "the topic is not paused",
+        )

@@ -110,6 +110,14 @@ class RelayMetrics:
             "Kafka producers built to replace one that hit a fatal error",
             registry=registry,
         )
+        self.delivery_errors = Counter(
+            "outbox_kafka_delivery_errors",
+            "Rows Kafka did not acknowledge for a retriable (dependency) reason, by topic "
+            "and error: message timeouts (leader change, ISR below min.insync.replicas, a "
+            "broker down), NOT_ENOUGH_REPLICAS, transport errors; the rows are retried",
+            ["topic", "error"],
+            registry=registry,
+        )
         self.shards_owned = Gauge(
             "outbox_shards_owned", "Shards this relay may claim from", registry=registry
         )

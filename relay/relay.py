@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 import tenacity
@@ -184,6 +184,7 @@ class Relay:
         self._exit = ExitRecord(signal=None, state="starting")
         self._owns_process = False
         self.metrics.track_shutdown_pending(self._shutdown_pending)
+        self._retries = accounting.RetryReporter(self.metrics, self._short_partitions)
         self.lifecycle.on_drain(lambda: drain.on_drain(self))
         self.lifecycle.on_hurry(lambda: drain.on_hurry(self))
 
@@ -673,8 +674,34 @@ class Relay:
                 if d.row.id not in lost and d.fate is Fate.DELIVERED:
                     accounting.delivered(self.metrics, self.paused, batch, d)
             accounting.pause_topics(self.paused, decisions, lost)
+            self._retries.report(decisions, lost)
         finally:
             accounting.count_outcomes(self.metrics, result)
+
+    def _short_partitions(self, topic: str) -> list[dict[str, Any]] | None:
+        """The topic's partitions without a leader or with replicas out of sync, as
+        the cluster reports them now (one metadata request, at most 2 s; None if
+        no broker answered). For the ``delivery-retry`` line, once per topic per
+        10 s at most."""
+        publisher = self._publisher
+        if publisher is None:
+            return None
+        try:
+            meta = publisher.producer.list_topics(topic, timeout=2.0).topics.get(topic)
+        except Exception:  # a probe for a log line never breaks the loop
+            return None
+        if meta is None:
+            return None
+        return [
+            {
+                "partition": p.id,
+                "leader": p.leader,
+                "isr": list(p.isrs),
+                "replicas": list(p.replicas),
+            }
+            for p in sorted(meta.partitions.values(), key=lambda p: p.id)
+            if p.leader < 0 or len(p.isrs) < len(p.replicas)
+        ][:20]
 
     # -- helpers of the loop --------------------------------------------------------
 

@@ -3,6 +3,17 @@
 #   kafka.sh start|stop|status|kill [--name N] [--port P] [--controller-port C]
 #                                   [--message-max-bytes B] [--heap H] [--sasl-port S]
 #                                   [--proxied-port Q --proxied-advertised-port X]
+#                                   [--node-id K --voters V --replication R --min-isr M
+#                                    --replica-lag-ms L]
+#
+# --node-id and --voters make the instance one node of a cluster (see
+# kafka-cluster.sh, which starts three): V is the static controller quorum,
+# "1@127.0.0.1:C1,2@127.0.0.1:C2,3@127.0.0.1:C3", and every node of a cluster
+# gets the same V. --replication R is the default replication factor of new
+# topics and of the internal ones (offsets, transactions), --min-isr M their
+# min.insync.replicas; unclean leader election stays off. --replica-lag-ms L is
+# replica.lag.time.max.ms (Kafka's default 30 s), how long a silent follower
+# stays in the ISR.
 #
 # --proxied-port adds a second listener (PROXIED) on Q that advertises port X:
 # clients that bootstrap through a TCP proxy listening on X (forwarding to Q)
@@ -22,7 +33,8 @@ SERVICE=kafka
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-EXTRA_FLAGS=(controller-port message-max-bytes heap sasl-port proxied-port proxied-advertised-port)
+EXTRA_FLAGS=(controller-port message-max-bytes heap sasl-port proxied-port proxied-advertised-port
+    node-id voters replication min-isr replica-lag-ms)
 parse_args "$@"
 load_settings
 PORT="${PORT:-9092}"
@@ -32,6 +44,15 @@ HEAP="${HEAP:-512m}"
 PROXIED_PORT="${PROXIED_PORT:-}"
 PROXIED_ADVERTISED_PORT="${PROXIED_ADVERTISED_PORT:-$PROXIED_PORT}"
 SASL_PORT="${SASL_PORT:-}"
+NODE_ID="${NODE_ID:-1}"
+VOTERS="${VOTERS:-}"
+REPLICATION="${REPLICATION:-1}"
+MIN_ISR="${MIN_ISR:-1}"
+REPLICA_LAG_MS="${REPLICA_LAG_MS:-}"
+[[ "$NODE_ID" =~ ^[0-9]+$ ]] || die "bad --node-id '$NODE_ID'"
+[[ "$REPLICATION" =~ ^[1-9]$ ]] || die "bad --replication '$REPLICATION'"
+[[ "$MIN_ISR" =~ ^[1-9]$ && "$MIN_ISR" -le "$REPLICATION" ]] ||
+    die "bad --min-isr '$MIN_ISR' (1 to --replication)"
 
 KAFKA_HOME="$LOCAL_DIR/.kafka"
 LIB_DIR="$KAFKA_HOME/lib"
@@ -100,28 +121,33 @@ write_config() {
         advertised+=",SASL_PLAINTEXT://127.0.0.1:$SASL_PORT"
         protocols+=",SASL_PLAINTEXT:SASL_PLAINTEXT"
     fi
+    local quorum="controller.quorum.bootstrap.servers=127.0.0.1:$CONTROLLER_PORT"
+    if [[ -n "$VOTERS" ]]; then
+        quorum="controller.quorum.voters=$VOTERS"
+    fi
     cat >"$PROPS" <<EOF
 process.roles=broker,controller
-node.id=1
+node.id=$NODE_ID
 listeners=$listeners
 advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
 listener.security.protocol.map=$protocols
 inter.broker.listener.name=PLAINTEXT
-controller.quorum.bootstrap.servers=127.0.0.1:$CONTROLLER_PORT
+$quorum
 log.dirs=$DATA_DIR
 num.partitions=3
-default.replication.factor=1
+default.replication.factor=$REPLICATION
 auto.create.topics.enable=false
 group.initial.rebalance.delay.ms=0
-offsets.topic.replication.factor=1
+offsets.topic.replication.factor=$REPLICATION
 offsets.topic.num.partitions=10
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
+transaction.state.log.replication.factor=$REPLICATION
+transaction.state.log.min.isr=$MIN_ISR
 transaction.state.log.num.partitions=10
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-min.insync.replicas=1
+share.coordinator.state.topic.replication.factor=$REPLICATION
+share.coordinator.state.topic.min.isr=$MIN_ISR
+min.insync.replicas=$MIN_ISR
+unclean.leader.election.enable=false
 num.network.threads=2
 num.io.threads=4
 num.recovery.threads.per.data.dir=1
@@ -133,6 +159,9 @@ delete.topic.enable=true
 broker.heartbeat.interval.ms=500
 broker.session.timeout.ms=4000
 EOF
+    if [[ -n "$REPLICA_LAG_MS" ]]; then
+        echo "replica.lag.time.max.ms=$REPLICA_LAG_MS" >>"$PROPS"
+    fi
     if [[ -n "$MESSAGE_MAX_BYTES" ]]; then
         echo "message.max.bytes=$MESSAGE_MAX_BYTES" >>"$PROPS"
     fi
@@ -194,14 +223,17 @@ start() {
         fi
         mkdir -p "$INSTANCE_DIR"
         remember_settings PORT CONTROLLER_PORT MESSAGE_MAX_BYTES HEAP SASL_PORT PROXIED_PORT \
-            PROXIED_ADVERTISED_PORT
+            PROXIED_ADVERTISED_PORT NODE_ID VOTERS REPLICATION MIN_ISR REPLICA_LAG_MS
         write_config
         java_cmd
         if [[ ! -f "$DATA_DIR/meta.properties" ]]; then
             detail "$NAME: formatting storage in $DATA_DIR"
             rm -rf "$DATA_DIR"
+            # A static quorum (--voters) is in the config; a single node forms its own.
+            local standalone=(--standalone)
+            [[ -z "$VOTERS" ]] || standalone=()
             "${JAVA[@]}" kafka.tools.StorageTool format -t "$CLUSTER_ID" -c "$PROPS" \
-                --standalone >>"$INSTANCE_DIR/format.log" 2>&1 || {
+                "${standalone[@]}" >>"$INSTANCE_DIR/format.log" 2>&1 || {
                 show_log_tail "$INSTANCE_DIR/format.log"
                 die "kafka storage format failed"
             }

@@ -1,0 +1,59 @@
+"""``delivery-retry``: which topic the Kafka cluster refuses rows for, and why."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from outboxkit.relay.accounting import RetryReporter
+from outboxkit.relay.claim import ClaimedRow
+from outboxkit.relay.finalize import Decision, Fate
+from outboxkit.relay.metrics import RelayMetrics
+
+pytestmark = pytest.mark.unit
+
+TIMEOUT = "_MSG_TIMED_OUT: Local: Message timed out"
+
+
+def decision(row_id: int, topic: str, fate: Fate, error: str | None = TIMEOUT) -> Decision:
+    row = ClaimedRow(row_id, f"e{row_id}", topic, b"k", b"{}", None, 0, 1, 0.0, None)
+    return Decision(row, fate, error=error)
+
+
+def test_retryable_rows_count_per_topic_and_error_and_log_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="outboxkit.relay")
+    registry = CollectorRegistry()
+    probed: list[str] = []
+
+    def probe(topic: str) -> list[dict[str, Any]]:
+        probed.append(topic)
+        return [{"partition": 0, "leader": 1, "isr": [1], "replicas": [1, 3]}]
+
+    reporter = RetryReporter(RelayMetrics(registry), probe, interval=3600, background=False)
+    batch = [
+        decision(1, "orders", Fate.RETRYABLE),
+        decision(2, "orders", Fate.RETRYABLE, "NOT_ENOUGH_REPLICAS: Broker: Not enough replicas"),
+        decision(3, "orders", Fate.DELIVERED, None),
+        decision(4, "audit", Fate.FAILED, "MSG_SIZE_TOO_LARGE: too large"),
+        decision(5, "orders", Fate.RETRYABLE),
+    ]
+    reporter.report(batch, lost={5})
+    reporter.report(batch[:1], lost=set())
+
+    def count(topic: str, error: str) -> float:
+        labels = {"topic": topic, "error": error}
+        return registry.get_sample_value("outbox_kafka_delivery_errors_total", labels) or 0.0
+
+    assert count("orders", "_MSG_TIMED_OUT") == 2  # row 5's lease was lost: not ours to count
+    assert count("orders", "NOT_ENOUGH_REPLICAS") == 1
+    assert count("audit", "MSG_SIZE_TOO_LARGE") == 0  # failed rows are the row's fault
+    lines = [r.getMessage() for r in caplog.records if "delivery-retry" in r.getMessage()]
+    assert len(lines) == 1, lines  # the second batch is inside the interval
+    assert "topic=orders" in lines[0] and "'isr': [1]" in lines[0], lines[0]
+    assert "rows=2" in lines[0] and "not paused" in lines[0]
+    assert probed == ["orders"]
