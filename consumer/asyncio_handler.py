@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxkit.consumer.message import Message
-from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.logs import describe_exception, log_event, redact
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -161,7 +161,7 @@ class LoopThread:
                         _log,
                         "event-loop-close-failed",
                         level=logging.WARNING,
-                        error=redact(f"{type(exc).__name__}: {exc}"),
+                        error=redact(describe_exception(exc)),
                     )
             await self.loop.shutdown_asyncgens()
             return True

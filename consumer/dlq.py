@@ -57,7 +57,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outboxkit.consumer.message import EVENT_ID_HEADER, Message
 from outboxkit.errors import TransientError
-from outboxkit.runtime.logs import log_event, redact, safe_text
+from outboxkit.runtime.logs import exception_text, log_event, redact, safe_text
 
 __all__ = ["DeadLetterUnavailable", "DeadLetters", "Failure", "producer_config"]
 
@@ -124,7 +124,7 @@ class Failure:
         kind = type(exc)
         # A handler's text is the record's text ("unknown order type \ud800"): made
         # safe before it is cut, so the header is valid UTF-8 on one line.
-        text = safe_text(redact(str(exc)))
+        text = safe_text(redact(exception_text(exc)))
         if len(text) > MAX_ERROR_MESSAGE:
             text = text[: MAX_ERROR_MESSAGE - 3] + "..."
         return cls(

@@ -26,7 +26,7 @@ from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.workers import WorkItem
-from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.logs import describe_exception, exception_text, log_event, redact
 from outboxkit.runtime.tracing import ConsumerTracing
 
 __all__ = ["Handling", "Outcome", "Result"]
@@ -129,7 +129,7 @@ class Handling:
             self._give_up(item, error, Classification.PERMANENT)
             return None
         kind = self.classify(error)
-        text = redact(f"{type(error).__name__}: {error}")
+        text = redact(describe_exception(error))
         if kind is Classification.UNAVAILABLE:
             return self._wait_for_dependency(item, text)
         item.outages = 0
@@ -174,7 +174,7 @@ class Handling:
 
     def _give_up(self, item: WorkItem, error: BaseException, kind: Classification) -> None:
         """Record why the handler gave up (dead-letter it next); log and call the hook."""
-        text = redact(f"{type(error).__name__}: {error}")
+        text = redact(describe_exception(error))
         item.failure = Failure.of(
             error, attempts=item.attempts, permanent=kind is Classification.PERMANENT
         )
@@ -204,7 +204,7 @@ class Handling:
             item.dlq_attempts += 1
             self.metrics.dlq_unavailable.inc()
             delay = self.policy.backoff(item.dlq_attempts)
-            return Result(Outcome.DLQ_BLOCKED, delay=delay, error=str(exc))
+            return Result(Outcome.DLQ_BLOCKED, delay=delay, error=exception_text(exc))
         log_event(
             _log,
             "dead-lettered",
@@ -225,7 +225,7 @@ class Handling:
                 "hook-failed",
                 level=logging.ERROR,
                 hook="on_failure",
-                error=redact(f"{type(hook_exc).__name__}: {hook_exc}"),
+                error=redact(describe_exception(hook_exc)),
             )
 
 

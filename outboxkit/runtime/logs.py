@@ -395,6 +395,21 @@ def _escape(match: re.Match[str]) -> str:
     return f"\\u{code:04x}"
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in naming the class when that itself raises (an
+    exception class with a broken ``__str__``): a handler's failure must be
+    reported and dead-lettered, never turned into a crash of the worker."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__}: str() failed>"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ClassName: text`` for log fields and results (:func:`exception_text`)."""
+    return f"{type(exc).__name__}: {exception_text(exc)}"
+
+
 def safe_text(text: str) -> str:
     """``text`` with every :data:`UNSAFE_TEXT` character written as ``\\uXXXX``.
 

@@ -152,3 +152,18 @@ class RollingMember(Consumer):
         if pause:
             time.sleep(pause)
         log_event(log, "handled", partition=message.partition, offset=message.offset)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot say what it is")
+
+
+class RaisesUnprintable(Consumer):
+    """Raises, for ``{"type": "bad"}``, an exception whose ``str()`` itself raises (a
+    library's error class with a broken ``__str__``); logs ``handled`` for the rest."""
+
+    def handle(self, message: Message) -> None:
+        if message.json().get("type") == "bad":
+            raise _Unprintable()
+        log_event(log, "handled", partition=message.partition, offset=message.offset)

@@ -98,3 +98,45 @@ def test_a_surrogate_in_a_handlers_error_is_dead_lettered_safely_and_the_next_re
     assert [r["offset"] for r in gave_up] == [0, 1]
     assert gave_up[1]["event_id"] == "e-1\u2028x"
     assert "a\u2028b\u202ec\x1b[2J" in gave_up[1]["error"]
+
+
+def test_an_exception_that_cannot_be_printed_is_dead_lettered_and_the_next_record_handled(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], tmp_path: Path
+) -> None:
+    """A handler's exception whose ``str()`` raises (a broken ``__str__``) is still
+    the handler's failure: dead-lettered with a stand-in text naming its class, the
+    next record handled, no worker crash."""
+    topic = kafka_topics(1)
+    dlq = kafka_topics(1, name=f"{topic}.dlq")
+    group = f"g-{topic}"
+    produce_raw(
+        kafka_bootstrap,
+        topic,
+        [
+            RawRecord(b"k", b'{"type": "bad"}', [(b"event_id", b"e-0")]),
+            RawRecord(b"k", b'{"type": "paid"}', [(b"event_id", b"e-1")]),
+        ],
+    )
+    proc = ConsumerProcess(
+        "consumer_apps:RaisesUnprintable", env=_env(kafka_bootstrap, topic, group), cwd=tmp_path
+    )
+    try:
+        proc.wait_event("handled", 30, lambda r: r["offset"] == 1)
+        wait_for(
+            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2},
+            30,
+            0.2,
+            "offset 2 committed",
+        )
+        assert proc.events("worker-crashed") == []
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+
+    [letter] = read_all(kafka_bootstrap, dlq, expect=1)
+    headers = {name: (value or b"").decode("utf-8") for name, value in letter.headers()}
+    assert headers["dlq.error.class"].endswith("_Unprintable"), headers
+    assert headers["dlq.error.message"] == "<_Unprintable: str() failed>", headers
+    [gave_up] = proc.events("handler-gave-up")
+    assert "_Unprintable" in gave_up["error"], gave_up
