@@ -43,6 +43,32 @@ def missing_service(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def _utf8_safe(text: str) -> str:
+    """``text`` as it is when it encodes as UTF-8, else with the characters that do
+    not (lone surrogates) written as ``\\udXXX``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Tests feed lone surrogates to the code on purpose (record text, event ids),
+    and the captured log then holds them; a pytest-xdist worker cannot send such a
+    report to the controller (UTF-8 only) and dies, ending the whole run with an
+    internal error. The report's captured sections and failure text are escaped
+    instead; what a test asserts is unchanged."""
+    outcome: Any = yield
+    report = outcome.get_result()
+    report.sections = [(title, _utf8_safe(text)) for title, text in report.sections]
+    if report.longrepr is not None:
+        shown = str(report.longrepr)
+        if _utf8_safe(shown) != shown:
+            report.longrepr = _utf8_safe(shown)
+
+
 @functools.cache
 def _docker_answers() -> bool:
     """Does a Docker engine answer ``/_ping``?  (A client binary alone is not enough.)"""
