@@ -42,41 +42,46 @@ def _env(bootstrap: str, topic: str, group: str) -> dict[str, str]:
     }
 
 
-def test_a_surrogate_in_a_handlers_error_is_dead_lettered_safely_and_the_next_record_handled(
-    kafka_bootstrap: str, kafka_topics: Callable[..., str], tmp_path: Path
-) -> None:
-    topic = kafka_topics(1)
-    dlq = kafka_topics(1, name=f"{topic}.dlq")
+def _consume_all(
+    bootstrap: str, topic: str, app: str, records: list[RawRecord], cwd: Path
+) -> ConsumerProcess:
+    """Produce ``records``, run ``app`` until the last one is handled and every
+    offset committed, with no worker crash, then SIGTERM it (exit 0)."""
     group = f"g-{topic}"
-    produce_raw(
-        kafka_bootstrap,
-        topic,
-        [
-            RawRecord(b"k", b'{"type": "\\ud800"}', [(b"event_id", b"e-0")]),
-            RawRecord(
-                b"k",
-                b'{"type": "a\\u2028b\\u202ec\\u001b[2J"}',
-                [(b"event_id", b"e-1\xe2\x80\xa8x")],
-            ),
-            RawRecord(b"k", b'{"type": "paid"}', [(b"event_id", b"e-2")]),
-        ],
-    )
-    proc = ConsumerProcess(
-        "consumer_apps:OrderTypes", env=_env(kafka_bootstrap, topic, group), cwd=tmp_path
-    )
+    produce_raw(bootstrap, topic, records)
+    proc = ConsumerProcess(app, env=_env(bootstrap, topic, group), cwd=cwd)
+    last = len(records) - 1
     try:
-        proc.wait_event("handled", 30, lambda r: r["offset"] == 2)
+        proc.wait_event("handled", 30, lambda r: r["offset"] == last)
         wait_for(
-            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 3},
+            lambda: committed(bootstrap, group, topic, 1) == {0: last + 1},
             30,
             0.2,
-            "offset 3 committed",
+            f"offset {last + 1} committed",
         )
         assert proc.events("worker-crashed") == []
         proc.signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
         proc.kill()
+    return proc
+
+
+def test_a_surrogate_in_a_handlers_error_is_dead_lettered_safely_and_the_next_record_handled(
+    kafka_bootstrap: str, kafka_topics: Callable[..., str], tmp_path: Path
+) -> None:
+    topic = kafka_topics(1)
+    dlq = kafka_topics(1, name=f"{topic}.dlq")
+    records = [
+        RawRecord(b"k", b'{"type": "\\ud800"}', [(b"event_id", b"e-0")]),
+        RawRecord(
+            b"k",
+            b'{"type": "a\\u2028b\\u202ec\\u001b[2J"}',
+            [(b"event_id", b"e-1\xe2\x80\xa8x")],
+        ),
+        RawRecord(b"k", b'{"type": "paid"}', [(b"event_id", b"e-2")]),
+    ]
+    proc = _consume_all(kafka_bootstrap, topic, "consumer_apps:OrderTypes", records, tmp_path)
 
     letters = read_all(kafka_bootstrap, dlq, expect=2)
     assert len(letters) == 2
@@ -108,31 +113,13 @@ def test_an_exception_that_cannot_be_printed_is_dead_lettered_and_the_next_recor
     next record handled, no worker crash."""
     topic = kafka_topics(1)
     dlq = kafka_topics(1, name=f"{topic}.dlq")
-    group = f"g-{topic}"
-    produce_raw(
-        kafka_bootstrap,
-        topic,
-        [
-            RawRecord(b"k", b'{"type": "bad"}', [(b"event_id", b"e-0")]),
-            RawRecord(b"k", b'{"type": "paid"}', [(b"event_id", b"e-1")]),
-        ],
+    records = [
+        RawRecord(b"k", b'{"type": "bad"}', [(b"event_id", b"e-0")]),
+        RawRecord(b"k", b'{"type": "paid"}', [(b"event_id", b"e-1")]),
+    ]
+    proc = _consume_all(
+        kafka_bootstrap, topic, "consumer_apps:RaisesUnprintable", records, tmp_path
     )
-    proc = ConsumerProcess(
-        "consumer_apps:RaisesUnprintable", env=_env(kafka_bootstrap, topic, group), cwd=tmp_path
-    )
-    try:
-        proc.wait_event("handled", 30, lambda r: r["offset"] == 1)
-        wait_for(
-            lambda: committed(kafka_bootstrap, group, topic, 1) == {0: 2},
-            30,
-            0.2,
-            "offset 2 committed",
-        )
-        assert proc.events("worker-crashed") == []
-        proc.signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        proc.kill()
 
     [letter] = read_all(kafka_bootstrap, dlq, expect=1)
     headers = {name: (value or b"").decode("utf-8") for name, value in letter.headers()}
