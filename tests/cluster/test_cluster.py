@@ -512,7 +512,7 @@ def test_active_controller_killed_while_a_relay_delivers_and_a_consumer_consumes
     a, b = sorted(set(cluster.nodes) - {controller})
     topic = cluster_topic(assignment=[[a, b, controller], [b, a, controller], [a, b, controller]])
     group = f"g-{topic}"
-    events_n, keys = 1500, 15
+    events_n, keys = 900, 15
     add_events(engine, outbox, keyed_events(topic, events_n, keys))
     env = consumer_env(cluster, topic, group, db_url)
     # The session outlasts a coordinator move, should the group's coordinator
