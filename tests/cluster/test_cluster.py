@@ -480,3 +480,103 @@ def test_coordinator_killed_while_the_consumer_commits(
     finally:
         stop.set()
         consumer.kill()
+
+
+@pytest.mark.timeout(600)
+def test_active_controller_killed_while_a_relay_delivers_and_a_consumer_consumes(
+    cluster: KafkaCluster,
+    cluster_topic: Callable[..., str],
+    db_url: str,
+    engine: sa.Engine,
+    outbox: str,
+    embedded: Callable[..., EmbeddedRelay],
+    tmp_path: Any,
+) -> None:
+    """kill -9 of the node that is the active KRaft controller, while a relay
+    delivers a backlog and an inbox consumer consumes it.
+
+    The topic's partitions are led by the two other nodes (the controller's node
+    holds the last replica of each), so what changes is the metadata quorum's
+    leader: the two remaining controllers elect a new one and the brokers carry
+    on. Neither process sees more than a pause (the acks=all writes wait until
+    the dead follower leaves the ISR): every row is delivered once on its first
+    attempt, no key overtakes itself, the consumer applies each event once and
+    commits everything, and both keep running. Then the node comes back.
+    """
+    from consumer_apps import effects
+    from kafkahelp import committed, end_offsets
+    from procs import ConsumerProcess
+
+    effects.metadata.create_all(engine)
+    controller = cluster.active_controller()
+    a, b = sorted(set(cluster.nodes) - {controller})
+    topic = cluster_topic(assignment=[[a, b, controller], [b, a, controller], [a, b, controller]])
+    group = f"g-{topic}"
+    events_n, keys = 900, 15
+    add_events(engine, outbox, keyed_events(topic, events_n, keys))
+    env = consumer_env(cluster, topic, group, db_url)
+    # The session outlasts a coordinator move, should the group's coordinator
+    # live on the controller's node (see the coordinator test).
+    env["OUTBOXKIT_KAFKA_CONFIG"] = env["OUTBOXKIT_KAFKA_CONFIG"].replace(
+        "session.timeout.ms=6000", "session.timeout.ms=20000"
+    )
+    consumer = ConsumerProcess("consumer_apps:RecordEffects", env=env, cwd=tmp_path)
+    try:
+        consumer.wait_event("partitions-assigned", 60)
+        relay = embedded(
+            fast_settings(
+                db_url,
+                cluster.bootstrap,
+                batch_size=50,
+                lease_ttl=40.0,
+                kafka_config={"message.timeout.ms": "20000"},
+            )
+        )
+        wait_for(lambda: count_status(engine, outbox, "delivered") >= 150, timeout=60, what="150")
+        cluster.node(controller).kill()
+        at_kill = count_status(engine, outbox, "delivered")
+        elected = cluster.active_controller(exclude=[controller])
+        assert elected != controller
+        wait_for(
+            lambda: count_status(engine, outbox, "delivered") == events_n,
+            timeout=120,
+            interval=0.5,
+            what="every row delivered after the controller's kill",
+        )
+        assert at_kill < events_n, "the relay finished before the kill: nothing was tested"
+        wait_for(
+            lambda: effects_done(engine)[1] == events_n,
+            timeout=120,
+            interval=0.5,
+            what=f"an effect for each of {events_n} events",
+        )
+        up = cluster.up_bootstrap([controller])
+        ends = end_offsets(up, topic, 3)
+        assert sum(ends.values()) == events_n, f"a message was written twice: {ends}"
+        wait_for(
+            lambda: committed(up, group, topic, 3) == ends,
+            timeout=60,
+            interval=0.5,
+            what=f"the group committed {ends}",
+        )
+        assert relay.thread.is_alive() and consumer.proc.poll() is None
+        assert not consumer.events("worker-crashed"), consumer.events("worker-crashed")
+    finally:
+        consumer.signal()
+        code = consumer.wait(60)
+        consumer.kill()
+    assert code == 0, "".join(consumer.raw[-20:])
+
+    stored = rows(engine, outbox)
+    assert Counter(r.status for r in stored) == {"delivered": events_n}
+    assert Counter(r.attempts for r in stored) == {1: events_n}, "an attempt was counted"
+    assert relay.metric("outbox_rows_retryable_total") == 0
+    assert relay.metric("outbox_rows_failed_total") == 0
+    rows_n, distinct, _ = effects_done(engine)
+    assert rows_n == distinct == events_n, "an event's effect was applied twice or never"
+    copies = first_deliveries_in_key_order(consume(up, topic, expected=events_n, timeout=60))
+    assert len(copies) == events_n and max(copies.values()) == 1
+
+    cluster.node(controller).start()
+    cluster.wait_full_isr([topic])
+    print(f"killed controller {controller} at {at_kill}/{events_n}; node {elected} took over")

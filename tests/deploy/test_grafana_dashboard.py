@@ -72,6 +72,9 @@ REQUIRED = {
     "consumer lag": "worker_consumer_lag",
     "handler latency": "worker_handle_seconds_bucket",
     "dead-letter write failures": "worker_dlq_unavailable_total",
+    # Issue 53: a relay retrying because of the cluster told apart from a stuck one.
+    "kafka delivery errors by topic and error": "outbox_kafka_delivery_errors_total",
+    "ownership conflicts": "outbox_ownership_conflicts",
 }
 
 # --- reading the dashboard ------------------------------------------------------------

@@ -23,6 +23,8 @@ import contextlib
 import fcntl
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -51,7 +53,6 @@ class Partition:
 
 def first_free_run(count: int) -> int:
     """The first of ``count`` consecutive free ports in this process's block."""
-    import socket
 
     block = port_block()
     start = block.start + (os.getpid() * 7) % max(1, len(block) - count)
@@ -303,6 +304,31 @@ class KafkaCluster:
         assert isinstance(found, int)
         return found
 
+    def active_controller(self, exclude: Sequence[int] = ()) -> int:
+        """The node id of the active KRaft controller (the metadata quorum's leader).
+
+        Asked with a DescribeQuorum request to a node that is up, as
+        ``kafka-metadata-quorum describe --status`` does: the broker forwards it
+        to the controllers. (A metadata response's controller id is a random
+        broker under KRaft, not the active controller.)"""
+        skip = self.frozen | set(exclude)
+
+        def ask() -> int | None:
+            for k, node in self.nodes.items():
+                if k in skip:
+                    continue
+                with contextlib.suppress(OSError, ValueError, struct.error, IndexError):
+                    leader = _describe_quorum_leader(node.port)
+                    if leader > 0 and leader not in skip:
+                        return leader
+            return None
+
+        found = wait_for(
+            ask, timeout=30, interval=0.5, what=f"the active controller of {self.name}"
+        )
+        assert isinstance(found, int)
+        return found
+
     def create_topic(
         self,
         topic: str,
@@ -343,6 +369,69 @@ class KafkaCluster:
             for fut in admin.delete_topics(list(topics), operation_timeout=15).values():
                 with contextlib.suppress(Exception):
                     fut.result(timeout=20)
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if not n:
+            out.append(low)
+            return bytes(out)
+        out.append(low | 0x80)
+
+
+def _read_uvarint(buf: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, i
+
+
+def _describe_quorum_leader(port: int) -> int:
+    """The leader id of ``__cluster_metadata`` by a DescribeQuorum v0 request
+    (API key 55, a flexible version) to the broker on ``port``; -1 on an error."""
+    client, topic = b"outboxkit-tests", b"__cluster_metadata"
+    header = struct.pack(">hhih", 55, 0, 1, len(client)) + client + _uvarint(0)
+    body = (
+        _uvarint(2)  # one topic
+        + _uvarint(len(topic) + 1)
+        + topic
+        + _uvarint(2)  # one partition
+        + struct.pack(">i", 0)
+        + _uvarint(0)  # partition's tagged fields
+        + _uvarint(0)  # topic's tagged fields
+        + _uvarint(0)  # request's tagged fields
+    )
+    request = header + body
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.settimeout(5)
+        s.sendall(struct.pack(">i", len(request)) + request)
+        size = struct.unpack(">i", _recv_exactly(s, 4))[0]
+        buf = _recv_exactly(s, size)
+    _, i = _read_uvarint(buf, 4)  # after the correlation id: the header's tagged fields
+    (error,) = struct.unpack_from(">h", buf, i)
+    if error:
+        return -1
+    _, i = _read_uvarint(buf, i + 2)  # topics
+    name_len, i = _read_uvarint(buf, i)
+    _, i = _read_uvarint(buf, i + name_len - 1)  # partitions
+    _, part_error, leader = struct.unpack_from(">ihi", buf, i)
+    return int(leader) if part_error == 0 else -1
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise OSError("connection closed")
+        buf += chunk
+    return buf
 
 
 _ASK_COORDINATOR = """

@@ -11,7 +11,10 @@ __all__ = ["exported_metric_names"]
 
 def exported_metric_names() -> set[str]:
     """Every family and series name the relay and the consumer register, plus ``up``."""
+    import logging
+
     from outboxkit.consumer.metrics import ConsumerMetrics
+    from outboxkit.relay.conflicts import OwnershipConflicts
     from outboxkit.relay.leases import ShardLeaseMetrics
     from outboxkit.relay.metrics import RelayMetrics
     from outboxkit.runtime import ServiceMetrics
@@ -21,6 +24,7 @@ def exported_metric_names() -> set[str]:
         lambda r: ConsumerMetrics(r),
         lambda r: ServiceMetrics(r, service="x"),
         lambda r: ShardLeaseMetrics(r, owned_gauge=False),
+        lambda r: OwnershipConflicts(r, logging.getLogger("outboxkit.relay"), outbox="x"),
     ]
     names = {"up"}
     for build in builders:
