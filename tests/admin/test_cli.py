@@ -161,19 +161,30 @@ def fake_relay() -> Iterator[str]:
 
 @on_both_databases
 def test_status_reports_counts_ages_leases_paused_topics_and_shard_owners(
-    make_rows: Any, admin: Any, fake_relay: str, redis_url: str, redis_prefix: str
+    make_rows: Any,
+    admin: Any,
+    fake_relay: str,
+    redis_url: str,
+    redis_prefix: str,
+    engine: sa.Engine,
+    outbox: str,
 ) -> None:
     import redis
+
+    from outboxkit.runtime.identity import read_identity
+    from outboxkit.runtime.rediskeys import lease_key
 
     make_rows(3, status="pending", topic="orders", age_s=90)
     make_rows(2, status="delivered", topic="orders")
     make_rows(1, status="failed", topic="payments")
     make_rows(2, status="delivering", topic="payments", lease_s=30)
     make_rows(1, status="delivering", topic="payments", lease_s=-5)
+    with engine.connect() as conn:
+        key = read_identity(conn, outbox).key  # what a relay names its leases by
     client = redis.Redis.from_url(redis_url)
     for shard in range(6):
         node = "relay-1" if shard < 4 else "relay-2"
-        client.set(f"{redis_prefix}outboxkit:outbox_events:shard:{shard}", f"{node}:tok{shard}")
+        client.set(lease_key(redis_prefix, key, shard), f"{node}:tok{shard}")
     client.close()
 
     res = admin(
