@@ -8,9 +8,12 @@ run has lasted 60 s. Once draining, a crash is logged and the loop is not
 restarted: the entry point goes on with the shutdown.
 
 A worker is *crash-looping* once it crashed ``crash_loop_after`` (3) times in a
-row, until a run of it lasts the same 60 s that resets the series (a worker
-that crashes on every run, say on a row it cannot handle, spends its life in
-backoff while restarts alone hide it in a counter). While any worker is,
+row for reasons other than a dependency's outage (``is_infrastructure_error``:
+a database restarting or a lost connection restarts the loop with the same
+backoff, but neither counts nor ends the series), until a run of it lasts the
+same 60 s that resets the series (a worker that crashes on every run, say on
+a row it cannot handle, spends its life in backoff while restarts alone hide
+it in a counter). While any worker is,
 :meth:`Supervisor.readiness` says ``"ready": false`` with the worker, the
 error's class and the count (``ServiceRuntime`` merges it into the readiness
 answer: 503), and one ``worker-crash-loop`` line is logged when it begins.
@@ -28,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_FAILURE
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event, redact
@@ -142,6 +146,7 @@ class Supervisor:
         ``KeyboardInterrupt``/``SystemExit`` and other non-``Exception`` errors propagate.
         """
         consecutive = 0
+        looping = 0  # crashes in a row that were not a dependency's outage
         with self._lock:
             self._workers[name] = state = _Worker()
         while True:
@@ -161,19 +166,27 @@ class Supervisor:
                 # A crash while draining is logged and ends the worker: no restart.
                 draining = self.lifecycle.draining.is_set()
                 restart: dict[str, object] = {}
+                # A dependency's outage (the database restarting, a lost
+                # connection) restarts the loop with the same backoff but is no
+                # crash loop: it is not the code's, it ends by itself, and it has
+                # its own reports. It neither counts nor ends a loop's series.
+                outage = is_infrastructure_error(exc)
                 if not draining:
                     if ran_for >= self.reset_after:
-                        consecutive = 0
+                        consecutive = looping = 0
                     delay = self.backoff[min(consecutive, len(self.backoff) - 1)]
                     consecutive += 1
+                    if not outage:
+                        looping += 1
                     restart = {
                         "restart_in_s": delay,
                         "restarts": consecutive,
                         "ran_for_s": round(ran_for, 3),
                     }
                     with self._lock:
-                        state.consecutive = consecutive
-                        state.error, state.detail = type(exc).__name__, error
+                        state.consecutive = looping
+                        if not outage:
+                            state.error, state.detail = type(exc).__name__, error
                         state.run_started = None
                 log_event(
                     self.log,
@@ -186,14 +199,14 @@ class Supervisor:
                 )
                 if draining:
                     return
-                if consecutive == self.crash_loop_after:
+                if not outage and looping == self.crash_loop_after:
                     log_event(
                         self.log,
                         "worker-crash-loop",
                         level=logging.ERROR,
                         worker=name,
                         error=type(exc).__name__,
-                        consecutive_crashes=consecutive,
+                        consecutive_crashes=looping,
                         effect=f"readiness answers 503 until a run lasts {self.reset_after:g} s; "
                         "a stop now exits with result crash-loop",
                     )

@@ -231,3 +231,38 @@ def test_a_drain_after_two_crashes_keeps_the_exit_code_clean() -> None:
     sup = Supervisor(lc, sleep=sleep)
     sup.run("w", loop)
     assert sup.crash_loops_at_drain == () and lc.exit_code() == 0
+
+
+def test_a_dependency_outage_is_no_crash_loop_and_a_drain_after_it_exits_clean() -> None:
+    """A database restart makes the relay's loop raise ``OperationalError`` on every
+    try until the server is back: restarts with backoff, as before, but not a crash
+    loop (the outage is not the code's, and it has its own reports). Seen in a full
+    chaos run: relays redeployed right after a database fault exited 1 with
+    ``crash-loop``."""
+    import pymysql
+    import sqlalchemy.exc
+
+    lc = make_lifecycle()
+    calls = {"n": 0}
+
+    def loop() -> None:
+        calls["n"] += 1
+        raise sqlalchemy.exc.OperationalError(
+            "SELECT 1", {}, pymysql.err.OperationalError(2013, "Lost connection")
+        )
+
+    seen: list[dict[str, object]] = []
+
+    def sleep(delay: float) -> bool:
+        seen.append(sup.readiness())
+        if calls["n"] == 5:
+            lc.drain("SIGTERM")
+        return lc.draining.is_set()
+
+    sup = Supervisor(lc, sleep=sleep)
+    with capture_json_logs() as cap:
+        sup.run("relay", loop)
+    assert seen == [{}] * 5
+    assert sup.crash_loops_at_drain == () and lc.exit_code() == 0
+    assert cap.events("worker-crash-loop") == []
+    assert len(cap.events("worker-crashed")) == 5
