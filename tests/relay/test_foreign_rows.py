@@ -319,10 +319,14 @@ def test_a_row_with_extreme_attempts_does_not_stop_the_claim(
 
 
 def test_an_exception_escaping_the_per_row_handling_names_the_row(
-    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Only a BaseException (an interrupt) gets past the per-row handling; its
-    traceback, which the supervisor logs, says which row was being produced."""
+    traceback, which the supervisor logs, says which row was being produced.
+    The topic exists: a topic the broker does not know yet (auto-creation still
+    under way on a busy broker) fails the row before any produce."""
 
     class Interrupted(Producer):  # type: ignore[misc]
         def produce(self, *args: Any, **kwargs: Any) -> None:
@@ -333,7 +337,7 @@ def test_an_exception_escaping_the_per_row_handling_names_the_row(
     row = ClaimedRow(
         id=4711,
         event_id="e-1",
-        topic="orders",
+        topic=kafka_topics(partitions=1),
         key=b"k",
         payload=b"p",
         headers=None,
