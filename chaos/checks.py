@@ -30,6 +30,13 @@ DUPLICATE_CAUSES = (
     "net-timeout",
     "net-reset",
     "relay-bounded-queue",
+    # a node of the cluster gone or frozen: a batch in flight to it may time out
+    # (message.timeout.ms) and be sent again once the partition has a leader
+    "kafka-leader-kill",
+    "kafka-follower-freeze",
+    "kafka-controller-kill",
+    "kafka-coordinator-kill",
+    "kafka-rolling-restart",
 )
 #: Relay faults that also cut every relay from a service: they explain any shard.
 FLEET_WIDE = frozenset({"relay-bounded-queue"})

@@ -7,6 +7,11 @@ relays reach all three through Toxiproxy (network faults touch only them);
 the writer, the consumers and the checks connect directly. Kafka has a second
 listener whose advertised port is the proxy's, so a relay that bootstraps
 through the proxy stays behind it.
+
+With ``--kafka-brokers 3`` Kafka is a three-node KRaft cluster
+(``deploy/local/kafka-cluster.sh``: replication factor 3, ``min.insync.replicas``
+2, unclean leader election off), each node behind a proxy of its own
+(``kafka-1`` .. ``kafka-3``); a network fault on ``kafka`` hits all three.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import redis as redis_lib
 import sqlalchemy as sa
+from support.cluster import NODES, KafkaCluster, first_free_run
 from support.services import (
     STATE_DIR,
     KafkaInstance,
@@ -131,30 +137,73 @@ class Cluster:
     name: str
     logs: Path
     db: MariaDBInstance | PostgresInstance
-    kafka: KafkaInstance
+    #: one broker, or (``--kafka-brokers 3``) the three-node cluster
+    kafka: KafkaInstance | KafkaCluster
     redis: RedisInstance
     toxiproxy: Toxiproxy
+    #: Toxiproxy's listening port of each proxy ("db", "redis", "kafka" or
+    #: "kafka-1".."kafka-3") and its upstream
     proxy_ports: dict[str, int]
+    upstreams: dict[str, int]
 
     @classmethod
-    def plan(cls, name: str, logs: Path, database: str = "mariadb") -> Cluster:
-        (db, kafka, controller, proxied, rds, toxi, p_db, p_kafka, p_redis) = free_ports(9)
+    def plan(
+        cls, name: str, logs: Path, database: str = "mariadb", kafka_brokers: int = 1
+    ) -> Cluster:
         instance = PostgresInstance if database == "postgresql" else MariaDBInstance
-        return cls(
-            name=name,
-            logs=logs,
-            db=instance(f"{name}-db", db),
-            kafka=KafkaInstance(
+        kafka: KafkaInstance | KafkaCluster
+        if kafka_brokers == 1:
+            (db, port, controller, proxied, rds, toxi, p_db, p_kafka, p_redis) = free_ports(9)
+            kafka = KafkaInstance(
                 f"{name}-kafka",
-                kafka,
+                port,
                 controller,
                 proxied_port=proxied,
                 proxied_advertised_port=p_kafka,
-            ),
-            redis=RedisInstance(f"{name}-redis", rds),
+            )
+            kafka_proxies = {"kafka": (p_kafka, proxied)}
+        else:
+            # brokers and controllers on 6 ports, then the proxied listeners and
+            # the proxies in front of them on 6 more
+            run = first_free_run(4 * NODES)
+            taken = range(run, run + 4 * NODES)
+            db, rds, toxi, p_db, p_redis = [p for p in free_ports(20) if p not in taken][:5]
+            kafka = KafkaCluster(f"{name}-kafka", run, proxied_port=run + 2 * NODES)
+            kafka_proxies = {
+                f"kafka-{k}": (run + 3 * NODES + k - 1, run + 2 * NODES + k - 1)
+                for k in range(1, NODES + 1)
+            }
+        db_instance = instance(f"{name}-db", db)
+        redis = RedisInstance(f"{name}-redis", rds)
+        proxies = {
+            "db": (p_db, db_instance.port),
+            "redis": (p_redis, redis.port),
+            **kafka_proxies,
+        }
+        return cls(
+            name=name,
+            logs=logs,
+            db=db_instance,
+            kafka=kafka,
+            redis=redis,
             toxiproxy=Toxiproxy(toxi, logs),
-            proxy_ports={"db": p_db, "kafka": p_kafka, "redis": p_redis},
+            proxy_ports={n: listen for n, (listen, _) in proxies.items()},
+            upstreams={n: up for n, (_, up) in proxies.items()},
         )
+
+    @property
+    def brokers(self) -> int:
+        return NODES if isinstance(self.kafka, KafkaCluster) else 1
+
+    def proxies(self, target: str) -> list[str]:
+        """The Toxiproxy proxies a network fault on ``target`` (db, kafka, redis) hits."""
+        return sorted(n for n in self.proxy_ports if n.split("-")[0] == target)
+
+    def kafka_nodes(self) -> list[KafkaInstance]:
+        """Every Kafka process of the run (one broker, or the cluster's nodes)."""
+        if isinstance(self.kafka, KafkaCluster):
+            return list(self.kafka.nodes.values())
+        return [self.kafka]
 
     # -- addresses -----------------------------------------------------------
     @property
@@ -186,7 +235,7 @@ class Cluster:
 
     @property
     def relay_bootstrap(self) -> str:
-        return f"127.0.0.1:{self.proxy_ports['kafka']}"
+        return ",".join(f"127.0.0.1:{self.proxy_ports[n]}" for n in self.proxies("kafka"))
 
     @property
     def relay_redis_url(self) -> str:
@@ -204,19 +253,36 @@ class Cluster:
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
-        threads = [
-            threading.Thread(target=up, args=(i,)) for i in (self.db, self.kafka, self.redis)
-        ]
+        def up_kafka(kafka: KafkaCluster) -> None:
+            try:
+                kafka.start()  # a fresh cluster: the run's name is new
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=up, args=(i,)) for i in (self.db, self.redis)]
+        threads.append(
+            threading.Thread(target=up_kafka, args=(self.kafka,))
+            if isinstance(self.kafka, KafkaCluster)
+            else threading.Thread(target=up, args=(self.kafka,))
+        )
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if errors:
             raise errors[0]
-        self.toxiproxy.proxy("db", self.proxy_ports["db"], self.db.port)
-        assert self.kafka.proxied_port is not None
-        self.toxiproxy.proxy("kafka", self.proxy_ports["kafka"], self.kafka.proxied_port)
-        self.toxiproxy.proxy("redis", self.proxy_ports["redis"], self.redis.port)
+        for proxy, listen in self.proxy_ports.items():
+            self.toxiproxy.proxy(proxy, listen, self.upstreams[proxy])
+
+    def kafka_kill(self) -> None:
+        """SIGKILL every Kafka process."""
+        for node in self.kafka_nodes():
+            node.kill()
+
+    def kafka_start(self) -> None:
+        """Start whatever Kafka process is down (a cluster's nodes together: a node
+        answers only once a quorum of controllers is up)."""
+        self.kafka.start()
 
     def prepare(self, topic: str, partitions: int, shards: int) -> None:
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -266,11 +332,12 @@ class Cluster:
                         )
             su.dispose()
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        rf = self.brokers  # and min.insync.replicas 2 on the cluster (its default)
         futures = admin.create_topics(
             [
-                NewTopic(topic, num_partitions=partitions, replication_factor=1),
-                NewTopic(f"{topic}.dlq", num_partitions=1, replication_factor=1),
-                NewTopic(f"{topic}.neighbour", num_partitions=partitions, replication_factor=1),
+                NewTopic(topic, num_partitions=partitions, replication_factor=rf),
+                NewTopic(f"{topic}.dlq", num_partitions=1, replication_factor=rf),
+                NewTopic(f"{topic}.neighbour", num_partitions=partitions, replication_factor=rf),
             ]
         )
         for f in futures.values():
@@ -303,7 +370,12 @@ class Cluster:
         return redis_lib.Redis.from_url(self.redis.url, socket_timeout=5)
 
     def stop(self, keep: bool) -> None:
-        for instance in (self.db, self.kafka, self.redis):
+        if isinstance(self.kafka, KafkaCluster):
+            with contextlib.suppress(Exception):
+                self.kafka.stop() if keep else self.kafka.destroy()
+        for instance in (self.db, self.redis) + (
+            () if isinstance(self.kafka, KafkaCluster) else (self.kafka,)
+        ):
             with contextlib.suppress(Exception):
                 instance.stop()
             if not keep:

@@ -26,6 +26,15 @@ KINDS: tuple[str, ...] = (
     "net-reset",
     "relay-bounded-queue",
 )
+#: Fault kinds of a three-node Kafka cluster (``--kafka-brokers 3``), beside the
+#: others (where ``kafka-kill`` and ``kafka-freeze`` take every node at once).
+CLUSTER_KINDS: tuple[str, ...] = (
+    "kafka-leader-kill",
+    "kafka-follower-freeze",
+    "kafka-controller-kill",
+    "kafka-coordinator-kill",
+    "kafka-rolling-restart",
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,10 @@ class Timings:
     bounded_queue_messages: int = 10
     consumer_session_timeout_ms: int = 6000
     slow_handler_s: float = 0.3
+    #: a cluster's ``replica.lag.time.max.ms`` (support.cluster.KafkaCluster's)
+    replica_lag_s: float = 4.0
+    #: how long a cluster node fault waits for every ISR to be full again
+    isr_recovery_s: float = 90.0
 
     @property
     def batch_budget_s(self) -> float:
@@ -77,6 +90,9 @@ class RunConfig:
     #: The relays overlap two batches (``OUTBOXKIT_PIPELINE``): True or False as
     #: asked; None leaves the relay's own default (on with PostgreSQL only).
     pipeline: bool | None = None
+    #: 1: one broker; 3: a three-node KRaft cluster (replication factor 3,
+    #: min.insync.replicas 2) and the cluster fault kinds
+    kafka_brokers: int = 1
     keep: bool = False
     timings: Timings = field(default_factory=Timings)
 
@@ -90,7 +106,9 @@ class RunConfig:
         return d
 
 
-def _preset(name: str) -> dict[str, object]:
+def _preset(name: str, kafka_brokers: int = 1) -> dict[str, object]:
+    if kafka_brokers == 3:
+        return _cluster_preset(name)
     if name == "smoke":
         per = dict.fromkeys(KINDS, 1)
         per.update({"relay-kill": 2, "relay-redeploy": 2})
@@ -121,6 +139,56 @@ def _preset(name: str) -> dict[str, object]:
         "relays": 3,
         "consumers": 2,
         "duration_s": 1500.0,
+        "consumer_concurrency": 4,
+        "faults": per,
+    }
+
+
+def _cluster_preset(name: str) -> dict[str, object]:
+    """The runs on a three-node cluster: the single-broker schedule's kinds, and
+    the cluster's (each node fault takes 10 to 50 s: a restart and the ISR's
+    recovery, so the runs are longer for their events)."""
+    if name == "smoke":
+        per = dict.fromkeys(KINDS, 1)
+        per.update(dict.fromkeys(CLUSTER_KINDS, 1))
+        per.update({"relay-redeploy": 2})
+        return {
+            "events": 20_000,
+            "keys": 2_000,
+            "relays": 3,
+            "consumers": 2,
+            "duration_s": 150.0,
+            "faults": per,
+        }
+    if name == "medium":
+        per = dict.fromkeys(KINDS, 1)
+        per.update(dict.fromkeys(CLUSTER_KINDS, 4))
+        per.update({"relay-redeploy": 8})
+        return {
+            "events": 100_000,
+            "keys": 5_000,
+            "relays": 3,
+            "consumers": 2,
+            "duration_s": 600.0,
+            "faults": per,
+        }
+    per = dict.fromkeys(KINDS, 4)
+    per.update(
+        {
+            "kafka-leader-kill": 30,
+            "kafka-follower-freeze": 25,
+            "kafka-controller-kill": 15,
+            "kafka-coordinator-kill": 20,
+            "kafka-rolling-restart": 10,
+            "relay-redeploy": 60,
+        }
+    )
+    return {
+        "events": 500_000,
+        "keys": 10_000,
+        "relays": 3,
+        "consumers": 2,
+        "duration_s": 2400.0,
         "consumer_concurrency": 4,
         "faults": per,
     }
@@ -177,13 +245,22 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         help="run the relays with the pipeline on (two batches in flight) or off; "
         "default: the relay's own default, on with PostgreSQL only (docs/relay.md)",
     )
+    p.add_argument(
+        "--kafka-brokers",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="1: one broker (default); 3: a three-node KRaft cluster (replication factor 3, "
+        "min.insync.replicas 2) with the cluster fault kinds: " + ", ".join(CLUSTER_KINDS),
+    )
     p.add_argument("--keep", action="store_true", help="keep the named instances' state")
     a = p.parse_args(argv)
+    known = KINDS + (CLUSTER_KINDS if a.kafka_brokers == 3 else ())
     ownership = a.ownership or ("advisory" if a.database == "postgresql" else "redis")
     if ownership == "advisory" and a.database != "postgresql":
         p.error("--ownership advisory needs --database postgresql")
     name = a.size or "full"
-    values = _preset(name)
+    values = _preset(name, a.kafka_brokers)
     for k in ("events", "keys", "relays", "consumers"):
         if getattr(a, k) is not None:
             values[k] = getattr(a, k)
@@ -194,18 +271,23 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     faults = dict(values.pop("faults"))  # type: ignore[call-overload]
     for item in filter(None, (a.faults or "").split(",")):
         kind, _, count = item.partition("=")
-        if kind.strip() not in KINDS or not count.strip().isdigit():
-            p.error(f"bad --faults item {item!r}; known kinds: {', '.join(KINDS)}")
+        if kind.strip() not in known or not count.strip().isdigit():
+            p.error(f"bad --faults item {item!r}; known kinds: {', '.join(known)}")
         faults[kind.strip()] = int(count)
     if a.only:
         keep = {k.strip() for k in a.only.split(",")}
-        unknown = keep - set(KINDS)
+        unknown = keep - set(known)
         if unknown:
-            p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+            p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(known)}")
         faults = {k: n for k, n in faults.items() if k in keep}
     if ownership == "advisory":
         # The relays use no Redis then (nor does anything else): its faults would test nothing.
         faults = {k: n for k, n in faults.items() if not k.startswith("redis-")}
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
-    values.update(database=a.database, ownership=ownership, pipeline=a.pipeline)
+    values.update(
+        database=a.database,
+        ownership=ownership,
+        pipeline=a.pipeline,
+        kafka_brokers=a.kafka_brokers,
+    )
     return RunConfig(name=name, seed=seed, faults=faults, keep=a.keep, **values)  # type: ignore[arg-type]

@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sqlalchemy as sa
+from support.cluster import NODES, KafkaCluster
 
 from chaos.cluster import RELAY_DB_USER, Cluster
-from chaos.fleet import REDIS_PREFIX, TABLE, Fleet
+from chaos.fleet import GROUP, REDIS_PREFIX, TABLE, Fleet
 from chaos.procs import Proc
 from chaos.schedule import Fault
 from outboxkit.relay.leases import lease_key
@@ -50,12 +52,41 @@ class Injector:
 
     def run(self, fault: Fault) -> FaultRecord:
         action = getattr(self, "_" + fault.kind.replace("-", "_"))
+        retargeted_from = None
+        if fault.kind == "consumer-rebalance-drain":
+            retargeted_from, fault = fault.target, self._rebalance_target(fault)
         # one fault at a time per relay or consumer slot (the tracks run side by side)
         slot = self.fleet.slot_lock(fault.target) if fault.target in self.fleet.current else None
         with slot or contextlib.nullcontext():
             rec = FaultRecord(fault, time.time())
+            if retargeted_from not in (None, fault.target):
+                rec.detail["retargeted_from"] = retargeted_from
             self._act(action, fault, rec)
         return rec
+
+    def _rebalance_target(self, fault: Fault) -> Fault:
+        """The consumer slot a joining member is sure to take a partition from.
+
+        The cooperative-sticky assignor moves partitions only off members above
+        the new fair share; after a kill the partitions can sit unevenly (4 and
+        2 of 6), and a surge deploy of the smaller holder revokes nothing from
+        it; right after a Kafka outage the members hold nothing (their
+        partitions lost) until the group settles. So the rolling deploy waits
+        (60 s at most) for every partition to be held again, then replaces the
+        consumer holding the most (the scheduled slot when it ties): the
+        drain-at-revocation path is then walked by every such fault, not by
+        chance."""
+        deadline = time.monotonic() + 60
+        while True:
+            with self.fleet.lock:
+                live = {s: self.fleet.current[s] for s in self.fleet.slots("consumer")}
+            held = {slot: len(proc.assigned()) for slot, proc in live.items()}
+            if sum(held.values()) >= self.fleet.cfg.partitions or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if not held or held.get(fault.target, 0) >= max(held.values()):
+            return fault
+        return replace(fault, target=max(sorted(held), key=lambda s: held[s]))
 
     @staticmethod
     def _act(action: Any, fault: Fault, rec: FaultRecord) -> None:
@@ -105,14 +136,10 @@ class Injector:
         rec.detail["bounded"] = bounded.node_id
         # Cut Kafka once it owns shards: the batches it then claims meet the full queue.
         bounded.wait_for_event("shard-acquired", 10)
-        proxy = self.cluster.toxiproxy
-        proxy.add_toxic("kafka", f.kind, "timeout", {"timeout": 2000})
-        try:
+        with self._toxic("kafka", f.kind, "timeout", {"timeout": 2000}):
             time.sleep(f.hold_s)
             drained = self._terminate(f.target, rec)
             rec.detail["bounded_exit_code"] = drained.exit_code
-        finally:
-            proxy.remove_toxic("kafka", f.kind)
         # Unbounded again, unless the slot always is (fleet.BOUNDED_SLOT).
         rec.detail["replacement"] = self.fleet.start(f.target).node_id
 
@@ -240,14 +267,102 @@ class Injector:
 
     # -- Kafka, Redis, MariaDB -----------------------------------------------
     def _kafka_kill(self, f: Fault, rec: FaultRecord) -> None:
-        self.cluster.kafka.kill()
+        """Kafka is gone (on a cluster: every node at once, a total outage)."""
+        self.cluster.kafka_kill()
         time.sleep(f.hold_s)
         t0 = time.monotonic()
-        self.cluster.kafka.start()
+        self.cluster.kafka_start()
         rec.detail["restart_s"] = round(time.monotonic() - t0, 1)
 
     def _kafka_freeze(self, f: Fault, rec: FaultRecord) -> None:
-        self._freeze(self.cluster.kafka, f.hold_s)
+        nodes = self.cluster.kafka_nodes()
+        for node in nodes:
+            node.pause()
+        try:
+            time.sleep(f.hold_s)
+        finally:
+            for node in nodes:
+                node.resume()
+
+    # -- a three-node Kafka cluster (--kafka-brokers 3) ----------------------
+    def _kafka_cluster(self) -> KafkaCluster:
+        kafka = self.cluster.kafka
+        assert isinstance(kafka, KafkaCluster), f"{self.cluster.name}: not a Kafka cluster"
+        return kafka
+
+    def _partition(self, f: Fault) -> int:
+        """The partition of the run's topic a node fault aims at (by the fault's seq)."""
+        return f.seq % self.fleet.cfg.partitions
+
+    def _kill_node(self, k: int, f: Fault, rec: FaultRecord) -> None:
+        """SIGKILL node ``k``; start it again after the hold; wait until every
+        partition of the run has its full ISR again (recorded, bounded)."""
+        kafka = self._kafka_cluster()
+        rec.detail["node"] = k
+        kafka.node(k).kill()
+        time.sleep(f.hold_s)
+        t0 = time.monotonic()
+        kafka.node(k).start()
+        rec.detail["restart_s"] = round(time.monotonic() - t0, 1)
+        self._wait_isr(kafka, rec, t0)
+
+    def _wait_isr(self, kafka: KafkaCluster, rec: FaultRecord, t0: float) -> None:
+        try:
+            kafka.wait_full_isr(self._topics(), timeout=self.t.isr_recovery_s)
+        except Exception as exc:  # the run goes on: the next fault waits for it
+            rec.detail["isr_not_full"] = f"{type(exc).__name__}: {exc}"[:200]
+        rec.detail["isr_full_s"] = round(time.monotonic() - t0, 1)
+
+    def _topics(self) -> list[str]:
+        topic = self.fleet.topic
+        return [topic, f"{topic}.dlq", f"{topic}.neighbour"]
+
+    def _kafka_leader_kill(self, f: Fault, rec: FaultRecord) -> None:
+        """kill -9 the leader of a partition the relays produce to, mid-backlog."""
+        p = self._partition(f)
+        rec.detail["partition"] = p
+        self._kill_node(self._kafka_cluster().leader(self.fleet.topic, p), f, rec)
+
+    def _kafka_controller_kill(self, f: Fault, rec: FaultRecord) -> None:
+        """kill -9 the active controller (the quorum elects another)."""
+        self._kill_node(self._kafka_cluster().active_controller(), f, rec)
+
+    def _kafka_coordinator_kill(self, f: Fault, rec: FaultRecord) -> None:
+        """kill -9 the consumer group's coordinator while the consumers commit."""
+        self._kill_node(self._kafka_cluster().coordinator(GROUP), f, rec)
+
+    def _kafka_follower_freeze(self, f: Fault, rec: FaultRecord) -> None:
+        """SIGSTOP a follower of a partition for longer than the replica lag: its
+        partitions' ISR shrinks to the leader and one more, those led by the frozen
+        node move; the 2-replica partitions ``acks=all`` needs are still there
+        unless a second node falls behind. Resume; wait for the full ISR."""
+        kafka = self._kafka_cluster()
+        p = self._partition(f)
+        part = kafka.partitions(self.fleet.topic).get(p)
+        followers = [r for r in part.replicas if r != part.leader] if part else []
+        k = followers[f.seq % len(followers)] if followers else 1 + f.seq % NODES
+        rec.detail.update(partition=p, node=k)
+        kafka.freeze(k)
+        try:
+            time.sleep(f.hold_s)
+            shrunk = kafka.partitions(self.fleet.topic).get(p)
+            rec.detail["isr_at_end"] = list(shrunk.isr) if shrunk else None
+        finally:
+            kafka.resume(k)
+        self._wait_isr(kafka, rec, time.monotonic())
+
+    def _kafka_rolling_restart(self, f: Fault, rec: FaultRecord) -> None:
+        """An upgrade: SIGTERM each node in turn, start it again, wait for every
+        ISR to be full before the next."""
+        kafka = self._kafka_cluster()
+        took: list[float] = []
+        for k in sorted(kafka.nodes):
+            t0 = time.monotonic()
+            kafka.node(k).stop()
+            kafka.node(k).start()
+            self._wait_isr(kafka, rec, t0)
+            took.append(round(time.monotonic() - t0, 1))
+        rec.detail["node_s"] = took
 
     def _redis_restart(self, f: Fault, rec: FaultRecord) -> None:
         self.cluster.redis.kill()
@@ -321,13 +436,24 @@ class Injector:
         rec.detail["restart_s"] = round(time.monotonic() - t0, 1)
 
     # -- network (relays <-> one service, through Toxiproxy) -----------------
-    def _net(self, f: Fault, kind: str, attributes: dict[str, int]) -> None:
+    @contextlib.contextmanager
+    def _toxic(
+        self, target: str, name: str, kind: str, attributes: dict[str, int]
+    ) -> Iterator[None]:
+        """The toxic on every proxy in front of ``target`` (each node of a Kafka cluster)."""
         proxy = self.cluster.toxiproxy
-        proxy.add_toxic(f.target, f.kind, kind, attributes)
+        names = self.cluster.proxies(target)
         try:
-            time.sleep(f.hold_s)
+            for n in names:
+                proxy.add_toxic(n, name, kind, attributes)
+            yield
         finally:
-            proxy.remove_toxic(f.target, f.kind)
+            for n in names:
+                proxy.remove_toxic(n, name)
+
+    def _net(self, f: Fault, kind: str, attributes: dict[str, int]) -> None:
+        with self._toxic(f.target, f.kind, kind, attributes):
+            time.sleep(f.hold_s)
 
     def _net_latency(self, f: Fault, rec: FaultRecord) -> None:
         self._net(f, "latency", {"latency": 300, "jitter": 200})

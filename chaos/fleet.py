@@ -24,6 +24,8 @@ TABLE = "outbox_events"
 #: starts of one slot's process before a failing start counts as an unexpected exit
 START_ATTEMPTS = 20
 REDIS_PREFIX = "chaos:"
+#: The consumers' group (its coordinator is the target of ``kafka-coordinator-kill``).
+GROUP = "chaos"
 #: The relay slot whose every process runs with a bounded producer queue
 #: (``Timings.bounded_queue_messages``): Kafka faults meet one such relay in
 #: every run, under load (docs/reliability.md).
@@ -121,7 +123,7 @@ class Fleet:
             ),
             "OUTBOXKIT_DB_URL": self.cluster.db_url,
             "OUTBOXKIT_INBOX": "true",
-            "OUTBOXKIT_GROUP_ID": "chaos",
+            "OUTBOXKIT_GROUP_ID": GROUP,
             "OUTBOXKIT_TOPICS": self.topic,
             "OUTBOXKIT_NODE_ID": node_id,
             "OUTBOXKIT_SERVICE": "chaos-consumer",

@@ -113,6 +113,18 @@ class Proc:
     def events(self, name: str) -> list[dict[str, Any]]:
         return [r for r in self.read_records() if r.get("event") == name]
 
+    def assigned(self) -> set[str]:
+        """A consumer's partitions now, from its logged incremental (cooperative)
+        assignments, revocations and losses."""
+        held: set[str] = set()
+        for r in self.read_records():
+            event = r.get("event")
+            if event == "partitions-assigned":
+                held.update(str(tp) for tp in r.get("partitions", []))
+            elif event in ("partitions-revoked", "partitions-lost"):
+                held.difference_update(str(tp) for tp in r.get("partitions", []))
+        return held
+
     def tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

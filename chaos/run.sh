@@ -2,8 +2,10 @@
 # The chaos suite's one command:  ./chaos/run.sh [--smoke|--medium] [--seed N]
 #                                   [--events N] [--keys N] [--duration S] [--keep]
 #                                   [--database mariadb|postgresql] [--ownership redis|advisory]
+#                                   [--kafka-brokers 1|3]
 # Default: the full run (1,000,000 events, 10,000 keys, 3 relays, 2 consumers,
-# >= 200 faults, about 30 minutes). Starts its own named MariaDB (or PostgreSQL), Kafka, Redis
+# >= 200 faults, about 30 minutes; with --kafka-brokers 3, a three-node Kafka cluster and its
+# fault kinds, 500,000 events). Starts its own named MariaDB (or PostgreSQL), Kafka, Redis
 # and Toxiproxy instances on free ports and removes them afterwards.
 # Exit 0 when every check passed; 1 when one failed (evidence printed).
 set -euo pipefail

@@ -57,14 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     schedule = make_schedule(cfg)
     # The database and the process id keep two runs started in the same second
     # (the suite's two smoke runs, on two workers) out of each other's logs.
-    run_id = f"{cfg.name}-{cfg.database}-{cfg.seed}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    kafka = "" if cfg.kafka_brokers == 1 else f"-kafka{cfg.kafka_brokers}"
+    run_id = (
+        f"{cfg.name}-{cfg.database}{kafka}-{cfg.seed}-{time.strftime('%Y%m%dT%H%M%S')}"
+        f"-{os.getpid()}"
+    )
     logs = RESULTS / run_id
     logs.mkdir(parents=True, exist_ok=False)
     say(
         f"run {run_id}: seed {cfg.seed} (replay: ./chaos/run.sh"
         f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed}"
         f" --database {cfg.database} --ownership {cfg.ownership}"
-        f"{'' if cfg.pipeline is None else ' --pipeline' if cfg.pipeline else ' --no-pipeline'})"
+        f"{'' if cfg.pipeline is None else ' --pipeline' if cfg.pipeline else ' --no-pipeline'}"
+        f"{'' if cfg.kafka_brokers == 1 else f' --kafka-brokers {cfg.kafka_brokers}'})"
     )
     say(
         f"{cfg.events} events, {cfg.keys} keys, {cfg.relays} relays, {cfg.consumers} consumers, "
@@ -78,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         database = "PostgreSQL" if cfg.database == "postgresql" else "MariaDB"
-        say(f"starting {database}, Kafka, Redis and Toxiproxy (named instances)")
-        cluster = start_cluster(f"chaos{os.getpid()}", logs, cfg.database)
+        brokers = "Kafka" if cfg.kafka_brokers == 1 else f"a {cfg.kafka_brokers}-node Kafka cluster"
+        say(f"starting {database}, {brokers}, Redis and Toxiproxy (named instances)")
+        cluster = start_cluster(f"chaos{os.getpid()}", logs, cfg.database, cfg.kafka_brokers)
         cluster.prepare(TOPIC, cfg.partitions, cfg.shards)
         fleet = Fleet(cfg, cluster, TOPIC, logs)
         return Run(cfg, schedule, cluster, fleet, logs, run_id).go()
@@ -91,14 +97,16 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop(cfg.keep)
 
 
-def start_cluster(name: str, logs: Path, database: str = "mariadb") -> Cluster:
+def start_cluster(
+    name: str, logs: Path, database: str = "mariadb", kafka_brokers: int = 1
+) -> Cluster:
     """Plan free ports and start the instances. A free port is only free until a
     service binds it: another process (another chaos run, a test) may take it
     meanwhile ("Address already in use"). Then the instances are stopped and
     started again on newly chosen ports, three times at most."""
 
     def attempt() -> Cluster:
-        cluster = Cluster.plan(name, logs, database)
+        cluster = Cluster.plan(name, logs, database, kafka_brokers)
         try:
             cluster.start()
         except BaseException as exc:
@@ -479,6 +487,12 @@ class Run:
         return 0 if summary["ok"] else 1
 
 
+def _kafka_figure(brokers: int) -> str:
+    if brokers == 1:
+        return "one broker"
+    return f"{brokers}-node KRaft cluster, replication factor {brokers}, min.insync.replicas 2"
+
+
 def markdown_table(s: dict[str, Any]) -> str:
     """The figures of a run as the table in docs/reliability.md."""
     c = s["checks"]
@@ -491,6 +505,7 @@ def markdown_table(s: dict[str, Any]) -> str:
         ("run", f"{s['size']}, seed {s['seed']}, {s['finished']}, {s['wall_s']:.0f} s wall"),
         ("events / keys", f"{s['events']:,} / {cfg['keys']:,}"),
         ("relays / consumers", f"{cfg['relays']} / {cfg['consumers']}"),
+        ("Kafka", _kafka_figure(cfg.get("kafka_brokers", 1))),
         ("faults", f"{s['faults_total']}: {kinds}"),
         ("lost (Kafka / effect)", f"{lost['lost_kafka']} / {lost['lost_effect']}"),
         ("effects applied twice", str(lost["effect_twice"])),

@@ -88,8 +88,15 @@ def _hold(kind: str, t: object, rng: random.Random) -> float:
         return max(t.lease_ttl_s, t.shard_lease_ttl_s) + rng.uniform(1.0, 4.0)
     if kind in ("kafka-freeze", "relay-bounded-queue"):  # longer than message.timeout.ms
         return t.message_timeout_s + rng.uniform(1.0, 3.0)
-    if kind == "kafka-kill":
+    if kind in (
+        "kafka-kill",
+        "kafka-leader-kill",
+        "kafka-controller-kill",
+        "kafka-coordinator-kill",
+    ):
         return rng.uniform(0.5, 3.0)
+    if kind == "kafka-follower-freeze":  # longer than the replica lag: the ISR shrinks
+        return t.replica_lag_s + rng.uniform(2.0, 5.0)
     if kind == "redis-freeze":
         return rng.uniform(2.0, t.shard_lease_ttl_s + 2.0)
     if kind in ("relay-kill", "consumer-kill"):  # pause before the replacement starts

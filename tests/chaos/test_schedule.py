@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos.config import KINDS, parse_args
+from chaos.config import CLUSTER_KINDS, KINDS, parse_args
 from chaos.fleet import Fleet
 from chaos.schedule import make_schedule
 
@@ -45,6 +45,36 @@ def test_the_full_run_has_the_faults_the_issue_asks_for() -> None:
     assert (cfg.relays, cfg.consumers) == (3, 2)
     assert cfg.total_faults >= 200 and cfg.faults["relay-redeploy"] >= 100
     assert set(cfg.faults) == set(KINDS)
+
+
+@pytest.mark.parametrize("size", ["--smoke", "--medium", None])
+def test_a_cluster_run_adds_the_cluster_fault_kinds_to_every_other(size: str | None) -> None:
+    """``--kafka-brokers 3``: the single-broker schedule's kinds and the five of
+    the cluster; a follower is frozen for longer than the replica lag (else the
+    ISR never shrinks); the full run has the volume and broker faults it must."""
+    cfg = parse_args([*filter(None, [size]), "--seed", "7", "--kafka-brokers", "3"])
+    schedule = make_schedule(cfg)
+    assert cfg.kafka_brokers == 3
+    assert {f.kind for f in schedule} == set(KINDS) | set(CLUSTER_KINDS)
+    t = cfg.timings
+    for f in schedule:
+        if f.kind == "kafka-follower-freeze":
+            assert f.hold_s > t.replica_lag_s
+        if f.kind in CLUSTER_KINDS:
+            assert f.target == "kafka" and f.track == "faults"
+    if size is None:
+        assert cfg.events >= 500_000
+        assert sum(cfg.faults[k] for k in CLUSTER_KINDS) >= 100
+
+
+def test_cluster_fault_kinds_need_the_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--only", "kafka-leader-kill"])
+    assert "unknown fault kinds ['kafka-leader-kill']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--kafka-brokers", "2"])
+    cfg = parse_args(["--smoke", "--kafka-brokers", "3", "--only", "kafka-leader-kill"])
+    assert cfg.faults == {"kafka-leader-kill": 1}
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,10 @@
 runs a writer, three relays and two inbox consumers on its own named MariaDB,
 Kafka and Redis under a few faults of every kind, and every end-of-run check
 must pass (docs/reliability.md). The same on PostgreSQL, with the relays
-sharing shards by advisory locks and woken by NOTIFY (no Redis for them).
+sharing shards by advisory locks and woken by NOTIFY (no Redis for them), and
+Kafka a three-node cluster (``--kafka-brokers 3``: replication factor 3,
+``min.insync.replicas`` 2) under the cluster's faults too: leader kill, follower
+freeze, controller kill, coordinator kill, rolling restart.
 
 The seed is fixed so the suite is deterministic; ``CHAOS_SEED`` replays another.
 """
@@ -35,18 +38,26 @@ CHECKS = {
 }
 
 
-#: (database, shard ownership, fault kinds): MariaDB with Redis leases, every kind;
-#: PostgreSQL with advisory locks, whose relays use no Redis (its faults left out).
+#: (database, shard ownership, Kafka brokers, fault kinds): MariaDB with Redis
+#: leases and one broker, every kind; PostgreSQL with advisory locks, whose relays
+#: use no Redis (its 2 faults left out), on the cluster (its 5 kinds added).
 RUNS = {
-    "mariadb-redis": ("mariadb", "redis", 16),
-    "postgresql-advisory": ("postgresql", "advisory", 14),
+    "mariadb-redis": ("mariadb", "redis", 1, 16),
+    "postgresql-advisory-cluster": ("postgresql", "advisory", 3, 19),
+}
+CLUSTER_KINDS = {
+    "kafka-leader-kill",
+    "kafka-follower-freeze",
+    "kafka-controller-kill",
+    "kafka-coordinator-kill",
+    "kafka-rolling-restart",
 }
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("run", list(RUNS))
 def test_smoke_run_passes_every_check(run: str) -> None:
-    database, ownership, kinds = RUNS[run]
+    database, ownership, brokers, kinds = RUNS[run]
     built = list((REPO / "chaos" / ".bin").glob("toxiproxy-server-*"))
     if not built and not (shutil.which("go") or Path("/usr/local/go/bin/go").exists()):
         reason = "Go is needed to build Toxiproxy for the chaos suite"
@@ -64,6 +75,8 @@ def test_smoke_run_passes_every_check(run: str) -> None:
             database,
             "--ownership",
             ownership,
+            "--kafka-brokers",
+            str(brokers),
         ],
         env=env,
         capture_output=True,
@@ -81,11 +94,13 @@ def test_smoke_run_passes_every_check(run: str) -> None:
     assert summary["seed"] == SEED and summary["size"] == "smoke"
     assert summary["config"]["database"] == database
     assert summary["config"]["ownership"] == ownership
+    assert summary["config"]["kafka_brokers"] == brokers
     failed = {k: v["summary"] for k, v in summary["checks"].items() if not v["ok"]}
     assert proc.returncode == 0, f"checks failed: {failed}\n{out[-4000:]}"
     assert set(summary["checks"]) == CHECKS
     assert summary["events"] == 20_000
     assert len(summary["config"]["faults"]) == kinds
+    assert (CLUSTER_KINDS <= set(summary["config"]["faults"])) == (brokers == 3)
     assert set(summary["faults"]) == set(summary["config"]["faults"]), "every fault kind ran"
     assert not summary["fault_errors"], summary["fault_errors"]
     assert summary["checks"]["nothing lost"]["lost_kafka"] == 0

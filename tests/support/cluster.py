@@ -74,8 +74,23 @@ class ClusterNode(KafkaInstance):
     """One node of a cluster: started again with the cluster's flags, never as a
     broker of its own (even when its state folder is gone)."""
 
-    def __init__(self, name: str, port: int, controller_port: int, cluster_args: list[str]) -> None:
-        super().__init__(name, port, controller_port)
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        controller_port: int,
+        cluster_args: list[str],
+        *,
+        proxied_port: int | None = None,
+        proxied_advertised_port: int | None = None,
+    ) -> None:
+        super().__init__(
+            name,
+            port,
+            controller_port,
+            proxied_port=proxied_port,
+            proxied_advertised_port=proxied_advertised_port,
+        )
         self.cluster_args = cluster_args
 
     def _extra_args(self) -> list[str]:
@@ -83,15 +98,26 @@ class ClusterNode(KafkaInstance):
 
 
 class KafkaCluster:
-    """Three KRaft nodes on ``port``..``port+5`` (brokers on the first three)."""
+    """Three KRaft nodes on ``port``..``port+5`` (brokers on the first three).
+
+    ``proxied_port`` Q: node ``k`` also listens on Q+k-1 and advertises Q+3+k-1
+    there, where a TCP proxy in front of it keeps its clients behind the proxies
+    (:attr:`proxied_bootstrap`; see ``deploy/local/kafka-cluster.sh``)."""
 
     def __init__(
-        self, name: str, port: int, *, heap: str = "320m", replica_lag_ms: int = 4000
+        self,
+        name: str,
+        port: int,
+        *,
+        heap: str = "320m",
+        replica_lag_ms: int = 4000,
+        proxied_port: int | None = None,
     ) -> None:
         self.name = name
         self.port = port
         self.heap = heap
         self.replica_lag_ms = replica_lag_ms
+        self.proxied_port = proxied_port
         voters = ",".join(f"{k}@127.0.0.1:{port + NODES + k - 1}" for k in range(1, NODES + 1))
         self.nodes = {
             k: ClusterNode(
@@ -102,6 +128,10 @@ class KafkaCluster:
                     *("--node-id", str(k), "--voters", voters, "--replication", str(NODES)),
                     *("--min-isr", "2", "--replica-lag-ms", str(replica_lag_ms), "--heap", heap),
                 ],
+                proxied_port=None if proxied_port is None else proxied_port + k - 1,
+                proxied_advertised_port=(
+                    None if proxied_port is None else proxied_port + NODES + k - 1
+                ),
             )
             for k in range(1, NODES + 1)
         }
@@ -121,6 +151,7 @@ class KafkaCluster:
             self.heap,
             "--replica-lag-ms",
             str(self.replica_lag_ms),
+            *(() if self.proxied_port is None else ("--proxied-port", str(self.proxied_port))),
             *extra,
         ]
         proc = subprocess.run(
@@ -202,6 +233,12 @@ class KafkaCluster:
     @property
     def bootstrap(self) -> str:
         return ",".join(n.bootstrap for n in self.nodes.values())
+
+    @property
+    def proxied_bootstrap(self) -> str:
+        """The proxies' addresses (see the class); only with ``proxied_port``."""
+        assert self.proxied_port is not None, "started without proxied_port"
+        return ",".join(f"127.0.0.1:{self.proxied_port + NODES + k - 1}" for k in self.nodes)
 
     def up_bootstrap(self, exclude: Sequence[int] = ()) -> str:
         """Bootstrap list without frozen nodes and ``exclude``."""
