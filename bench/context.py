@@ -25,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.config import BenchConfig
+from bench.dblog import log_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,6 +228,7 @@ class BenchContext:
             "database_kind": "postgresql" if self.postgresql else "mysql",
             "database": db_version,
             "database_settings": db_vars,
+            "database_log": log_settings(self.engine),
             "kafka": kafka_version(),
             "outboxkit_commit": git_commit(),
         }

@@ -8,6 +8,7 @@ from typing import TypeVar
 from bench import data
 from bench.config import BenchConfig
 from bench.context import BenchContext
+from bench.dblog import LogMeter
 
 TEMPLATE_TABLE = "bench_template"
 #: The relay's default claim batch until its settings can be imported.
@@ -40,6 +41,7 @@ def template(ctx: BenchContext, rows: int) -> str:
     """
     have = int(ctx.cache.get("template_rows", 0))
     if have < rows:
+        logged = LogMeter(ctx.engine).begin()
         out = data.fill(
             ctx.engine,
             TEMPLATE_TABLE,
@@ -51,7 +53,14 @@ def template(ctx: BenchContext, rows: int) -> str:
             shards=ctx.config.shards,
         )
         ctx.cache["template_rows"] = rows
+        written = logged.bytes()
         ctx.cache.setdefault("template_fills", []).append(
-            {"rows": out.rows, "seconds": round(out.seconds, 2), "rows_per_s": round(out.rate)}
+            {
+                "rows": out.rows,
+                "seconds": round(out.seconds, 2),
+                "rows_per_s": round(out.rate),
+                # what the writer's own inserts add to the binary log / WAL
+                "log_bytes_per_event": None if written is None else round(written / out.rows, 1),
+            }
         )
     return TEMPLATE_TABLE

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from bench import data, profile
 from bench.context import BenchContext
+from bench.dblog import LogMeter
 from bench.kafka import Progress
 from bench.procs import Proc, ServiceCpu, cpu_share, relay_settings
 from bench.scenarios import Unavailable
@@ -58,6 +59,9 @@ class DrainRun:
     notes: list[str] = field(default_factory=list)
     #: Hottest functions of relay 0's loop (``--profile``).
     profile: list[dict[str, object]] = field(default_factory=list)
+    #: Bytes the database added to its binary log / WAL from the relays' start
+    #: to their exit (None: no such log, the binary log is off).
+    log_bytes: int | None = None
 
     @property
     def first(self) -> float:
@@ -84,6 +88,19 @@ class DrainRun:
             return None
         return self.relay_cpu / self.counted_rows * 1000
 
+    @property
+    def db_cpu_per_100k(self) -> float | None:
+        """The database server's CPU seconds per 100,000 events delivered while
+        it was counted (as ``relay_cpu_per_1k``)."""
+        used = self.services_cpu.get("mariadb", self.services_cpu.get("postgresql"))
+        if used is None or used <= 0 or self.counted_rows <= 0:
+            return None
+        return used / self.counted_rows * 100_000
+
+    @property
+    def log_bytes_per_event(self) -> float | None:
+        return None if self.log_bytes is None else self.log_bytes / self.rows
+
     def cpu_row(self) -> dict[str, float | None]:
         wall = self.cpu_wall
         out: dict[str, float | None] = {"relay cpu": cpu_share(self.relay_cpu, wall)}
@@ -91,6 +108,8 @@ class DrainRun:
             out[f"{name} cpu"] = cpu_share(used, wall)
         out["machine cpu"] = cpu_share(self.machine_cpu, wall)
         out["relay cpu s/1k events"] = self.relay_cpu_per_1k
+        out["db cpu s/100k events"] = self.db_cpu_per_100k
+        out["db log bytes/event"] = self.log_bytes_per_event
         out["relay peak MB"] = self.peak_rss_mb
         return out
 
@@ -121,6 +140,7 @@ def drain_backlog(
     procs: list[Proc] = []
     spy: subprocess.Popen[bytes] | None = None
     log_dir = ctx.log_dir / label
+    logged = LogMeter(ctx.engine).begin()
     try:
         t0 = time.perf_counter()
         for i in range(relays):
@@ -166,6 +186,7 @@ def drain_backlog(
         progress.stop()
         if spy is not None:
             spy.wait(30)
+    log_bytes = logged.bytes()
     after = data.count_by_status(ctx.engine, table)
     run = DrainRun(
         relays=relays,
@@ -181,6 +202,7 @@ def drain_backlog(
         exit_codes=codes,
         messages=progress.latest(),
         table_after=after,
+        log_bytes=log_bytes,
     )
     if spy is not None and (log_dir / "relay-0.pyspy").exists():
         run.profile = profile.summary(log_dir / "relay-0.pyspy", within="Relay._loop")

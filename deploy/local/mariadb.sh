@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Local MariaDB for tests: mariadb.sh start|stop|status|kill [--name N] [--port P]
+#                                                          [--binlog on|off]
 #
 # Every instance has its own datadir, socket and pid under .state/mariadb-<name>/,
 # listens on 127.0.0.1 only and is tuned for test speed, not durability.
 # After start: database outboxkit_test, user outboxkit/outboxkit with ALL on *.*.
+#
+# --binlog on: the binary log as production runs it (replication, backups,
+# point-in-time recovery): log-bin, binlog_format=ROW, binlog_row_image=FULL.
+# Default off. The setting is remembered; changing it on an existing instance
+# takes a stop and a start.
 set -euo pipefail
 SERVICE=mariadb
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-EXTRA_FLAGS=()
+EXTRA_FLAGS=(binlog)
 parse_args "$@"
 load_settings
 PORT="${PORT:-3306}"
+BINLOG="${BINLOG:-off}"
+[[ "$BINLOG" == on || "$BINLOG" == off ]] || die "bad --binlog '$BINLOG' (on or off)"
 
 DATA_DIR="$INSTANCE_DIR/data"
 SOCKET="$INSTANCE_DIR/mysqld.sock"
@@ -27,6 +35,15 @@ tcp_login_ok() {
         -e 'SELECT 1' outboxkit_test
 }
 
+binlog_config() {
+    if [[ "$BINLOG" == on ]]; then
+        printf '%s\n' "server_id = 1" "log-bin = $INSTANCE_DIR/binlog" \
+            "binlog_format = ROW" "binlog_row_image = FULL"
+    else
+        echo "skip-log-bin"
+    fi
+}
+
 write_config() {
     cat >"$CNF" <<EOF
 [mysqld]
@@ -37,7 +54,7 @@ pid-file = $INSTANCE_DIR/mariadbd.pid
 port = $PORT
 bind-address = 127.0.0.1
 skip-name-resolve
-skip-log-bin
+$(binlog_config)
 log-error = $LOG_FILE
 character-set-server = utf8mb4
 collation-server = utf8mb4_unicode_ci
@@ -63,7 +80,7 @@ start() {
     else
         require_free_port "$PORT"
         mkdir -p "$INSTANCE_DIR"
-        remember_settings PORT
+        remember_settings PORT BINLOG
         write_config
         if [[ ! -d "$DATA_DIR/mysql" ]]; then
             detail "$NAME: initialising datadir $DATA_DIR"

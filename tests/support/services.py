@@ -304,7 +304,17 @@ class PushgatewayInstance(ServiceInstance):
 
 
 class MariaDBInstance(ServiceInstance):
+    """``binlog``: the binary log on, row format, full row images
+    (``mariadb.sh --binlog on``), as production runs MariaDB."""
+
     service = "mariadb"
+
+    def __init__(self, name: str, port: int, *, binlog: bool = False) -> None:
+        super().__init__(name, port)
+        self.binlog = binlog
+
+    def _extra_args(self) -> list[str]:
+        return ["--binlog", "on" if self.binlog else "off"]
 
     @property
     def url(self) -> str:

@@ -1,0 +1,61 @@
+"""What the database writes to its replication log: the binary log of MariaDB and
+MySQL (when ``log_bin`` is on) or PostgreSQL's WAL.
+
+Production MySQL and MariaDB run with the binary log on (replication, backups,
+point-in-time recovery), in row format with full row images, and every row
+change is written there once more: the bytes a phase adds to the log are a
+cost of that phase as real as its CPU. Read before and after a phase; the
+difference is what the phase logged (the server's, so nothing else may write
+meanwhile: a benchmark run has the database to itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+
+def log_bytes(engine: sa.Engine) -> int | None:
+    """The log's size so far, in bytes; None when the server keeps no such log
+    (MariaDB/MySQL with the binary log off)."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            return int(
+                conn.execute(sa.text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar_one()
+            )
+        if not int(conn.execute(sa.text("SELECT @@log_bin")).scalar_one()):
+            return None
+        return sum(int(row[1]) for row in conn.execute(sa.text("SHOW BINARY LOGS")))
+
+
+def log_settings(engine: sa.Engine) -> dict[str, Any]:
+    """How the server logs row changes (reported beside every figure)."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            level = conn.execute(sa.text("SELECT current_setting('wal_level')")).scalar_one()
+            return {"log": "wal", "wal_level": str(level)}
+        on, fmt, image = conn.execute(
+            sa.text("SELECT @@log_bin, @@binlog_format, @@binlog_row_image")
+        ).one()
+    if not int(on):
+        return {"log": "none", "log_bin": "OFF"}
+    return {"log": "binlog", "log_bin": "ON", "binlog_format": fmt, "binlog_row_image": image}
+
+
+class LogMeter:
+    """Bytes logged between :meth:`begin` and :meth:`bytes` (None without a log)."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.start: int | None = None
+
+    def begin(self) -> LogMeter:
+        self.start = log_bytes(self.engine)
+        return self
+
+    def bytes(self) -> int | None:
+        if self.start is None:
+            return None
+        now = log_bytes(self.engine)
+        return None if now is None else now - self.start
