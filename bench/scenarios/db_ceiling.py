@@ -10,6 +10,15 @@ Python overhead of those two functions included.  It passes what the relay
 passes: every shard owned and the table's shard count (so the candidates carry
 no shard condition, as the relay's do).
 
+The **floor** row is no relay code at all: the least any relay that keeps
+per-row states must ask of this table. Per batch of ``batch_size`` rows taken
+by primary-key range, three statements, each its own transaction: one
+``UPDATE`` to ``delivering``, one ``SELECT`` of the rows' topic, key, payload
+and headers, one ``UPDATE`` to ``delivered``. Its rows/s (``rate_floor``) is
+set by the table's shape and the database's configuration (with the binary
+log on, each status change logs the whole row twice); every relay figure has
+its "x floor" beside it.
+
 A third row runs the same claims and finalizes as the pipelined relay does
 (``--pipeline``): batch N+1 claimed while N is finalized on a second thread and
 connection, the claim bounded by ``id_upper`` as the relay bounds it, and
@@ -170,6 +179,50 @@ def _drain(
     }
 
 
+def floor(engine: sa.Engine, table: str, *, batch: int) -> dict[str, float]:
+    """The floor loop (see the module): three set-based statements per batch."""
+    with engine.connect() as conn:
+        lo, hi = conn.execute(sa.text(f"SELECT MIN(id), MAX(id) FROM {table}")).one()
+    rows = batches = 0
+    start = time.perf_counter()
+    for first in range(int(lo or 0), int(hi or -1) + 1, batch):
+        bounds = {"lo": first, "hi": first + batch}
+        in_range = "id >= :lo AND id < :hi"
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"UPDATE {table} SET status = 'delivering', attempts = attempts + 1"
+                    f" WHERE {in_range} AND status = 'pending'"
+                ),
+                bounds,
+            )
+        with engine.begin() as conn:
+            got = conn.execute(
+                sa.text(
+                    f"SELECT id, topic, message_key, payload, headers FROM {table}"
+                    f" WHERE {in_range} AND status = 'delivering'"
+                ),
+                bounds,
+            ).all()
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"UPDATE {table} SET status = 'delivered'"
+                    f" WHERE {in_range} AND status = 'delivering'"
+                ),
+                bounds,
+            )
+        rows += len(got)
+        batches += 1
+    seconds = time.perf_counter() - start
+    return {
+        "rows": rows,
+        "batches": batches,
+        "seconds": seconds,
+        "rows/s": rows / seconds if seconds else 0.0,
+    }
+
+
 def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     relay_modules()
     cfg = ctx.config
@@ -193,8 +246,25 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         res.rows.append({"finalize": f"{label}, claim beside it" if overlap else label, **out})
         key = "rate_overlapped" if overlap else "rate_delete" if delete else "rate"
         res.figures[key] = out["rows/s"]
+    data.copy_backlog(
+        ctx.engine, src, "bench_floor", topic="unused", rows=cfg.rows, shards=cfg.shards
+    )
+    engine = relay_engine(ctx)
+    try:
+        out = floor(engine, "bench_floor", batch=batch)
+    finally:
+        engine.dispose()
+    left = data.count_by_status(ctx.engine, "bench_floor")
+    data.drop_table(ctx.engine, "bench_floor")
+    if out["rows"] != cfg.rows or left != {"delivered": cfg.rows}:
+        raise RuntimeError(f"floor: {out['rows']} of {cfg.rows} rows; table now {left}")
+    res.rows.append({"finalize": "floor: 3 set-based statements per batch, no relay code", **out})
+    res.figures["rate_floor"] = out["rows/s"]
     res.notes.append(
         f"claim beside the finalize vs one after the other: "
         f"{res.figures['rate_overlapped'] / res.figures['rate']:.2f}x"
+    )
+    res.notes.append(
+        f"the relay's claim + finalize vs the floor: {res.figures['rate'] / out['rows/s']:.2f}x"
     )
     return res

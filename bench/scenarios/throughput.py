@@ -51,6 +51,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     db = results.get("db-ceiling")
     producer = results.get("producer-ceiling")
     db_rate = db.figures.get("rate") if db else None
+    floor_rate = db.figures.get("rate_floor") if db else None
     producer_rate = producer.figures.get("rate") if producer else None
     source = template(ctx, cfg.rows)
     one: float | None = None
@@ -79,7 +80,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
             )
             if n == 1 and batch is None:
                 one = out.rate
-            _add_row(res, n, batch, pipeline, out, one, db_rate, producer_rate)
+            _add_row(res, n, batch, pipeline, out, one, db_rate, producer_rate, floor_rate)
             if batch is None:
                 res.figures[f"rate_{n}"] = out.rate
                 if (per_1k := out.relay_cpu_per_1k) is not None:
@@ -104,6 +105,7 @@ def _add_row(
     one: float | None,
     db_rate: float | None,
     producer_rate: float | None,
+    floor_rate: float | None = None,
 ) -> None:
     res.rows.append(
         {
@@ -115,6 +117,7 @@ def _add_row(
             "events/s": out.rate,
             "vs 1 relay": out.rate / one if one else None,
             "vs DB ceiling": out.rate / db_rate if db_rate else None,
+            "x floor": out.rate / floor_rate if floor_rate else None,
             "vs producer ceiling": out.rate / producer_rate if producer_rate else None,
             "duplicates": out.messages - out.rows,
             **out.cpu_row(),

@@ -82,6 +82,10 @@ def test_smoke_run_writes_a_complete_report(
     # DB ceiling its overlapped loop (the scenario fails if it lost or left a row).
     assert "inbox_rate_lanes" in saved["scenarios"]["consumer"]["figures"]
     assert "rate_overlapped" in saved["scenarios"]["db-ceiling"]["figures"]
+    # The floor: the least any relay keeping per-row states asks of this table,
+    # with every throughput row measured against it.
+    assert saved["scenarios"]["db-ceiling"]["figures"]["rate_floor"] > 0
+    assert all(r["x floor"] for r in saved["scenarios"]["relay-throughput"]["rows"])
     # The latency rows read each relay's /metrics on the health port it logged.
     assert all("batches/s" in row for row in saved["scenarios"]["latency"]["rows"])
 
