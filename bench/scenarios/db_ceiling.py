@@ -13,8 +13,10 @@ no shard condition, as the relay's do).
 The **floor** row is no relay code at all: the least any relay that keeps
 per-row states must ask of this table. Per batch of ``batch_size`` rows taken
 by primary-key range, three statements, each its own transaction: one
-``UPDATE`` to ``delivering``, one ``SELECT`` of the rows' topic, key, payload
-and headers, one ``UPDATE`` to ``delivered``. Its rows/s (``rate_floor``) is
+``UPDATE`` to ``delivering`` (the attempt counted, a lease: owner, token,
+expiry), one ``SELECT`` of the rows' topic, key, payload and headers, one
+``UPDATE`` to ``delivered`` (lease cleared, delivery time), every value the
+same for the whole batch (no per-row partition and offset). Its rows/s (``rate_floor``) is
 set by the table's shape and the database's configuration (with the binary
 log on, each status change logs the whole row twice); every relay figure has
 its "x floor" beside it.
@@ -29,7 +31,9 @@ before any Kafka work: the bound of the pipelined relay here.
 
 from __future__ import annotations
 
+import datetime
 import importlib
+import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -188,13 +192,21 @@ def floor(engine: sa.Engine, table: str, *, batch: int) -> dict[str, float]:
     for first in range(int(lo or 0), int(hi or -1) + 1, batch):
         bounds = {"lo": first, "hi": first + batch}
         in_range = "id >= :lo AND id < :hi"
+        now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
         with engine.begin() as conn:
             conn.execute(
                 sa.text(
-                    f"UPDATE {table} SET status = 'delivering', attempts = attempts + 1"
-                    f" WHERE {in_range} AND status = 'pending'"
+                    f"UPDATE {table} SET status = 'delivering', attempts = attempts + 1,"
+                    " lease_owner = :owner, lease_token = :token, lease_expires_at = :expires,"
+                    f" updated_at = :now WHERE {in_range} AND status = 'pending'"
                 ),
-                bounds,
+                {
+                    **bounds,
+                    "owner": "bench-floor",
+                    "token": secrets.token_hex(16),
+                    "expires": now + datetime.timedelta(seconds=60),
+                    "now": now,
+                },
             )
         with engine.begin() as conn:
             got = conn.execute(
@@ -207,10 +219,11 @@ def floor(engine: sa.Engine, table: str, *, batch: int) -> dict[str, float]:
         with engine.begin() as conn:
             conn.execute(
                 sa.text(
-                    f"UPDATE {table} SET status = 'delivered'"
-                    f" WHERE {in_range} AND status = 'delivering'"
+                    f"UPDATE {table} SET status = 'delivered', lease_owner = NULL,"
+                    " lease_token = NULL, lease_expires_at = NULL, delivered_at = :now,"
+                    f" updated_at = :now WHERE {in_range} AND status = 'delivering'"
                 ),
-                bounds,
+                {**bounds, "now": now},
             )
         rows += len(got)
         batches += 1
