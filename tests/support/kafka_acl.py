@@ -29,10 +29,29 @@ def authz_kafka() -> Iterator[KafkaInstance]:
 
 
 def create_topic(kafka: KafkaInstance, topic: str, partitions: int = 1) -> None:
+    """Create ``topic`` on ``kafka``. A broker that a test froze or restarted just
+    before may still be fenced by its controller (its session expired meanwhile):
+    the creation fails with INVALID_REPLICATION_FACTOR ("All brokers are currently
+    fenced") and is tried again until the broker is back (30 s at most)."""
+    import tenacity
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+    def fenced(exc: BaseException) -> bool:
+        return (
+            isinstance(exc, KafkaException)
+            and exc.args[0].code() == KafkaError.INVALID_REPLICATION_FACTOR
+        )
+
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
-    admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
+    for attempt in tenacity.Retrying(
+        retry=tenacity.retry_if_exception(fenced),
+        wait=tenacity.wait_fixed(0.5),
+        stop=tenacity.stop_after_delay(30),
+        reraise=True,
+    ):
+        with attempt:
+            admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
 
 
 def grant(
