@@ -32,9 +32,11 @@ before any Kafka work: the bound of the pipelined relay here.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -172,12 +174,8 @@ def _drain(
     finally:
         if pool is not None:
             pool.shutdown()
-    seconds = time.perf_counter() - start
     return {
-        "rows": rows,
-        "batches": batches,
-        "seconds": seconds,
-        "rows/s": rows / seconds if seconds else 0.0,
+        **_rates(rows, batches, time.perf_counter() - start),
         "claim ms/batch": 1000 * claim_s / max(1, batches),
         "finalize ms/batch": 1000 * finalize_s / max(1, batches),
     }
@@ -227,7 +225,29 @@ def floor(engine: sa.Engine, table: str, *, batch: int) -> dict[str, float]:
             )
         rows += len(got)
         batches += 1
-    seconds = time.perf_counter() - start
+    return _rates(rows, batches, time.perf_counter() - start)
+
+
+def _on_a_copy(
+    ctx: BenchContext,
+    src: str,
+    table: str,
+    drain: Callable[[str], dict[str, float]],
+    *,
+    expected_left: dict[str, int],
+) -> dict[str, float]:
+    """Copy the backlog into ``table``, ``drain`` it, check what is left, drop it."""
+    rows = ctx.config.rows
+    data.copy_backlog(ctx.engine, src, table, topic="unused", rows=rows, shards=ctx.config.shards)
+    out = drain(table)
+    left = data.count_by_status(ctx.engine, table)
+    data.drop_table(ctx.engine, table)
+    if out["rows"] != rows or left != expected_left:
+        raise RuntimeError(f"{table}: drained {out['rows']} of {rows} rows; table now {left}")
+    return out
+
+
+def _rates(rows: int, batches: int, seconds: float) -> dict[str, float]:
     return {
         "rows": rows,
         "batches": batches,
@@ -246,31 +266,30 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     # (finalize, overlapped): the serial loop both ways, then claim beside finalize.
     for delete, overlap in ((False, False), (True, False), (False, True)):
         table = "bench_ceiling_delete" if delete else "bench_ceiling"
-        data.copy_backlog(ctx.engine, src, table, topic="unused", rows=cfg.rows, shards=cfg.shards)
-        out = drain_without_kafka(
-            ctx, table, batch=batch, delete_on_deliver=delete, overlap=overlap
+        out = _on_a_copy(
+            ctx,
+            src,
+            table,
+            functools.partial(
+                drain_without_kafka, ctx, batch=batch, delete_on_deliver=delete, overlap=overlap
+            ),
+            expected_left={} if delete else {"delivered": cfg.rows},
         )
-        left = data.count_by_status(ctx.engine, table)
-        data.drop_table(ctx.engine, table)
-        expected_left = {} if delete else {"delivered": cfg.rows}
-        if out["rows"] != cfg.rows or left != expected_left:
-            raise RuntimeError(f"drained {out['rows']} of {cfg.rows} rows; table now {left}")
         label = "delete" if delete else "mark delivered"
         res.rows.append({"finalize": f"{label}, claim beside it" if overlap else label, **out})
         key = "rate_overlapped" if overlap else "rate_delete" if delete else "rate"
         res.figures[key] = out["rows/s"]
-    data.copy_backlog(
-        ctx.engine, src, "bench_floor", topic="unused", rows=cfg.rows, shards=cfg.shards
-    )
     engine = relay_engine(ctx)
     try:
-        out = floor(engine, "bench_floor", batch=batch)
+        out = _on_a_copy(
+            ctx,
+            src,
+            "bench_floor",
+            lambda t: floor(engine, t, batch=batch),
+            expected_left={"delivered": cfg.rows},
+        )
     finally:
         engine.dispose()
-    left = data.count_by_status(ctx.engine, "bench_floor")
-    data.drop_table(ctx.engine, "bench_floor")
-    if out["rows"] != cfg.rows or left != {"delivered": cfg.rows}:
-        raise RuntimeError(f"floor: {out['rows']} of {cfg.rows} rows; table now {left}")
     res.rows.append({"finalize": "floor: 3 set-based statements per batch, no relay code", **out})
     res.figures["rate_floor"] = out["rows/s"]
     res.notes.append(
