@@ -30,6 +30,29 @@ from bench.dblog import log_settings
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def drop_database(conn: sa.Connection, name: str, *, postgresql: bool) -> None:
+    """Drop a database the run (or a test) made, whoever is still connected to it.
+
+    ``conn`` must be in AUTOCOMMIT: PostgreSQL drops databases outside a
+    transaction only.
+    """
+    drop = f"DROP DATABASE IF EXISTS {name}"
+    if not postgresql:
+        conn.execute(sa.text(drop))
+        return
+    try:
+        # FORCE: a relay killed by a failed scenario, a test's LISTEN or a
+        # leaked pool may still hold a session.
+        conn.execute(sa.text(f"{drop} WITH (FORCE)"))
+    except sa.exc.ProgrammingError as exc:
+        # FORCE may not end a backend of another role: an autovacuum worker
+        # that started on the run's tables (full runs failed so, in the suite
+        # and in the bench). A plain DROP stops autovacuum workers itself.
+        if "must be a member of the role" not in str(exc.orig):
+            raise
+        conn.execute(sa.text(drop))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Services:
     """Where the services are: a DB *server* URL (its database part is ignored)."""
@@ -119,11 +142,9 @@ class BenchContext:
         self._delete_topics()
         self._delete_redis_keys()
         admin = sa.create_engine(sa.make_url(self.services.db_url), isolation_level="AUTOCOMMIT")
-        # FORCE: a relay killed by a failed scenario may still hold a session.
-        force = " WITH (FORCE)" if self.postgresql else ""
         try:
             with admin.connect() as conn:
-                conn.execute(sa.text(f"DROP DATABASE IF EXISTS {self.database}{force}"))
+                drop_database(conn, self.database, postgresql=self.postgresql)
         finally:
             admin.dispose()
 

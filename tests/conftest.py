@@ -31,6 +31,7 @@ import pytest
 import sqlalchemy as sa
 from support.databases import MARIADB, POSTGRESQL
 
+from bench.context import drop_database
 from outboxkit.schema import apply_schema
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -188,25 +189,8 @@ def _fresh_database(server_url: str) -> Iterator[str]:
         yield url
     finally:
         with admin.connect() as conn:
-            _drop_database(conn, name, postgres=postgres)
+            drop_database(conn, name, postgresql=postgres)
         admin.dispose()
-
-
-def _drop_database(conn: sa.Connection, name: str, *, postgres: bool) -> None:
-    drop = f"DROP DATABASE IF EXISTS {name}"
-    if not postgres:
-        conn.execute(sa.text(drop))
-        return
-    try:
-        # FORCE: a test's own connections (a LISTEN, a leaked pool) must not keep it.
-        conn.execute(sa.text(f"{drop} WITH (FORCE)"))
-    except sa.exc.ProgrammingError as exc:
-        # FORCE may not end a backend of another role: an autovacuum worker that
-        # started on the test's tables (a full run failed so once). A plain DROP
-        # stops autovacuum workers itself and waits for them.
-        if "must be a member of the role" not in str(exc.orig):
-            raise
-        conn.execute(sa.text(drop))
 
 
 @pytest.fixture
