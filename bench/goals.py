@@ -46,30 +46,50 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+#: Round three's goals (issue "Performance, round three"), for the database as
+#: production runs it (bench/run.sh's default; docs/performance.md). Two goals of
+#: the round before are retired, their figures still in the scenario tables: the
+#: pipelined relay at 1.5 x the unpipelined one (bounded on this 2-core host by
+#: the claim beside the finalize, ``db-ceiling``'s overlapped row) and the
+#: one-message inbox at 5,000/s (bounded by the inbox's own INSERT + COMMIT
+#: through the driver, ``inbox_driver_rate``).
 GOALS = [
     Goal(
-        "relay vs DB ceiling (1 relay)",
-        ">= 0.8",
-        lambda r: _ratio(_fig(r, "relay-throughput", "rate_1"), _fig(r, "db-ceiling", "rate")),
-        lambda v: v >= 0.8,
+        "one relay, 200k backlog (events/s)",
+        ">= 12,000",
+        lambda r: _fig(r, "relay-throughput", "rate_1"),
+        lambda v: v >= 12_000,
+        # No relay code at all: the least any per-row-state relay asks of the table.
+        lambda r: _fig(r, "db-ceiling", "rate_floor"),
     ),
     Goal(
-        "pipelined relay vs DB ceiling (1 relay)",
-        ">= 1.0",
-        lambda r: _ratio(_fig(r, "relay-throughput", "rate_1_p1"), _fig(r, "db-ceiling", "rate")),
-        lambda v: v >= 1.0,
-        # The database running the relay's claim beside its finalize, no Kafka.
-        lambda r: _ratio(_fig(r, "db-ceiling", "rate_overlapped"), _fig(r, "db-ceiling", "rate")),
-    ),
-    Goal(
-        "pipelined relay vs no pipeline (1 relay, default batch)",
-        ">= 1.5",
+        "one relay vs the floor of its table",
+        ">= 0.9",
         lambda r: _ratio(
-            _fig(r, "relay-throughput", "rate_1_p1"), _fig(r, "relay-throughput", "rate_1_p0")
+            _fig(r, "relay-throughput", "rate_1"), _fig(r, "db-ceiling", "rate_floor")
         ),
-        lambda v: v >= 1.5,
+        lambda v: v >= 0.9,
+        # The relay's own claim and finalize with no Kafka, against the floor.
+        lambda r: _ratio(_fig(r, "db-ceiling", "rate"), _fig(r, "db-ceiling", "rate_floor")),
+    ),
+    Goal(
+        "database CPU per 100k events, one relay (s)",
+        "<= 5",
+        lambda r: _fig(r, "relay-throughput", "db_cpu_per_100k_1"),
+        lambda v: v <= 5,
+        lambda r: _fig(r, "db-ceiling", "floor_db_cpu_per_100k"),
+    ),
+    Goal(
+        "relay's log bytes per event vs the writer's",
+        "<= 1.0",
         lambda r: _ratio(
-            _fig(r, "db-ceiling", "rate_overlapped"), _fig(r, "relay-throughput", "rate_1_p0")
+            _fig(r, "relay-throughput", "log_bytes_per_event_1"),
+            _fig(r, "relay-throughput", "writer_log_bytes_per_event"),
+        ),
+        lambda v: v <= 1.0,
+        lambda r: _ratio(
+            _fig(r, "db-ceiling", "floor_log_bytes_per_event"),
+            _fig(r, "relay-throughput", "writer_log_bytes_per_event"),
         ),
     ),
     Goal(
@@ -86,27 +106,21 @@ GOALS = [
     ),
     Goal(
         "commit->ack p99 at 1,000/s with wake-ups (ms)",
-        "<= 25",
+        "<= 20",
         lambda r: _fig(r, "latency", "p99_ms_1000_wakeups"),
-        lambda v: v <= 25,
-    ),
-    Goal(
-        "same, with the pipeline (ms)",
-        "<= 25",
-        lambda r: _fig(r, "latency", "p99_ms_1000_wakeups_pipeline"),
-        lambda v: v <= 25,
+        lambda v: v <= 20,
     ),
     Goal(
         "commit->ack p99 at 5,000/s with wake-ups (ms)",
-        "<= 25",
+        "<= 100",
         lambda r: _fig(r, "latency", "p99_ms_5000_wakeups"),
-        lambda v: v <= 25,
+        lambda v: v <= 100,
     ),
     Goal(
-        "same, with the pipeline (ms)",
-        "<= 25",
-        lambda r: _fig(r, "latency", "p99_ms_5000_wakeups_pipeline"),
-        lambda v: v <= 25,
+        "relay keeps up at 5,000/s: delivered vs written",
+        ">= 0.99",
+        lambda r: _fig(r, "latency", "kept_up_5000_wakeups"),
+        lambda v: v >= 0.99,
     ),
     Goal(
         "writer insert rate with relay vs without",
@@ -124,14 +138,6 @@ GOALS = [
             or _ratio(_fig(r, "consumer", "base_rate"), _fig(r, "consumer", "raw_rate"))
         ),
         lambda v: v >= 0.8,
-    ),
-    Goal(
-        "consumer with the inbox (msgs/s)",
-        ">= 5,000",
-        lambda r: _fig(r, "consumer", "inbox_rate"),
-        lambda v: v >= 5000,
-        # The inbox's INSERT + COMMIT through the driver alone, one connection.
-        lambda r: _fig(r, "consumer", "inbox_driver_rate"),
     ),
     Goal(
         "consumer with the batched inbox (msgs/s)",

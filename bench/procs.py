@@ -240,15 +240,7 @@ class ServiceCpu:
 
     @classmethod
     def find(cls, engine: sa.Engine, bootstrap: str, redis_url: str | None = None) -> ServiceCpu:
-        pids: dict[str, int] = {}
-        if engine.dialect.name == "postgresql":
-            db = _postgres_pid(engine)
-            if db:
-                pids["postgresql"] = db
-        else:
-            db = _mariadb_pid(engine)
-            if db:
-                pids["mariadb"] = db
+        pids = cls.database(engine).pids
         kafka = _kafka_pid(bootstrap)
         if kafka:
             pids["kafka"] = kafka
@@ -256,6 +248,13 @@ class ServiceCpu:
         if redis:
             pids["redis"] = redis
         return cls(pids)
+
+    @classmethod
+    def database(cls, engine: sa.Engine) -> ServiceCpu:
+        """The database server's process alone (none when it is not on this machine)."""
+        name = engine.dialect.name
+        pid = _postgres_pid(engine) if name == "postgresql" else _mariadb_pid(engine)
+        return cls({"postgresql" if name == "postgresql" else "mariadb": pid} if pid else {})
 
     def begin(self) -> None:
         self.start = {k: tree_cpu_seconds(p) or 0.0 for k, p in self.pids.items()}

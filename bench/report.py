@@ -138,8 +138,9 @@ def _markers(report: dict[str, Any]) -> tuple[str, str]:
 BOUND_NOTE = (
     "_bound in this run_: the most this run's own figures allow for the measure, "
     "from a loop doing the same database work without the part measured: the "
-    "db-ceiling scenario's claim beside the finalize (no Kafka) for the pipeline, "
-    "the inbox's `INSERT` + `COMMIT` through the driver alone for the inbox."
+    "floor (db-ceiling, three set-based statements per batch, no relay code) for "
+    "the relay's events/s, database CPU and log bytes; the relay's own claim + "
+    "finalize without Kafka (db-ceiling) for its ratio to the floor."
 )
 
 

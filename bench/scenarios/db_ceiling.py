@@ -44,6 +44,8 @@ import sqlalchemy as sa
 
 from bench import data
 from bench.context import BenchContext
+from bench.dblog import LogMeter
+from bench.procs import ServiceCpu
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
 from bench.scenarios.common import batch_size, relay_default, template
@@ -236,15 +238,43 @@ def _on_a_copy(
     *,
     expected_left: dict[str, int],
 ) -> dict[str, float]:
-    """Copy the backlog into ``table``, ``drain`` it, check what is left, drop it."""
+    """Copy the backlog into ``table``, ``drain`` it, check what is left, drop it;
+    the drain's figures and what it cost the database server per row."""
     rows = ctx.config.rows
     data.copy_backlog(ctx.engine, src, table, topic="unused", rows=rows, shards=ctx.config.shards)
-    out = drain(table)
+    server = DatabaseCost(ctx.engine).begin()
+    out = {**drain(table), **server.per_row(rows)}
     left = data.count_by_status(ctx.engine, table)
     data.drop_table(ctx.engine, table)
     if out["rows"] != rows or left != expected_left:
         raise RuntimeError(f"{table}: drained {out['rows']} of {rows} rows; table now {left}")
     return out
+
+
+class DatabaseCost:
+    """The database server's CPU seconds and replication-log bytes over one drain
+    (the server must be this machine's and the run's alone, as it is here)."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.cpu = ServiceCpu.database(engine)
+        self.log = LogMeter(engine)
+
+    def begin(self) -> DatabaseCost:
+        self.cpu.begin()
+        self.log.begin()
+        return self
+
+    def per_row(self, rows: int) -> dict[str, float]:
+        """Per row drained; a figure this server cannot give (no log, not on this
+        machine) is left out."""
+        used = sum(self.cpu.used().values()) if self.cpu.pids else 0.0
+        logged = self.log.bytes()
+        out = {}
+        if used > 0 and rows:
+            out["db cpu s/100k events"] = used / rows * 100_000
+        if logged is not None and rows:
+            out["db log bytes/event"] = logged / rows
+        return out
 
 
 def _rates(rows: int, batches: int, seconds: float) -> dict[str, float]:
@@ -292,6 +322,12 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         engine.dispose()
     res.rows.append({"finalize": "floor: 3 set-based statements per batch, no relay code", **out})
     res.figures["rate_floor"] = out["rows/s"]
+    for column, figure in (
+        ("db cpu s/100k events", "floor_db_cpu_per_100k"),
+        ("db log bytes/event", "floor_log_bytes_per_event"),
+    ):
+        if column in out:
+            res.figures[figure] = out[column]
     res.notes.append(
         f"claim beside the finalize vs one after the other: "
         f"{res.figures['rate_overlapped'] / res.figures['rate']:.2f}x"

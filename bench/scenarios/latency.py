@@ -343,8 +343,12 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool, pipeline: bool =
     steady_from = min(committed.values()) + cfg.latency_warmup_seconds * 1000
     lat: list[float] = []
     warmup: list[float] = []
+    last_written = last_acked = steady_from
     for event_id, at in committed.items():
         (lat if at >= steady_from else warmup).append(max(0.0, acked[event_id] - at))
+        if at >= steady_from:
+            last_written = max(last_written, at)
+            last_acked = max(last_acked, acked[event_id])
     data.drop_table(ctx.engine, table)
     ctx.delete_topic(topic)
     return {
@@ -359,6 +363,11 @@ def latency_run(ctx: BenchContext, rate: int, *, wakeups: bool, pipeline: bool =
         "max ms": max(lat),
         "warm-up events": len(warmup),
         "warm-up p99 ms": percentile(warmup, 99) if warmup else None,
+        # The steady window's writing span over its delivery span: 1.0 when the
+        # last event written reached Kafka at once, lower as the relay fell behind.
+        "kept up": (last_written - steady_from) / (last_acked - steady_from)
+        if last_acked > steady_from
+        else None,
         **window.row(),
     }
 
@@ -410,6 +419,8 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
             suffix = ("_wakeups" if wakeups else "_poll") + ("_pipeline" if pipeline else "")
             res.figures[f"p99_ms_{rate}{suffix}"] = row["p99 ms"]
             res.figures[f"p50_ms_{rate}{suffix}"] = row["p50 ms"]
+            if row["kept up"] is not None:
+                res.figures[f"kept_up_{rate}{suffix}"] = row["kept up"]
             if row["warm-up p99 ms"] is not None:
                 res.figures[f"warmup_p99_ms_{rate}{suffix}"] = row["warm-up p99 ms"]
     writer = writer_rates(ctx, wakeups=variants[-1])

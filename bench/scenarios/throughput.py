@@ -54,6 +54,11 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     floor_rate = db.figures.get("rate_floor") if db else None
     producer_rate = producer.figures.get("rate") if producer else None
     source = template(ctx, cfg.rows)
+    # What the writer's own inserts logged per event, for the relay's to read against.
+    fills = [f for f in ctx.cache.get("template_fills", []) if f["log_bytes_per_event"]]
+    if fills:
+        logged = sum(f["log_bytes_per_event"] * f["rows"] for f in fills)
+        res.figures["writer_log_bytes_per_event"] = logged / sum(f["rows"] for f in fills)
     one: float | None = None
     for n in cfg.relay_counts:
         if n > 1:
@@ -85,6 +90,10 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 res.figures[f"rate_{n}"] = out.rate
                 if (per_1k := out.relay_cpu_per_1k) is not None:
                     res.figures[f"relay_cpu_per_1k_{n}"] = per_1k
+                if (db_cpu := out.db_cpu_per_100k) is not None:
+                    res.figures[f"db_cpu_per_100k_{n}"] = db_cpu
+                if (logged := out.log_bytes_per_event) is not None:
+                    res.figures[f"log_bytes_per_event_{n}"] = logged
             else:
                 res.figures[f"rate_{n}_b{batch}_p{int(bool(pipeline))}"] = out.rate
                 if batch == batch_size(cfg):  # the goals compare these two
