@@ -224,7 +224,8 @@ class BenchContext:
                     for name, value in conn.execute(
                         sa.text(
                             "SELECT name, setting FROM pg_settings WHERE name IN ("
-                            "'shared_buffers', 'synchronous_commit', 'fsync', 'wal_level')"
+                            "'shared_buffers', 'synchronous_commit', 'fsync', 'wal_level',"
+                            " 'full_page_writes')"
                         )
                     )
                 }

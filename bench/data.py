@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -109,16 +109,25 @@ def fill(
 
 
 def copy_backlog(
-    engine: sa.Engine, src: str, dst: str, *, topic: str, rows: int, shards: int
+    engine: sa.Engine,
+    src: str,
+    dst: str,
+    *,
+    topic: str,
+    rows: int,
+    shards: int,
+    values: Mapping[str, str] | None = None,
 ) -> FillResult:
     """A fresh pending backlog in ``dst``: the first ``rows`` rows of ``src``, for ``topic``.
 
     Copying inside the server is several times faster than writing the rows again,
-    and gives every run the very same rows.
+    and gives every run the very same rows. ``values``: SQL expressions some
+    columns are copied as instead (as another writer would have stored them).
     """
     apply_schema(engine, table=dst, shards=shards, inbox=None)
     cols = [c.name for c in outbox_table(dst).columns]
-    select_cols = [":topic" if c == "topic" else c for c in cols]
+    given = {"topic": ":topic", **(values or {})}
+    select_cols = [given.get(c, c) for c in cols]
     start = time.perf_counter()
     with engine.begin() as conn:
         conn.execute(

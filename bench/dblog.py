@@ -33,8 +33,10 @@ def log_settings(engine: sa.Engine) -> dict[str, Any]:
     """How the server logs row changes (reported beside every figure)."""
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
-            level = conn.execute(sa.text("SELECT current_setting('wal_level')")).scalar_one()
-            return {"log": "wal", "wal_level": str(level)}
+            level, full_pages = conn.execute(
+                sa.text("SELECT current_setting('wal_level'), current_setting('full_page_writes')")
+            ).one()
+            return {"log": "wal", "wal_level": str(level), "full_page_writes": str(full_pages)}
         on, fmt, image = conn.execute(
             sa.text("SELECT @@log_bin, @@binlog_format, @@binlog_row_image")
         ).one()

@@ -144,6 +144,66 @@ BOUND_NOTE = (
 )
 
 
+#: Under the headline row (:func:`headline_row`).
+HEADLINE_NOTE = (
+    "_events/s_: one relay with its defaults draining the 200k backlog "
+    "(relay-throughput); _x floor_: against the floor of today's table in the same "
+    "run (db-ceiling); _db cpu_ and _log bytes_: the database server's CPU "
+    "seconds and replication-log bytes (binary log or WAL) per 100,000 events of "
+    "that drain, beside the bytes the writer's own inserts logged; _p99_: "
+    "commit->ack with wake-ups at a steady 1,000 and 5,000 events/s (latency)."
+)
+
+
+def headline_row(report: dict[str, Any]) -> Row | None:
+    """The figures docs/performance.md opens with, from one run; None when the run
+    measured none of them."""
+    figures = {
+        name: result.get("figures", {}) for name, result in report.get("scenarios", {}).items()
+    }
+
+    def fig(scenario: str, name: str) -> float | None:
+        value = figures.get(scenario, {}).get(name)
+        return None if value is None else float(value)
+
+    def per_100k(value: float | None) -> float | None:
+        return None if value is None else value * 100_000
+
+    rate, floor = fig("relay-throughput", "rate_1"), fig("db-ceiling", "rate_floor")
+    row: Row = {
+        "database": _database_label(report.get("versions", {})),
+        "events/s": rate,
+        "x floor": rate / floor if rate and floor else None,
+        "db cpu s/100k": fig("relay-throughput", "db_cpu_per_100k_1"),
+        "relay log MB/100k": _mb(per_100k(fig("relay-throughput", "log_bytes_per_event_1"))),
+        "writer log MB/100k": _mb(per_100k(fig("relay-throughput", "writer_log_bytes_per_event"))),
+        "p99 ms at 1k/s": fig("latency", "p99_ms_1000_wakeups"),
+        "p99 ms at 5k/s": fig("latency", "p99_ms_5000_wakeups"),
+    }
+    measured = [v for k, v in row.items() if k != "database" and v is not None]
+    return row if measured else None
+
+
+def _mb(value: float | None) -> float | None:
+    return None if value is None else value / 1_000_000
+
+
+def _database_label(versions: dict[str, Any]) -> str:
+    """The database and how it logs row changes (``versions.database_log``)."""
+    if versions.get("database_kind") == "postgresql":
+        kind = "PostgreSQL"
+    else:
+        kind = "MariaDB" if "mariadb" in str(versions.get("database", "")).lower() else "MySQL"
+    log = versions.get("database_log") or {}
+    if log.get("log") == "binlog":
+        how = f"binary log {log.get('binlog_format')}, {log.get('binlog_row_image')} images"
+    elif log.get("log") == "wal":
+        how = f"wal_level {log.get('wal_level')}, full_page_writes {log.get('full_page_writes')}"
+    else:
+        how = "binary log off"
+    return f"{kind} ({how})"
+
+
 def markdown_report(report: dict[str, Any]) -> str:
     """The generated part of docs/performance.md: goals, then one table per scenario."""
     out = [
@@ -152,6 +212,16 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"{'smoke sizes' if report.get('smoke') else 'full sizes'}).",
         "",
     ]
+    headline = headline_row(report)
+    if headline:
+        out += [
+            "**Headline: one relay on this database**",
+            "",
+            markdown_table([headline]),
+            "",
+            HEADLINE_NOTE,
+            "",
+        ]
     goals = report.get("goals") or []
     if goals:
         out += ["**Goals**", "", markdown_table(goals), ""]

@@ -49,6 +49,7 @@ from bench.procs import ServiceCpu
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
 from bench.scenarios.common import batch_size, relay_default, template
+from outboxkit.schema.table import outbox_table
 
 
 def relay_modules() -> tuple[Any, Any]:
@@ -183,51 +184,123 @@ def _drain(
     }
 
 
-def floor(engine: sa.Engine, table: str, *, batch: int) -> dict[str, float]:
-    """The floor loop (see the module): three set-based statements per batch."""
+#: The table shapes the floor is measured on (``FLOOR_SHAPES``): today's table,
+#: and the candidates of a redesign, each on a copy of the same backlog.
+TODAY = "today"
+#: Delivered rows deleted instead of marked (the relay's delete-on-deliver).
+DELETE = "delete"
+#: The lease columns written by the writer at the size a claim gives them
+#: (owner, a 32-character token, an expiry in the past), and put back to that
+#: size instead of NULL when the lease ends: InnoDB then updates the claimed
+#: row in place, where a column growing from NULL makes it rebuild the record.
+PRESIZED = "presized"
+#: The state columns in a narrow table of their own, the payload (written once)
+#: in another: a status change neither rewrites nor logs the payload.
+SPLIT = "split"
+FLOOR_SHAPES: dict[str, str] = {
+    TODAY: "today's table",
+    DELETE: "delivered rows deleted",
+    PRESIZED: "lease columns written at their claimed size",
+    SPLIT: "state apart from the payload",
+}
+_FLOOR_OWNER = "bench-floor"
+_NO_TOKEN = "-" * 32
+_PAST = datetime.datetime(1970, 1, 2)
+
+
+def floor(engine: sa.Engine, table: str, *, batch: int, shape: str = TODAY) -> dict[str, float]:
+    """The floor loop (see the module): three set-based statements per batch, on
+    ``table`` prepared as ``shape`` (one of ``FLOOR_SHAPES``) by :func:`prepare_floor`."""
+    state, payload = split_tables(table) if shape == SPLIT else (table, None)
     with engine.connect() as conn:
-        lo, hi = conn.execute(sa.text(f"SELECT MIN(id), MAX(id) FROM {table}")).one()
+        lo, hi = conn.execute(sa.text(f"SELECT MIN(id), MAX(id) FROM {state}")).one()
+    if shape == PRESIZED:
+        ended = "lease_token = :no_token, lease_expires_at = :past"  # owner stays, as delivered
+    else:
+        ended = "lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL"
+    in_range = "id >= :lo AND id < :hi"
+    claim = sa.text(
+        f"UPDATE {state} SET status = 'delivering', attempts = attempts + 1,"
+        " lease_owner = :owner, lease_token = :token, lease_expires_at = :expires,"
+        f" updated_at = :now WHERE {in_range} AND status = 'pending'"
+    )
+    if payload is None:
+        read = sa.text(
+            f"SELECT id, topic, message_key, payload, headers FROM {state}"
+            f" WHERE {in_range} AND status = 'delivering'"
+        )
+    else:
+        read = sa.text(
+            f"SELECT s.id, p.topic, p.message_key, p.payload, p.headers FROM {state} s"
+            f" JOIN {payload} p ON p.id = s.id"
+            f" WHERE s.id >= :lo AND s.id < :hi AND s.status = 'delivering'"
+        )
+    if shape == DELETE:
+        done = sa.text(f"DELETE FROM {state} WHERE {in_range} AND status = 'delivering'")
+    else:
+        done = sa.text(
+            f"UPDATE {state} SET status = 'delivered', {ended}, delivered_at = :now,"
+            f" updated_at = :now WHERE {in_range} AND status = 'delivering'"
+        )
     rows = batches = 0
     start = time.perf_counter()
     for first in range(int(lo or 0), int(hi or -1) + 1, batch):
         bounds = {"lo": first, "hi": first + batch}
-        in_range = "id >= :lo AND id < :hi"
         now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+        lease = {
+            "owner": _FLOOR_OWNER,
+            "token": secrets.token_hex(16),
+            "expires": now + datetime.timedelta(seconds=60),
+            "now": now,
+        }
         with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    f"UPDATE {table} SET status = 'delivering', attempts = attempts + 1,"
-                    " lease_owner = :owner, lease_token = :token, lease_expires_at = :expires,"
-                    f" updated_at = :now WHERE {in_range} AND status = 'pending'"
-                ),
-                {
-                    **bounds,
-                    "owner": "bench-floor",
-                    "token": secrets.token_hex(16),
-                    "expires": now + datetime.timedelta(seconds=60),
-                    "now": now,
-                },
-            )
+            conn.execute(claim, {**bounds, **lease})
         with engine.begin() as conn:
-            got = conn.execute(
-                sa.text(
-                    f"SELECT id, topic, message_key, payload, headers FROM {table}"
-                    f" WHERE {in_range} AND status = 'delivering'"
-                ),
-                bounds,
-            ).all()
+            got = conn.execute(read, bounds).all()
         with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    f"UPDATE {table} SET status = 'delivered', lease_owner = NULL,"
-                    " lease_token = NULL, lease_expires_at = NULL, delivered_at = :now,"
-                    f" updated_at = :now WHERE {in_range} AND status = 'delivering'"
-                ),
-                {**bounds, "now": now},
-            )
+            conn.execute(done, {**bounds, "now": now, "no_token": _NO_TOKEN, "past": _PAST})
         rows += len(got)
         batches += 1
     return _rates(rows, batches, time.perf_counter() - start)
+
+
+def split_tables(table: str) -> tuple[str, str]:
+    """The state and payload tables of the ``split`` shape made from ``table``."""
+    return f"{table}_state", f"{table}_payload"
+
+
+#: How the ``presized`` shape's rows are copied: as a writer would insert them,
+#: with the lease columns at the size a claim gives them (an UPDATE of the copy
+#: instead left the server purging 200,000 old row versions during the drain).
+PRESIZED_VALUES = {
+    "lease_owner": f"'{_FLOOR_OWNER}'",
+    "lease_token": f"'{_NO_TOKEN}'",
+    "lease_expires_at": f"'{_PAST.isoformat(sep=' ')}'",
+}
+
+
+def prepare_floor(engine: sa.Engine, table: str, shape: str) -> None:
+    """Make the copy ``table`` the ``shape`` the floor then drains (not measured;
+    the ``presized`` rows were copied so, see ``PRESIZED_VALUES``)."""
+    if shape != SPLIT:
+        return
+    state, payload = split_tables(table)
+    kept = [c.name for c in outbox_table(table).columns if c.name not in ("payload", "headers")]
+    with engine.begin() as conn:
+        for name, columns in (
+            (state, kept),
+            (payload, ["id", "event_id", "topic", "message_key", "payload", "headers"]),
+        ):
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
+            conn.execute(
+                sa.text(f"CREATE TABLE {name} AS SELECT {', '.join(columns)} FROM {table}")
+            )
+            conn.execute(sa.text(f"ALTER TABLE {name} ADD PRIMARY KEY (id)"))
+        # The same secondary indexes a status change touches today.
+        conn.execute(sa.text(f"CREATE INDEX ix_{state}_status_id ON {state} (status, id)"))
+        conn.execute(sa.text(f"CREATE INDEX ix_{state}_key ON {state} (message_key, status, id)"))
+    data.analyze(engine, state, vacuum=True)
+    data.analyze(engine, payload, vacuum=True)
 
 
 def _on_a_copy(
@@ -237,14 +310,27 @@ def _on_a_copy(
     drain: Callable[[str], dict[str, float]],
     *,
     expected_left: dict[str, int],
+    values: dict[str, str] | None = None,
+    prepare: Callable[[str], None] | None = None,
+    counted: str | None = None,
+    extra_tables: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """Copy the backlog into ``table``, ``drain`` it, check what is left, drop it;
-    the drain's figures and what it cost the database server per row."""
+    """Copy the backlog into ``table`` (``values``: see ``data.copy_backlog``),
+    ``prepare`` it, ``drain`` it, check what is
+    left (in ``counted``, default ``table``), drop it and ``extra_tables``; the
+    drain's figures and what the drain alone cost the database server per row."""
     rows = ctx.config.rows
-    data.copy_backlog(ctx.engine, src, table, topic="unused", rows=rows, shards=ctx.config.shards)
+    data.copy_backlog(
+        ctx.engine, src, table, topic="unused", rows=rows, shards=ctx.config.shards, values=values
+    )
+    if prepare is not None:
+        prepare(table)
     server = DatabaseCost(ctx.engine).begin()
     out = {**drain(table), **server.per_row(rows)}
-    left = data.count_by_status(ctx.engine, table)
+    left = data.count_by_status(ctx.engine, counted or table)
+    for name in extra_tables:
+        with ctx.engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     data.drop_table(ctx.engine, table)
     if out["rows"] != rows or left != expected_left:
         raise RuntimeError(f"{table}: drained {out['rows']} of {rows} rows; table now {left}")
@@ -310,29 +396,43 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         key = "rate_overlapped" if overlap else "rate_delete" if delete else "rate"
         res.figures[key] = out["rows/s"]
     engine = relay_engine(ctx)
+    floors: dict[str, dict[str, float]] = {}
     try:
-        out = _on_a_copy(
-            ctx,
-            src,
-            "bench_floor",
-            lambda t: floor(engine, t, batch=batch),
-            expected_left={"delivered": cfg.rows},
-        )
+        for shape, label in FLOOR_SHAPES.items():
+            split = split_tables("bench_floor") if shape == SPLIT else ()
+            out = floors[shape] = _on_a_copy(
+                ctx,
+                src,
+                "bench_floor",
+                functools.partial(floor, engine, batch=batch, shape=shape),
+                expected_left={} if shape == DELETE else {"delivered": cfg.rows},
+                values=PRESIZED_VALUES if shape == PRESIZED else None,
+                prepare=functools.partial(prepare_floor, engine, shape=shape),
+                counted=split[0] if split else None,
+                extra_tables=split,
+            )
+            res.rows.append({"finalize": f"floor, {label}: 3 set-based statements", **out})
+            suffix = "" if shape == TODAY else f"_{shape}"
+            res.figures[f"rate_floor{suffix}"] = out["rows/s"]
+            for column, figure in (
+                ("db cpu s/100k events", "floor_db_cpu_per_100k"),
+                ("db log bytes/event", "floor_log_bytes_per_event"),
+            ):
+                if column in out:
+                    res.figures[figure + suffix] = out[column]
     finally:
         engine.dispose()
-    res.rows.append({"finalize": "floor: 3 set-based statements per batch, no relay code", **out})
-    res.figures["rate_floor"] = out["rows/s"]
-    for column, figure in (
-        ("db cpu s/100k events", "floor_db_cpu_per_100k"),
-        ("db log bytes/event", "floor_log_bytes_per_event"),
-    ):
-        if column in out:
-            res.figures[figure] = out[column]
     res.notes.append(
         f"claim beside the finalize vs one after the other: "
         f"{res.figures['rate_overlapped'] / res.figures['rate']:.2f}x"
     )
     res.notes.append(
-        f"the relay's claim + finalize vs the floor: {res.figures['rate'] / out['rows/s']:.2f}x"
+        "the relay's claim + finalize vs the floor: "
+        f"{res.figures['rate'] / floors[TODAY]['rows/s']:.2f}x"
     )
+    for shape in (DELETE, PRESIZED, SPLIT):
+        res.notes.append(
+            f"floor, {FLOOR_SHAPES[shape]} vs {FLOOR_SHAPES[TODAY]}: "
+            f"{floors[shape]['rows/s'] / floors[TODAY]['rows/s']:.2f}x"
+        )
     return res

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Local MariaDB for tests: mariadb.sh start|stop|status|kill [--name N] [--port P]
-#                                                          [--binlog on|off]
+#                                            [--binlog on|off] [--buffer-pool-mb N]
 #
 # Every instance has its own datadir, socket and pid under .state/mariadb-<name>/,
 # listens on 127.0.0.1 only and is tuned for test speed, not durability.
@@ -8,19 +8,26 @@
 #
 # --binlog on: the binary log as production runs it (replication, backups,
 # point-in-time recovery): log-bin, binlog_format=ROW, binlog_row_image=FULL.
-# Default off. The setting is remembered; changing it on an existing instance
-# takes a stop and a start.
+# Default off.
+# --buffer-pool-mb: InnoDB's buffer pool (default 256, enough for the tests; a
+# benchmark's backlog and its copies need their working set in memory, as a
+# production server is sized to hold it).
+# The settings are remembered; changing them on an existing instance takes a
+# stop and a start.
 set -euo pipefail
 SERVICE=mariadb
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-EXTRA_FLAGS=(binlog)
+EXTRA_FLAGS=(binlog buffer-pool-mb)
 parse_args "$@"
 load_settings
 PORT="${PORT:-3306}"
 BINLOG="${BINLOG:-off}"
 [[ "$BINLOG" == on || "$BINLOG" == off ]] || die "bad --binlog '$BINLOG' (on or off)"
+BUFFER_POOL_MB="${BUFFER_POOL_MB:-256}"
+[[ "$BUFFER_POOL_MB" =~ ^[0-9]+$ && "$BUFFER_POOL_MB" -ge 64 ]] ||
+    die "bad --buffer-pool-mb '$BUFFER_POOL_MB' (64 or more)"
 
 DATA_DIR="$INSTANCE_DIR/data"
 SOCKET="$INSTANCE_DIR/mysqld.sock"
@@ -64,7 +71,7 @@ performance_schema = OFF
 innodb_flush_log_at_trx_commit = 2
 innodb_doublewrite = 0
 sync_binlog = 0
-innodb_buffer_pool_size = 256M
+innodb_buffer_pool_size = ${BUFFER_POOL_MB}M
 innodb_log_file_size = 64M
 innodb_flush_method = O_DIRECT_NO_FSYNC
 EOF
@@ -80,7 +87,7 @@ start() {
     else
         require_free_port "$PORT"
         mkdir -p "$INSTANCE_DIR"
-        remember_settings PORT BINLOG
+        remember_settings PORT BINLOG BUFFER_POOL_MB
         write_config
         if [[ ! -d "$DATA_DIR/mysql" ]]; then
             detail "$NAME: initialising datadir $DATA_DIR"

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Local PostgreSQL for tests: postgres.sh start|stop|status|kill [--name N] [--port P]
+#                                   [--wal-level replica|logical] [--full-page-writes on|off]
 #
 # Debian's PostgreSQL 15 server binaries, run directly (no pg_ctlcluster, no
 # systemd). Every instance has its own data directory, config and unix socket
 # under .state/postgres-<name>/, listens on 127.0.0.1 only and is tuned for test
 # speed, not durability. After start: database outboxkit_test owned by user
 # outboxkit/outboxkit (CREATEDB, so tests can make their own databases).
+#
+# --wal-level: what the WAL records (replica, the server's default, or logical, as
+# for logical decoding). --full-page-writes: off by default here (speed); on,
+# as production runs it, the first change of a page after a checkpoint logs the
+# whole page. Both are remembered; changing them takes a stop and a start.
 #
 # PostgreSQL refuses to run as root: as root, the server runs as the `postgres`
 # system user (created by the Debian package) and owns the data directory.
@@ -17,10 +23,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PG_VERSION=15
 PG_BIN="/usr/lib/postgresql/$PG_VERSION/bin"
 
-EXTRA_FLAGS=()
+EXTRA_FLAGS=(wal-level full-page-writes)
 parse_args "$@"
 load_settings
 PORT="${PORT:-5432}"
+WAL_LEVEL="${WAL_LEVEL:-replica}"
+FULL_PAGE_WRITES="${FULL_PAGE_WRITES:-off}"
+[[ "$WAL_LEVEL" == replica || "$WAL_LEVEL" == logical ]] ||
+    die "bad --wal-level '$WAL_LEVEL' (replica or logical)"
+[[ "$FULL_PAGE_WRITES" == on || "$FULL_PAGE_WRITES" == off ]] ||
+    die "bad --full-page-writes '$FULL_PAGE_WRITES' (on or off)"
 
 DATA_DIR="$INSTANCE_DIR/data"
 # The socket directory must be writable by the server's user.
@@ -70,7 +82,8 @@ log_min_messages = warning
 # restart it saw consumers' effects vanish after their offsets were committed.
 fsync = off
 synchronous_commit = on
-full_page_writes = off
+full_page_writes = $FULL_PAGE_WRITES
+wal_level = $WAL_LEVEL
 # The outbox is a queue: every status change leaves a dead row version and dead
 # entries in the status indexes that the claim's scans step over until VACUUM
 # removes them. The table asks to be vacuumed once 20,000 versions are dead
@@ -117,7 +130,7 @@ start() {
                 die "user postgres cannot enter $INSTANCE_DIR: every parent directory needs o+x"
         fi
         chmod 700 "$RUN_DIR"
-        remember_settings PORT
+        remember_settings PORT WAL_LEVEL FULL_PAGE_WRITES
         write_config
         [[ -f "$DATA_DIR/PG_VERSION" ]] || init_datadir
         detail "$NAME: starting postgres on 127.0.0.1:$PORT"

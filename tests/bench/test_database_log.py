@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
-from support.services import MariaDBInstance, free_port
+from support.services import MariaDBInstance, PostgresInstance, free_port
 
 from bench.dblog import LogMeter, log_bytes, log_settings
 
@@ -95,3 +95,28 @@ def test_postgresql_wal_bytes_of_each_phase(pg_url: str) -> None:
         assert updated is not None and updated > 0
     finally:
         engine.dispose()
+
+
+def test_postgresql_as_production_runs_it_logs_whole_pages_at_the_level_asked() -> None:
+    """``postgres.sh --wal-level logical --full-page-writes on`` (the benchmark's
+    ``bench-wal`` instance, at the level a logical-decoding reader needs): the
+    report names both settings, and the meter reads that server's WAL."""
+    db = PostgresInstance(
+        f"wal-{uuid.uuid4().hex[:6]}", free_port(), wal_level="logical", full_page_writes=True
+    )
+    db.start(fresh=True)
+    engine = sa.create_engine(db.url)
+    try:
+        assert log_settings(engine) == {
+            "log": "wal",
+            "wal_level": "logical",
+            "full_page_writes": "on",
+        }
+        table = "bench_log_meter"
+        inserted, updated = _phase(engine, table)
+        assert inserted is not None and inserted >= ROWS * PAYLOAD
+        assert updated is not None and updated > 0
+    finally:
+        engine.dispose()
+        db.stop()
+        shutil.rmtree(db.state_dir, ignore_errors=True)

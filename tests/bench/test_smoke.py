@@ -106,7 +106,7 @@ LOG_GOAL = "relay's log bytes per event vs the writer's"
 def _assert_goal_bounds(saved: dict[str, Any]) -> None:
     """The goals with a bound show it, from this run's figures; the others none;
     and the docs' goals table says what the bound is."""
-    from bench.report import BOUND_NOTE, markdown_report
+    from bench.report import BOUND_NOTE, HEADLINE_NOTE, headline_row, markdown_report
 
     goals = {g["goal"]: g for g in saved["goals"]}
     for name, goal in goals.items():
@@ -132,15 +132,32 @@ def _assert_goal_bounds(saved: dict[str, Any]) -> None:
         throughput["rate_1"] / ceiling["rate_floor"]
     )
     # The floor row carries the server's cost, as every drain row does.
-    floor_row = saved["scenarios"]["db-ceiling"]["rows"][-1]
-    assert floor_row["finalize"].startswith("floor"), floor_row
-    assert floor_row["db cpu s/100k events"] == ceiling["floor_db_cpu_per_100k"]
+    floors = [
+        r for r in saved["scenarios"]["db-ceiling"]["rows"] if r["finalize"].startswith("floor")
+    ]
+    assert [r["finalize"].split(":")[0] for r in floors] == [
+        "floor, today's table",
+        "floor, delivered rows deleted",
+        "floor, lease columns written at their claimed size",
+        "floor, state apart from the payload",
+    ]
+    assert floors[0]["rows/s"] == ceiling["rate_floor"]
+    assert floors[0]["db cpu s/100k events"] == ceiling["floor_db_cpu_per_100k"]
+    for shape in ("delete", "presized", "split"):
+        assert ceiling[f"rate_floor_{shape}"] > 0, shape
     # The retired goals' figures stay in the tables: the inbox's driver-alone row.
     consumer = saved["scenarios"]["consumer"]
     rows = [r for r in consumer["rows"] if r["variant"].startswith("driver alone")]
     assert len(rows) == 1 and rows[0]["msgs/s"] == consumer["figures"]["inbox_driver_rate"]
     table = markdown_report(saved)
     assert "bound in this run" in table and BOUND_NOTE in table
+    # The headline the docs open with: this run's one-relay figures, by name.
+    headline = headline_row(saved)
+    assert headline is not None
+    assert headline["events/s"] == throughput["rate_1"]
+    assert headline["x floor"] == throughput["rate_1"] / ceiling["rate_floor"]
+    assert headline["p99 ms at 1k/s"] is None  # the smoke writes at 100/s only
+    assert "MariaDB (binary log off)" in table and HEADLINE_NOTE in table
 
 
 def _assert_consumer_rounds(saved: dict[str, Any]) -> None:

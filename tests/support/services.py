@@ -322,9 +322,26 @@ class MariaDBInstance(ServiceInstance):
 
 
 class PostgresInstance(ServiceInstance):
-    """PostgreSQL 15; ``kill()`` SIGKILLs the postmaster and every backend."""
+    """PostgreSQL 15; ``kill()`` SIGKILLs the postmaster and every backend.
+    ``wal_level`` and ``full_page_writes`` as ``postgres.sh`` takes them (its
+    defaults: replica, off)."""
 
     service = "postgres"
+
+    def __init__(
+        self, name: str, port: int, *, wal_level: str = "replica", full_page_writes: bool = False
+    ) -> None:
+        super().__init__(name, port)
+        self.wal_level = wal_level
+        self.full_page_writes = full_page_writes
+
+    def _extra_args(self) -> list[str]:
+        return [
+            "--wal-level",
+            self.wal_level,
+            "--full-page-writes",
+            "on" if self.full_page_writes else "off",
+        ]
 
     @property
     def url(self) -> str:
