@@ -426,7 +426,7 @@ class Consumer:
         except Exception as exc:
             if not is_infrastructure_error(exc):
                 raise
-            raise database_unreachable(exc) from None
+            raise database_unreachable(exc, self._engine.url) from None
         if not present:
             raise ConfigError(
                 f"inbox table {s.inbox_table} does not exist: run outboxkit schema apply"

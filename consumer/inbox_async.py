@@ -146,7 +146,7 @@ class AsyncInbox:
             loop_thread.run(engine.dispose)
             if not is_infrastructure_error(exc):
                 raise
-            raise database_unreachable(exc) from None
+            raise database_unreachable(exc, engine.url) from None
         if not present:
             loop_thread.run(engine.dispose)
             raise ConfigError(f"inbox table {table} does not exist: run outboxkit schema apply")

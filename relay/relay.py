@@ -72,7 +72,7 @@ from outboxkit.runtime import (
     log_event,
     redact,
 )
-from outboxkit.runtime.errors import is_infrastructure_error
+from outboxkit.runtime.errors import database_unreachable, is_infrastructure_error
 from outboxkit.runtime.identity import OutboxIdentity, read_fingerprint, read_identity
 from outboxkit.runtime.logs import Episode
 from outboxkit.runtime.metrics import push_job
@@ -842,11 +842,18 @@ class Relay:
                 self._open.extend([opened] if opened else [])
         except ConfigError as exc:
             return drain.failed_start(self, "config", EXIT_CONFIG, exc)
-        except (DependencyError, SchemaNotAppliedError, sa.exc.DBAPIError) as exc:
+        except (DependencyError, SchemaNotAppliedError) as exc:
             return drain.failed_start(self, "dependency", EXIT_DEPENDENCY, exc)
         except Exception as exc:
-            if not is_infrastructure_error(exc):  # e.g. a driver's unwrapped login failure
+            # e.g. a driver's unwrapped login failure
+            if not isinstance(exc, sa.exc.DBAPIError) and not is_infrastructure_error(exc):
                 raise
+            if self._engine is not None:
+                # A login refused or a database that does not exist: the URL is
+                # wrong, and restarting will not mend it.
+                failure = database_unreachable(exc, self._engine.url)
+                if isinstance(failure, ConfigError):
+                    return drain.failed_start(self, "config", EXIT_CONFIG, failure)
             return drain.failed_start(self, "dependency", EXIT_DEPENDENCY, exc)
         warn_renamed(log, s)
         frozen = {"heap_frozen": freeze_heap()} if self._owns_process else {}

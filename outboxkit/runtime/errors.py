@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
 
 __all__ = [
     "ConfigError",
@@ -106,10 +110,21 @@ def _raised_while_connecting(tb: TracebackType | None) -> bool:
     return False
 
 
-def database_unreachable(exc: BaseException) -> DependencyError:
-    """The :class:`DependencyError` for a database that failed a start-up check:
-    the driver's own error (unwrapped from SQLAlchemy's), secrets masked."""
+def database_unreachable(
+    exc: BaseException, url: str | sa.URL | None = None
+) -> DependencyError | ConfigError:
+    """The error for a database that failed a start-up check: the driver's own
+    error (unwrapped from SQLAlchemy's), secrets masked. A :class:`DependencyError`
+    (the server is away or failing: a restart may find it back), or, given the
+    ``url`` (a string or ``sqlalchemy.URL``) and an error that says the URL is
+    wrong (a login refused, a database that does not exist), a
+    :class:`ConfigError` that says what to fix: no restart mends those."""
+    from outboxkit.runtime.db import database_url_problem
     from outboxkit.runtime.logs import redact
 
+    if url is not None:
+        problem = database_url_problem(exc, url)
+        if problem is not None:
+            return ConfigError(problem)
     cause = getattr(exc, "orig", None) or exc
     return DependencyError(f"database unreachable: {redact(f'{type(cause).__name__}: {cause}')}")

@@ -15,7 +15,7 @@ from support import broken_login
 
 from outboxkit.consumer import Consumer, ConsumerSettings, Message
 from outboxkit.consumer.errors import Classification, classify
-from outboxkit.runtime import EXIT_DEPENDENCY
+from outboxkit.runtime import EXIT_CONFIG, EXIT_DEPENDENCY
 from outboxkit.schema import apply_schema
 
 
@@ -152,3 +152,36 @@ def test_a_failing_database_login_at_start_is_a_dependency_error(
     broken_login.BROKEN.set()
     consumer = Consumer(settings(group_id=f"g-{topic}", topics=(topic,), inbox=True, db_url=db_url))
     assert consumer.run(handle_signals=False) == EXIT_DEPENDENCY
+
+
+class _AsyncNoop(Consumer):
+    async def handle(self, message: Message) -> None:
+        return None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_login_the_server_refuses_at_start_is_a_config_error(
+    kind: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    settings: Callable[..., ConsumerSettings],
+    engine: sa.Engine,
+    db_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wrong password is the URL's fault, not the server's: exit 2 with what to
+    fix, the password nowhere in it (a refused login is not the driver failing to
+    log in at all, as above: that one stays a dependency error)."""
+    apply_schema(engine, shards=8)
+    topic = kafka_topics(1)
+    wrong = f"Wrong-{sa.make_url(db_url).password}-Pw"
+    url = sa.make_url(db_url).set(password=wrong).render_as_string(hide_password=False)
+    cls = Consumer if kind == "sync" else _AsyncNoop
+    consumer = cls(settings(group_id=f"g-{topic}", topics=(topic,), inbox=True, db_url=url))
+    assert consumer.run(handle_signals=False) == EXIT_CONFIG
+    failed = [r.getMessage() for r in caplog.records if "start-failed" in r.getMessage()]
+    assert failed, [r.getMessage() for r in caplog.records][-5:]
+    user = sa.make_url(db_url).username
+    assert f"refused the login of user '{user}'" in failed[0] and "config" in failed[0]
+    assert all(wrong not in r.getMessage() for r in caplog.records)

@@ -260,13 +260,15 @@ def test_no_password_or_sasl_secret_in_logs_rows_or_metrics(
     relay.signal(signal.SIGTERM)
     assert relay.wait(timeout=15) == 0
 
-    # A failed start with a wrong password must not print that password either.
+    # A failed start with a wrong password must not print that password either;
+    # a login the server refuses is the URL's fault: exit 2 with what to fix.
     wrong = sa.make_url(url).set(password=db_password + "-wrong")
     bad = _cli(
         "--kafka-bootstrap", kafka_bootstrap, "--health-port", "0",
         env={"OUTBOXKIT_DB_URL": wrong.render_as_string(hide_password=False)},
     )  # fmt: skip
-    assert bad.returncode == EXIT_DEPENDENCY
+    assert bad.returncode == EXIT_CONFIG, bad.stderr[-2000:]
+    assert f"refused the login of user '{wrong.username}'" in bad.stderr
 
     started = relay.events("relay-started")[0]
     assert "***" in started["settings"]["db_url"]
