@@ -46,6 +46,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def _largest(*values: float | None) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
 #: Round three's goals (issue "Performance, round three"), for the database as
 #: production runs it (bench/run.sh's default; docs/performance.md). Two goals of
 #: the round before are retired, their figures still in the scenario tables: the
@@ -69,8 +74,13 @@ GOALS = [
             _fig(r, "relay-throughput", "rate_1"), _fig(r, "db-ceiling", "rate_floor")
         ),
         lambda v: v >= 0.9,
-        # The relay's own claim and finalize with no Kafka, against the floor.
-        lambda r: _ratio(_fig(r, "db-ceiling", "rate"), _fig(r, "db-ceiling", "rate_floor")),
+        # The relay's own claim and finalize with no Kafka, one after the other or
+        # overlapped as the pipelined relay runs them (its default on PostgreSQL),
+        # whichever is faster, against the floor.
+        lambda r: _ratio(
+            _largest(_fig(r, "db-ceiling", "rate"), _fig(r, "db-ceiling", "rate_overlapped")),
+            _fig(r, "db-ceiling", "rate_floor"),
+        ),
     ),
     Goal(
         "database CPU per 100k events, one relay (s)",
@@ -146,11 +156,6 @@ GOALS = [
         lambda v: v >= 10_000,
     ),
 ]
-
-
-def _largest(*values: float | None) -> float | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
 
 
 #: A peak RSS may move this much between two runs of the same process without

@@ -140,7 +140,8 @@ BOUND_NOTE = (
     "from a loop doing the same database work without the part measured: the "
     "floor (db-ceiling, three set-based statements per batch, no relay code) for "
     "the relay's events/s, database CPU and log bytes; the relay's own claim + "
-    "finalize without Kafka (db-ceiling) for its ratio to the floor."
+    "finalize without Kafka (db-ceiling, one after the other or overlapped as the "
+    "pipelined relay runs them, the faster) for its ratio to the floor."
 )
 
 
