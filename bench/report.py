@@ -149,9 +149,9 @@ BOUND_NOTE = (
 HEADLINE_NOTE = (
     "_events/s_: one relay with its defaults draining the 200k backlog "
     "(relay-throughput); _x floor_: against the floor of today's table in the same "
-    "run (db-ceiling); _db cpu_ and _log bytes_: the database server's CPU "
-    "seconds and replication-log bytes (binary log or WAL) per 100,000 events of "
-    "that drain, beside the bytes the writer's own inserts logged; _p99_: "
+    "run (db-ceiling); _db cpu_ and _log MB_: the database server's CPU "
+    "seconds and replication-log megabytes (binary log or WAL) per 100,000 events "
+    "of that drain, beside what the writer's own inserts logged; _p99_: "
     "commit->ack with wake-ups at a steady 1,000 and 5,000 events/s (latency)."
 )
 

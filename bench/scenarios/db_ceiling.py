@@ -19,7 +19,10 @@ expiry), one ``SELECT`` of the rows' topic, key, payload and headers, one
 same for the whole batch (no per-row partition and offset). Its rows/s (``rate_floor``) is
 set by the table's shape and the database's configuration (with the binary
 log on, each status change logs the whole row twice); every relay figure has
-its "x floor" beside it.
+its "x floor" beside it. The floor is measured on four shapes of the table
+(``FLOOR_SHAPES``), each on its own copy: today's, and the candidates of a
+redesign (``rate_floor_delete``, ``rate_floor_presized``, ``rate_floor_split``),
+with the server's CPU and log bytes per event beside each.
 
 A third row runs the same claims and finalizes as the pipelined relay does
 (``--pipeline``): batch N+1 claimed while N is finalized on a second thread and
@@ -316,9 +319,9 @@ def _on_a_copy(
     extra_tables: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Copy the backlog into ``table`` (``values``: see ``data.copy_backlog``),
-    ``prepare`` it, ``drain`` it, check what is
-    left (in ``counted``, default ``table``), drop it and ``extra_tables``; the
-    drain's figures and what the drain alone cost the database server per row."""
+    ``prepare`` it, ``drain`` it, check what is left (in ``counted``, default
+    ``table``), drop it and ``extra_tables``; the drain's figures and what the
+    drain alone cost the database server per row."""
     rows = ctx.config.rows
     data.copy_backlog(
         ctx.engine, src, table, topic="unused", rows=rows, shards=ctx.config.shards, values=values
