@@ -205,11 +205,27 @@ def key_order(obs: Observed) -> Check:
     )
 
 
+def released_in_flight(obs: Observed) -> Counter[str]:
+    """How many times the relays said a row was released while a copy of it was
+    in flight to a broker (``released-in-flight``): each such release may add
+    one copy, by event id."""
+    event_of = {r.id: r.event_id for r in obs.rows}
+    times: Counter[str] = Counter()
+    for p in obs.relays:
+        for e in p.events("released-in-flight"):
+            for row_id in e.get("row_ids", []):
+                if int(row_id) in event_of:
+                    times[event_of[int(row_id)]] += 1
+    return times
+
+
 def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
-    """Every extra copy's first copy was produced while a fault could leave it
-    unacknowledged: from one batch budget before the fault began until 2 s after
-    it ended. A relay fault (kill, redeploy, stall) explains only rows of shards
-    that relay owned at that moment (by the lease events)."""
+    """Every extra copy is one a relay reported (its row released while a copy was
+    in flight, ``released-in-flight``: one extra copy per release), or its first
+    copy was produced while a fault could leave it unacknowledged: from one batch
+    budget before the fault began until 2 s after it ended. A relay fault (kill,
+    redeploy, stall) explains only rows of shards that relay owned at that moment
+    (by the lease events)."""
     pre = cfg.timings.batch_budget_s + 1.0
     post = 2.0
     windows = [
@@ -231,6 +247,7 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
     copies: dict[str, list[KafkaCopy]] = defaultdict(list)
     for c in obs.copies:
         copies[c.event_id].append(c)
+    reported = released_in_flight(obs)
     by_cause: Counter[str] = Counter()
     evidence: list[str] = []
     first_at: float | None = None
@@ -239,6 +256,12 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
             continue
         first = min(cs, key=lambda c: c.ts)
         extra = len(cs) - 1
+        said = min(extra, reported[event_id])
+        if said:
+            by_cause["released-in-flight"] += said
+            extra -= said
+            if not extra:
+                continue
         near = [w for w in windows if w[0] <= first.ts <= w[1] and plausible(w[2], event_id)]
         if near:
             cause = min(near, key=lambda w: abs(w[2].started - first.ts))[2]

@@ -163,6 +163,8 @@ _UNKNOWN_TOPIC_CODES = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._
 #: How long to wait for room in a full producer queue before trying again
 #: (delivery reports are served meanwhile, which is what makes room).
 _QUEUE_FULL_POLL_S = 0.05
+#: Row ids named in one log line (the count is always whole).
+_MAX_IDS_LOGGED = 200
 
 
 def classify(code: int, *, retriable: bool = False) -> ErrorKind:
@@ -280,6 +282,11 @@ class InFlight:
     def missing(self) -> int:
         with self._lock:
             return len(self.expected) - len(self.reports)
+
+    def missing_ids(self) -> list[int]:
+        """The rows with no report yet, in id order."""
+        with self._lock:
+            return sorted(self.expected - self.reports.keys())
 
     def snapshot(self) -> dict[int, Report]:
         with self._lock:
@@ -595,13 +602,14 @@ class Publisher:
             self._poll(0.01)
             if inflight.done() or inflight.missing() == before:
                 break
-        missing = inflight.missing()
+        missing = inflight.missing_ids()
         if missing:
             log_event(
                 log,
                 "released-in-flight",
                 level=logging.WARNING,
-                rows=missing,
+                rows=len(missing),
+                row_ids=missing[:_MAX_IDS_LOGGED],
                 effect="no delivery report by the batch deadline while in flight to a broker: "
                 "released and sent again; a copy may still be written (acked-after-release)",
             )

@@ -25,6 +25,7 @@ from relay_support import (
 from support.services import KafkaInstance, free_ports
 
 from outboxkit import Event
+from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -159,18 +160,35 @@ def test_frozen_broker_does_not_hang_the_drain(
         shutdown_timeout=8.0,
         kafka_config={"message.timeout.ms": "20000"},
     )
-    relay = embedded(settings)
-    broker.pause()  # connections stay open, nothing answers: produce requests hang
-    try:
-        add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(settings)
+        # One event first: the producer has its id and connections when the
+        # broker freezes, so the batch's requests are really sent.
+        add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"warm-up")])
         wait_for(
-            lambda: status_counts(engine, outbox) == {"delivering": 5}, timeout=10, what="claim"
+            lambda: status_counts(engine, outbox) == {"delivered": 1}, timeout=30, what="warm-up"
         )
-        started = time.monotonic()
-        assert relay.stop(timeout=20) == 0
-        elapsed = time.monotonic() - started
-    finally:
-        broker.resume()
+        broker.pause()  # connections stay open, nothing answers: produce requests hang
+        try:
+            add_events(
+                engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)]
+            )
+            wait_for(
+                lambda: status_counts(engine, outbox) == {"delivered": 1, "delivering": 5},
+                timeout=10,
+                what="claim",
+            )
+            started = time.monotonic()
+            assert relay.stop(timeout=20) == 0
+            elapsed = time.monotonic() - started
+        finally:
+            broker.resume()
     assert elapsed < settings.shutdown_timeout, "bounded waits: no forced exit needed"
-    assert status_counts(engine, outbox) == {"retryable": 5}
-    assert {r.attempts for r in rows(engine, outbox)} == {0}, "released with the attempt refunded"
+    assert status_counts(engine, outbox) == {"delivered": 1, "retryable": 5}
+    batch = rows(engine, outbox)[1:]
+    assert {r.attempts for r in batch} == {0}, "released with the attempt refunded"
+    # The requests were on their way to the broker: a copy of each row may still
+    # be written, and the log names the rows an operator may see twice.
+    (released,) = logs.events("released-in-flight")
+    assert released["rows"] == 5
+    assert released["row_ids"] == [r.id for r in batch]
