@@ -4,10 +4,17 @@ Each goal is a ratio or a bound; a goal whose figures were not measured in this
 run is reported as not measured, never as met.
 
 Some goals also have a *bound*: the most this run's own figures allow for that
-measure, taken from a loop that does the same database work without the
-component under test (no Kafka, no consumer). A goal beyond its bound cannot be
-met on this host by the component alone; the bound is shown beside the verdict,
-which it never changes.
+measure. For the relay's rate, its database cost and its log bytes, it is taken
+from a loop that does the same database work without the component under test
+(no Kafka, no consumer). For the latency goals, from the relay's own cycle at
+that rate (the mean time between two claims, 1 / its batches per second, read
+from its metrics): an event committed just after a claim waits for the next
+claim and then for its batch's acknowledgement, so the p99 is about twice that
+time. (With the pipeline a batch lives longer than the time between two claims,
+so the bound is lower than the cycle allows, never higher.) For keeping up, from
+the relay's own rate on a backlog. A goal beyond its bound cannot be met on this
+host by the component as it is; the bound is shown beside the verdict, which it
+never changes.
 """
 
 from __future__ import annotations
@@ -49,6 +56,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _largest(*values: float | None) -> float | None:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+def _latency(results: Results, figure: str, rate: int) -> float | None:
+    """A latency figure of the relay with wake-ups in its default configuration
+    (pipelined on PostgreSQL); a result saved before those figures existed has
+    only the unpipelined run, MySQL/MariaDB's default."""
+    found = _fig(results, "latency", f"{figure}_{rate}_wakeups_default")
+    return found if found is not None else _fig(results, "latency", f"{figure}_{rate}_wakeups")
+
+
+def _twice(value: float | None) -> float | None:
+    return None if value is None else 2 * value
+
+
+def _at_most_one(value: float | None) -> float | None:
+    return None if value is None else min(1.0, value)
 
 
 #: Round three's goals (issue "Performance, round three"), for the database as
@@ -117,20 +140,24 @@ GOALS = [
     Goal(
         "commit->ack p99 at 1,000/s with wake-ups (ms)",
         "<= 20",
-        lambda r: _fig(r, "latency", "p99_ms_1000_wakeups"),
+        lambda r: _latency(r, "p99_ms", 1000),
         lambda v: v <= 20,
+        lambda r: _twice(_latency(r, "cycle_ms", 1000)),
     ),
     Goal(
         "commit->ack p99 at 5,000/s with wake-ups (ms)",
         "<= 100",
-        lambda r: _fig(r, "latency", "p99_ms_5000_wakeups"),
+        lambda r: _latency(r, "p99_ms", 5000),
         lambda v: v <= 100,
+        lambda r: _twice(_latency(r, "cycle_ms", 5000)),
     ),
     Goal(
         "relay keeps up at 5,000/s: delivered vs written",
         ">= 0.99",
-        lambda r: _fig(r, "latency", "kept_up_5000_wakeups"),
+        lambda r: _latency(r, "kept_up", 5000),
         lambda v: v >= 0.99,
+        # The relay's own rate on a backlog, with no writer beside it.
+        lambda r: _at_most_one(_ratio(_fig(r, "relay-throughput", "rate_1"), 5000)),
     ),
     Goal(
         "writer insert rate with relay vs without",

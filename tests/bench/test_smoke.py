@@ -101,6 +101,7 @@ BOUNDED_GOALS = {
         ("rate", "rate_overlapped", "rate_floor"),
     ),
     "database CPU per 100k events, one relay (s)": ("db-ceiling", ("floor_db_cpu_per_100k",)),
+    "relay keeps up at 5,000/s: delivered vs written": ("relay-throughput", ("rate_1",)),
 }
 #: Measured only where the server keeps a replication log (not the tests' MariaDB).
 LOG_GOAL = "relay's log bytes per event vs the writer's"
@@ -283,8 +284,15 @@ def test_smoke_run_on_postgresql_needs_no_redis(
 
     latency = saved["scenarios"]["latency"]
     assert {r["wake-ups"] for r in latency["rows"]} == {False, True}
-    assert f"p99_ms_{BenchConfig.smoke().latency_rates[0]}_wakeups" in latency["figures"]
     smoke = BenchConfig.smoke()
+    rate = smoke.latency_rates[0]
+    assert f"p99_ms_{rate}_wakeups" in latency["figures"]
+    # The relay's default on PostgreSQL is the pipeline: that run is the one the
+    # goals judge, its mean cycle read from the relay's metrics.
+    (default,) = [r for r in latency["rows"] if r["wake-ups"] and r["pipeline"]]
+    f = latency["figures"]
+    assert f[f"p99_ms_{rate}_wakeups_default"] == default["p99 ms"]
+    assert f[f"cycle_ms_{rate}_wakeups_default"] == 1000 / default["batches/s"]
     written = int(smoke.latency_rates[0] * (smoke.latency_warmup_seconds + smoke.latency_seconds))
     for row in latency["rows"]:
         # The warm-up's events are reported apart, none lost or counted twice; the
