@@ -205,23 +205,31 @@ def key_order(obs: Observed) -> Check:
     )
 
 
-def released_in_flight(obs: Observed) -> Counter[str]:
-    """How many times the relays said a row was released while a copy of it was
-    in flight to a broker (``released-in-flight``): each such release may add
-    one copy, by event id."""
+#: What a relay logs, with the row ids, when a copy of a row may be in Kafka
+#: while the row is sent again: released while in flight to a broker, or its
+#: send failed with no answer from the broker (docs/relay.md).
+REPORTED_COPIES = ("released-in-flight", "possibly-written")
+
+
+def reported_copies(obs: Observed) -> dict[str, Counter[str]]:
+    """By event (name in :data:`REPORTED_COPIES`), how many times the relays
+    reported a row as possibly written while it was sent again: each report may
+    add one copy, by event id."""
     event_of = {r.id: r.event_id for r in obs.rows}
-    times: Counter[str] = Counter()
+    times: dict[str, Counter[str]] = {name: Counter() for name in REPORTED_COPIES}
     for p in obs.relays:
-        for e in p.events("released-in-flight"):
-            for row_id in e.get("row_ids", []):
-                if int(row_id) in event_of:
-                    times[event_of[int(row_id)]] += 1
+        for name in REPORTED_COPIES:
+            for e in p.events(name):
+                for row_id in e.get("row_ids", []):
+                    if int(row_id) in event_of:
+                        times[name][event_of[int(row_id)]] += 1
     return times
 
 
 def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
     """Every extra copy is one a relay reported (its row released while a copy was
-    in flight, ``released-in-flight``: one extra copy per release), or its first
+    in flight, ``released-in-flight``, or its send unanswered by the broker,
+    ``possibly-written``: one extra copy per report), or its first
     copy was produced while a fault could leave it unacknowledged: from one batch
     budget before the fault began until 2 s after it ended. A relay fault (kill,
     redeploy, stall) explains only rows of shards that relay owned at that moment
@@ -247,7 +255,7 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
     copies: dict[str, list[KafkaCopy]] = defaultdict(list)
     for c in obs.copies:
         copies[c.event_id].append(c)
-    reported = released_in_flight(obs)
+    reported = reported_copies(obs)
     by_cause: Counter[str] = Counter()
     evidence: list[str] = []
     first_at: float | None = None
@@ -256,12 +264,13 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
             continue
         first = min(cs, key=lambda c: c.ts)
         extra = len(cs) - 1
-        said = min(extra, reported[event_id])
-        if said:
-            by_cause["released-in-flight"] += said
-            extra -= said
-            if not extra:
-                continue
+        for name, times in reported.items():
+            said = min(extra, times[event_id])
+            if said:
+                by_cause[name] += said
+                extra -= said
+        if not extra:
+            continue
         near = [w for w in windows if w[0] <= first.ts <= w[1] and plausible(w[2], event_id)]
         if near:
             cause = min(near, key=lambda w: abs(w[2].started - first.ts))[2]

@@ -24,6 +24,7 @@ from outboxkit.relay.pauses import PausedTopics
 from outboxkit.runtime.logs import log_event
 
 __all__ = [
+    "POSSIBLY_WRITTEN",
     "RetryReporter",
     "count_outcomes",
     "delivered",
@@ -91,6 +92,56 @@ def pause_topics(paused: PausedTopics, decisions: list[Decision], lost: set[int]
 RETRY_LOG_INTERVAL = 10.0
 
 
+#: Delivery errors after which the message may still have been written: it
+#: reached a broker, and no answer came back (librdkafka's "possibly persisted";
+#: the Python client does not expose a message's status). A row with one of
+#: them is sent again (or failed, past --max-attempts), and Kafka may then hold
+#: two copies of it. NOT_ENOUGH_REPLICAS is not one: the leader refused the
+#: write before appending it.
+POSSIBLY_WRITTEN = frozenset(
+    {
+        "_MSG_TIMED_OUT",
+        "_TIMED_OUT",
+        "REQUEST_TIMED_OUT",
+        "_TRANSPORT",
+        "NETWORK_EXCEPTION",
+        "NOT_ENOUGH_REPLICAS_AFTER_APPEND",
+    }
+)
+#: Row ids named in one ``possibly-written`` line (the count is always whole).
+_MAX_IDS_LOGGED = 200
+
+
+def _error_name(d: Decision) -> str:
+    return (d.error or "unknown").split(":", 1)[0].strip() or "unknown"
+
+
+def report_possibly_written(decisions: Sequence[Decision]) -> None:
+    """One ``possibly-written`` INFO line per batch naming the rows whose send
+    failed in a way that may still have written them (:data:`POSSIBLY_WRITTEN`):
+    the rows an operator may find twice in the topic. Every batch, not rate
+    limited like ``delivery-retry``: the ids are the point."""
+    rows = [
+        d
+        for d in decisions
+        if d.fate in (Fate.RETRYABLE, Fate.FAILED) and _error_name(d) in POSSIBLY_WRITTEN
+    ]
+    if not rows:
+        return
+    errors: dict[str, int] = {}
+    for d in rows:
+        errors[_error_name(d)] = errors.get(_error_name(d), 0) + 1
+    log_event(
+        log,
+        "possibly-written",
+        rows=len(rows),
+        row_ids=sorted(d.row.id for d in rows)[:_MAX_IDS_LOGGED],
+        errors=errors,
+        effect="no acknowledgement for a message sent to a broker: it may be in the "
+        "partition, and the row is sent again (a duplicate) or failed",
+    )
+
+
 class RetryReporter:
     """Says which topic a retryable batch failed on and why: the Kafka cluster's
     fault, not the relay's nor the row's.
@@ -125,6 +176,7 @@ class RetryReporter:
         self._last: dict[str, float] = {}
 
     def report(self, decisions: Sequence[Decision], lost: set[int]) -> None:
+        report_possibly_written(decisions)
         by_topic: dict[str, list[Decision]] = {}
         for d in decisions:
             if d.fate is Fate.RETRYABLE and d.row.id not in lost:
@@ -133,7 +185,7 @@ class RetryReporter:
         for topic, rows in by_topic.items():
             errors: dict[str, int] = {}
             for d in rows:
-                name = (d.error or "unknown").split(":", 1)[0].strip() or "unknown"
+                name = _error_name(d)
                 errors[name] = errors.get(name, 0) + 1
             for name, n in errors.items():
                 self._metrics.delivery_errors.labels(topic=topic, error=name).inc(n)

@@ -133,6 +133,11 @@ def test_a_row_the_relay_released_in_flight_explains_one_extra_copy_per_release(
     assert check.figures["by_cause"] == {"released-in-flight": 1, "unexplained": 1}
     other_row = FakeProc("relay-0-g0", [{"event": "released-in-flight", "rows": 1, "row_ids": [3]}])
     assert not duplicates_accounted(cfg(), observed(two, relays=[other_row])).ok
+    # A send the broker never answered (timed out in flight), sent again.
+    timed_out = FakeProc("relay-0-g0", [{"event": "possibly-written", "rows": 1, "row_ids": [2]}])
+    check = duplicates_accounted(cfg(), observed(three, relays=[said, timed_out]))
+    assert check.ok
+    assert check.figures["by_cause"] == {"released-in-flight": 1, "possibly-written": 1}
 
 
 def test_a_consumer_drain_must_not_stop_its_commit_at_a_message_it_processed() -> None:

@@ -192,3 +192,61 @@ def test_frozen_broker_does_not_hang_the_drain(
     (released,) = logs.events("released-in-flight")
     assert released["rows"] == 5
     assert released["row_ids"] == [r.id for r in batch]
+
+
+def test_a_send_the_broker_never_answered_names_its_rows_as_possibly_written(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    broker: KafkaInstance,
+    embedded: Callable[..., EmbeddedRelay],
+) -> None:
+    """A frozen broker takes the batch's request and answers nothing: the
+    messages time out in flight (``_MSG_TIMED_OUT``), which may still have
+    written them, and the rows are sent again. Seen as a duplicate in the
+    cluster chaos smoke with only a rate-limited ``delivery-retry`` line (a
+    count) to explain it; now the relay names the rows, and every extra copy
+    in the topic is of a row it named."""
+    broker.start()
+    topic = _topic(broker, partitions=1)
+    settings = fast_settings(
+        db_url,
+        broker.bootstrap,
+        lease_ttl=20.0,
+        retry_backoff_base=0.3,
+        retry_backoff_cap=1.0,
+        kafka_config={"message.timeout.ms": "2000", "reconnect.backoff.max.ms": "500"},
+    )
+    with capture_json_logs(level="INFO") as logs:
+        relay = embedded(settings)
+        add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"warm-up")])
+        wait_for(
+            lambda: status_counts(engine, outbox) == {"delivered": 1}, timeout=30, what="warm-up"
+        )
+        broker.pause()  # the request is taken, never answered
+        try:
+            add_events(
+                engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(3)]
+            )
+            wait_for(lambda: bool(logs.events("possibly-written")), timeout=20, what="the timeout")
+        finally:
+            broker.resume()
+        wait_for(
+            lambda: status_counts(engine, outbox) == {"delivered": 4},
+            timeout=60,
+            what="every row delivered once the broker answers",
+        )
+        assert relay.stop() == 0
+    batch = rows(engine, outbox)[1:]
+    first = logs.events("possibly-written")[0]
+    assert first["row_ids"] == [r.id for r in batch], first
+    assert first["errors"] == {"_MSG_TIMED_OUT": 3}, first
+    assert {r.attempts for r in batch} >= {2}, "the timed-out send counted an attempt"
+    named = {i for e in logs.events("possibly-written") for i in e["row_ids"]}
+    copies: dict[str, int] = defaultdict(int)
+    for m in consume(broker.bootstrap, topic, expected=4):
+        copies[m.headers["event_id"].decode()] += 1
+    by_event = {r.event_id: r.id for r in rows(engine, outbox)}
+    assert set(copies) == set(by_event), "nothing lost"
+    twice = {by_event[e] for e, n in copies.items() if n > 1}
+    assert twice <= named, f"copies of rows never named: {twice - named}"

@@ -12,6 +12,7 @@ from outboxkit.relay.accounting import RetryReporter
 from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.finalize import Decision, Fate
 from outboxkit.relay.metrics import RelayMetrics
+from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = pytest.mark.unit
 
@@ -57,3 +58,23 @@ def test_retryable_rows_count_per_topic_and_error_and_log_once_per_interval(
     assert "topic=orders" in lines[0] and "'isr': [1]" in lines[0], lines[0]
     assert "rows=2" in lines[0] and "not paused" in lines[0]
     assert probed == ["orders"]
+
+
+def test_every_batch_names_the_rows_a_broker_may_have_written_without_answering() -> None:
+    reporter = RetryReporter(RelayMetrics(CollectorRegistry()), lambda _: None, background=False)
+    batch = [
+        decision(1, "orders", Fate.RETRYABLE),  # timed out in flight: maybe written
+        decision(2, "orders", Fate.RETRYABLE, "NOT_LEADER_OR_FOLLOWER: not the leader"),
+        decision(3, "orders", Fate.FAILED, f"{TIMEOUT} (attempt 5/5)"),
+        decision(4, "orders", Fate.DELIVERED, None),
+        decision(5, "orders", Fate.RETRYABLE, "_TRANSPORT: connection reset"),
+        decision(6, "orders", Fate.RELEASED, "not sent: the queue stayed full"),
+    ]
+    with capture_json_logs(level="INFO") as logs:
+        reporter.report(batch, lost={5})  # a lost lease does not unwrite a copy
+        reporter.report(batch[:1], lost=set())  # not rate limited: the ids are the point
+        reporter.report([decision(7, "orders", Fate.DELIVERED, None)], lost=set())
+    lines = logs.events("possibly-written")
+    assert [line["row_ids"] for line in lines] == [[1, 3, 5], [1]]
+    assert lines[0]["rows"] == 3
+    assert lines[0]["errors"] == {"_MSG_TIMED_OUT": 2, "_TRANSPORT": 1}
