@@ -29,6 +29,24 @@ def log_bytes(engine: sa.Engine) -> int | None:
         return sum(int(row[1]) for row in conn.execute(sa.text("SHOW BINARY LOGS")))
 
 
+def purge_old_logs(engine: sa.Engine) -> None:
+    """Drop the binary log files before the current one (MariaDB/MySQL with the
+    binary log on; nothing elsewhere: PostgreSQL recycles its WAL itself).
+
+    A benchmark run writes gigabytes of row images, and a bench instance has no
+    replica to keep them for: run after run, they filled the disk. Called
+    between scenarios, never inside one: a phase's log bytes are a difference
+    of :func:`log_bytes` read within its scenario."""
+    if engine.dialect.name == "postgresql":
+        return
+    with engine.connect() as conn:
+        if not int(conn.execute(sa.text("SELECT @@log_bin")).scalar_one()):
+            return
+        files = [str(row[0]) for row in conn.execute(sa.text("SHOW BINARY LOGS"))]
+        if len(files) > 1:  # the last one is the file being written
+            conn.execute(sa.text("PURGE BINARY LOGS TO :current"), {"current": files[-1]})
+
+
 def log_settings(engine: sa.Engine) -> dict[str, Any]:
     """How the server logs row changes (reported beside every figure)."""
     with engine.connect() as conn:

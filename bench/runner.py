@@ -10,6 +10,7 @@ from typing import Any
 from bench import goals
 from bench.config import BenchConfig
 from bench.context import BenchContext, Services, machine
+from bench.dblog import purge_old_logs
 from bench.report import ScenarioResult, print_scenario, write_json
 from bench.scenarios import Results, Unavailable, all_scenarios
 
@@ -52,6 +53,7 @@ def run(
             "duration_s": 0.0,
         }
         for scenario in chosen:
+            purge_old_logs(ctx.engine)
             t0 = time.perf_counter()
             try:
                 result = scenario.run(ctx, results)

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from support.services import MariaDBInstance, PostgresInstance, free_port
 
-from bench.dblog import LogMeter, log_bytes, log_settings
+from bench.dblog import LogMeter, log_bytes, log_settings, purge_old_logs
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +71,18 @@ def test_binary_log_bytes_of_each_phase_with_full_row_images(binlog_mariadb: sa.
     assert inserted >= ROWS * PAYLOAD
     # ... and a change of one small column logs the whole row twice (before and after).
     assert updated >= 2 * ROWS * PAYLOAD
+
+    # Between scenarios the bench drops the files before the current one: run
+    # after run, a bench instance's row images had filled the disk (70 GB).
+    with binlog_mariadb.connect() as conn:
+        conn.execute(sa.text("FLUSH BINARY LOGS"))  # a new current file
+        before = [str(row[0]) for row in conn.execute(sa.text("SHOW BINARY LOGS"))]
+    assert len(before) >= 2
+    purge_old_logs(binlog_mariadb)
+    with binlog_mariadb.connect() as conn:
+        after = [str(row[0]) for row in conn.execute(sa.text("SHOW BINARY LOGS"))]
+    assert after == before[-1:]
+    assert log_bytes(binlog_mariadb) is not None  # the meter still reads the log
 
 
 def test_no_binary_log_is_none_not_zero(db_url: str) -> None:
