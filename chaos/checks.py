@@ -227,13 +227,14 @@ def reported_copies(obs: Observed) -> dict[str, Counter[str]]:
 
 
 def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
-    """Every extra copy is one a relay reported (its row released while a copy was
-    in flight, ``released-in-flight``, or its send unanswered by the broker,
-    ``possibly-written``: one extra copy per report), or its first
-    copy was produced while a fault could leave it unacknowledged: from one batch
-    budget before the fault began until 2 s after it ended. A relay fault (kill,
-    redeploy, stall) explains only rows of shards that relay owned at that moment
-    (by the lease events)."""
+    """Every extra copy's first copy was produced while a fault could leave it
+    unacknowledged: from one batch budget before the fault began until 2 s after
+    it ended (a relay fault, kill, redeploy or stall, explains only rows of
+    shards that relay owned at that moment, by the lease events); or, with no
+    fault in reach, it is one a relay reported (its row released while a copy
+    was in flight, ``released-in-flight``, or its send unanswered by the broker,
+    ``possibly-written``: one extra copy per report). Counted by fault kind, or
+    by the report for a broker slow on its own."""
     pre = cfg.timings.batch_budget_s + 1.0
     post = 2.0
     windows = [
@@ -264,18 +265,17 @@ def duplicates_accounted(cfg: RunConfig, obs: Observed) -> Check:
             continue
         first = min(cs, key=lambda c: c.ts)
         extra = len(cs) - 1
+        near = [w for w in windows if w[0] <= first.ts <= w[1] and plausible(w[2], event_id)]
+        if near:  # the fault is the why; the relay's report, if any, only the how
+            cause = min(near, key=lambda w: abs(w[2].started - first.ts))[2]
+            by_cause[cause.fault.kind] += extra
+            continue
         for name, times in reported.items():
             said = min(extra, times[event_id])
             if said:
                 by_cause[name] += said
                 extra -= said
-        if not extra:
-            continue
-        near = [w for w in windows if w[0] <= first.ts <= w[1] and plausible(w[2], event_id)]
-        if near:
-            cause = min(near, key=lambda w: abs(w[2].started - first.ts))[2]
-            by_cause[cause.fault.kind] += extra
-        else:
+        if extra:
             by_cause["unexplained"] += extra
             first_at = first.ts if first_at is None else min(first_at, first.ts)
             if len(evidence) < MAX_EVIDENCE:

@@ -133,6 +133,10 @@ def test_a_row_the_relay_released_in_flight_explains_one_extra_copy_per_release(
     assert check.figures["by_cause"] == {"released-in-flight": 1, "unexplained": 1}
     other_row = FakeProc("relay-0-g0", [{"event": "released-in-flight", "rows": 1, "row_ids": [3]}])
     assert not duplicates_accounted(cfg(), observed(two, relays=[other_row])).ok
+    # With a fault in reach the fault is the cause counted; the report only says how.
+    freeze = FaultRecord(Fault(0, 0, "kafka-freeze", "kafka", 1), T0 + 2, T0 + 3, {})
+    check = duplicates_accounted(cfg(), observed(two, relays=[said], faults=[freeze]))
+    assert check.ok and check.figures["by_cause"] == {"kafka-freeze": 1}
     # A send the broker never answered (timed out in flight), sent again.
     timed_out = FakeProc("relay-0-g0", [{"event": "possibly-written", "rows": 1, "row_ids": [2]}])
     check = duplicates_accounted(cfg(), observed(three, relays=[said, timed_out]))
