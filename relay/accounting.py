@@ -21,7 +21,7 @@ from outboxkit.relay.claim import Batch
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult
 from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
-from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event
 
 __all__ = [
     "POSSIBLY_WRITTEN",
@@ -108,8 +108,6 @@ POSSIBLY_WRITTEN = frozenset(
         "NOT_ENOUGH_REPLICAS_AFTER_APPEND",
     }
 )
-#: Row ids named in one ``possibly-written`` line (the count is always whole).
-_MAX_IDS_LOGGED = 200
 
 
 def _error_name(d: Decision) -> str:
@@ -135,7 +133,7 @@ def report_possibly_written(decisions: Sequence[Decision]) -> None:
         log,
         "possibly-written",
         rows=len(rows),
-        row_ids=sorted(d.row.id for d in rows)[:_MAX_IDS_LOGGED],
+        row_ids=sorted(d.row.id for d in rows)[:MAX_IDS_LOGGED],
         errors=errors,
         effect="no acknowledgement for a message sent to a broker: it may be in the "
         "partition, and the row is sent again (a duplicate) or failed",

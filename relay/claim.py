@@ -91,7 +91,7 @@ from sqlalchemy.engine import Connection, Engine
 from outboxkit.relay._dbtime import db_now_plus, micros, micros_between, time_ahead, time_passed
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.db import create_loop_engine
-from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event
 from outboxkit.schema.crc32 import key_crc32
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import (
@@ -115,8 +115,6 @@ __all__ = [
 
 log = logging.getLogger("outboxkit.relay.claim")
 
-#: At most this many row ids in one recovery log line / record.
-_MAX_IDS_LOGGED = 200
 #: The ``attempts`` column is a signed 32-bit INT.
 _MAX_ATTEMPTS_STORED = 2**31 - 1
 
@@ -685,9 +683,9 @@ def claim_batch(
             table=table,
             shard_count=shard_count,
             rows=len(misplaced),
-            row_ids=[r.id for r in misplaced][:_MAX_IDS_LOGGED],
-            stored_shards=[r.misplaced_shard for r in misplaced][:_MAX_IDS_LOGGED],
-            claimed_as=[r.shard for r in misplaced][:_MAX_IDS_LOGGED],
+            row_ids=[r.id for r in misplaced][:MAX_IDS_LOGGED],
+            stored_shards=[r.misplaced_shard for r in misplaced][:MAX_IDS_LOGGED],
+            claimed_as=[r.shard for r in misplaced][:MAX_IDS_LOGGED],
             action="claimed under CRC-32 of the key (or event id) mod shard_count; "
             "fix the writer that stored these shards",
         )
@@ -699,7 +697,7 @@ def claim_batch(
             table=table,
             previous_owner=previous,
             rows=len(reclaimed),
-            row_ids=reclaimed[:_MAX_IDS_LOGGED],
+            row_ids=reclaimed[:MAX_IDS_LOGGED],
         )
     return Batch(owner=owner, token=token, rows=rows, claimed_mono=claimed_mono)
 
@@ -964,7 +962,7 @@ def _record_reclaims(
         detail = {
             "previous_owner": previous,
             "rows": len(ids),
-            "row_ids": ids[:_MAX_IDS_LOGGED],
+            "row_ids": ids[:MAX_IDS_LOGGED],
         }
         record_recovery(conn, kind="lease-reclaimed", node_id=owner, table=table, detail=detail)
     return by_owner

@@ -27,7 +27,7 @@ from outboxkit.relay._dbtime import micros
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.publish import ErrorKind, Report, config_fault_reason
-from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, outbox_table
 
@@ -37,7 +37,6 @@ log = logging.getLogger("outboxkit.relay.finalize")
 
 #: Rows per statement (bounds the IN lists and the JSON parameter).
 _CHUNK = 1000
-_MAX_IDS_LOGGED = 200
 
 
 class Fate(enum.Enum):
@@ -220,7 +219,7 @@ def finalize(
             level=logging.WARNING,
             table=table,
             rows=len(result.lease_lost),
-            row_ids=result.lease_lost[:_MAX_IDS_LOGGED],
+            row_ids=result.lease_lost[:MAX_IDS_LOGGED],
             reason="the rows were reclaimed or changed by someone else; left as they are",
         )
     return result
@@ -245,7 +244,7 @@ def _record_acked_ahead(
             "earlier_row_id": earlier,
             "earlier_error": error,
         }
-        for d, (earlier, error) in ahead[:_MAX_IDS_LOGGED]
+        for d, (earlier, error) in ahead[:MAX_IDS_LOGGED]
     ]
     detail = {"count": len(ahead), "rows": rows}
     record_recovery(

@@ -78,7 +78,7 @@ from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.kafkaclient import check_forced, client_config, log_kafka_error
 from outboxkit.runtime.kafkaconf import RELAY_GUARDED
-from outboxkit.runtime.logs import log_event, redact
+from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
 from outboxkit.runtime.tracing import producer_tracing
 from outboxkit.schema.codec import StoredRowError, kafka_headers, shown, topic_problem
 
@@ -163,8 +163,6 @@ _UNKNOWN_TOPIC_CODES = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._
 #: How long to wait for room in a full producer queue before trying again
 #: (delivery reports are served meanwhile, which is what makes room).
 _QUEUE_FULL_POLL_S = 0.05
-#: Row ids named in one log line (the count is always whole).
-_MAX_IDS_LOGGED = 200
 
 
 def classify(code: int, *, retriable: bool = False) -> ErrorKind:
@@ -609,7 +607,7 @@ class Publisher:
                 "released-in-flight",
                 level=logging.WARNING,
                 rows=len(missing),
-                row_ids=missing[:_MAX_IDS_LOGGED],
+                row_ids=missing[:MAX_IDS_LOGGED],
                 effect="no delivery report by the batch deadline while in flight to a broker: "
                 "released and sent again; a copy may still be written (acked-after-release)",
             )

@@ -56,6 +56,7 @@ from outboxkit.runtime.kafkaconf import SENSITIVE_KAFKA_PROPERTIES
 
 __all__ = [
     "LOG_FORMATS",
+    "MAX_IDS_LOGGED",
     "MIN_SECRET_LENGTH",
     "UNSAFE_TEXT",
     "ConsoleFormatter",
@@ -70,6 +71,10 @@ __all__ = [
     "register_secret",
     "safe_text",
 ]
+
+#: Row ids named in one log line or recovery record; the line carries the whole
+#: count beside them.
+MAX_IDS_LOGGED = 200
 
 MASK = "***"
 #: Registered secrets shorter than this are masked in context only (see the module doc).
