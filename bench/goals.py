@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import ScenarioResult
+from bench.report import ScenarioResult, default_latency
 
 Results = dict[str, ScenarioResult]
 
@@ -59,11 +59,9 @@ def _largest(*values: float | None) -> float | None:
 
 
 def _latency(results: Results, figure: str, rate: int) -> float | None:
-    """A latency figure of the relay with wake-ups in its default configuration
-    (pipelined on PostgreSQL); a result saved before those figures existed has
-    only the unpipelined run, MySQL/MariaDB's default."""
-    found = _fig(results, "latency", f"{figure}_{rate}_wakeups_default")
-    return found if found is not None else _fig(results, "latency", f"{figure}_{rate}_wakeups")
+    """See :func:`bench.report.default_latency`."""
+    r = results.get("latency")
+    return None if r is None else default_latency(r.figures, f"{figure}_{rate}")
 
 
 def _twice(value: float | None) -> float | None:

@@ -162,6 +162,14 @@ HEADLINE_NOTE = (
 )
 
 
+def default_latency(figures: dict[str, float], name: str) -> float | None:
+    """A latency figure (``name`` such as ``p99_ms_1000``) of the relay with
+    wake-ups and its default pipeline setting; a run saved before that figure
+    existed has only the unpipelined one, MySQL/MariaDB's default."""
+    found = figures.get(f"{name}_wakeups_default", figures.get(f"{name}_wakeups"))
+    return None if found is None else float(found)
+
+
 def headline_row(report: dict[str, Any]) -> Row | None:
     """The figures docs/performance.md opens with, from one run; None when the run
     measured none of them."""
@@ -174,10 +182,7 @@ def headline_row(report: dict[str, Any]) -> Row | None:
         return None if value is None else float(value)
 
     def latency(name: str) -> float | None:
-        """With wake-ups and the relay's default pipeline setting (a run saved
-        before that figure existed: unpipelined, MySQL/MariaDB's default)."""
-        found = fig("latency", f"{name}_wakeups_default")
-        return found if found is not None else fig("latency", f"{name}_wakeups")
+        return default_latency(figures.get("latency", {}), name)
 
     def per_100k(value: float | None) -> float | None:
         return None if value is None else value * 100_000
