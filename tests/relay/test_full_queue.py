@@ -131,7 +131,8 @@ def test_rows_that_find_no_room_by_the_produce_deadline_are_not_sent_nor_any_aft
         reports = inflight.snapshot()
         assert 1 not in reports, "the first row is in the producer, awaiting its report"
         assert [reports[i].kind for i in (2, 3)] == [ErrorKind.NOT_SENT] * 2
-        assert publisher.queued() == 1
+        # (not ``queued() == 1``: librdkafka counts its unserved error events
+        # about the absent broker there too, more of them on a busy machine)
         assert logs.events("batch-produce-stopped")[0]["unsent"] == 2
         # Giving up on the batch purges what is queued: row 1 was never sent either.
         publisher.wait(inflight, deadline=lambda: 0.0)
@@ -157,7 +158,7 @@ def test_a_row_larger_than_the_empty_queue_fails_alone() -> None:
         reports = inflight.snapshot()
         assert reports[1].kind is ErrorKind.ROW_FAULT
         assert "queue.buffering.max.kbytes" in (reports[1].error or "")
-        assert 2 not in reports and publisher.queued() == 1, "the next row went on"
+        assert 2 not in reports and publisher.queued() >= 1, "the next row went on"
     finally:
         publisher.close(0)
 
