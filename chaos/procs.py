@@ -14,11 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from support.lifeline import HARNESS_ENV
+
 PATH_DIR = Path(__file__).resolve().parent / ".path"
 
 
 def _env(settings: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("OUTBOXKIT_") or k == HARNESS_ENV  # support.lifeline's mark
+    }
     env["PYTHONPATH"] = str(PATH_DIR)
     env.update(settings)
     return env

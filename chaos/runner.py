@@ -26,6 +26,7 @@ from typing import Any
 
 import sqlalchemy as sa
 import tenacity
+from support.lifeline import HARNESS_ENV, mark_this_run, reap_orphans
 
 from chaos.checks import (
     Check,
@@ -54,6 +55,11 @@ def say(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if not os.environ.get(HARNESS_ENV):  # on its own, not under a test session
+        reaped = reap_orphans()
+        if reaped:
+            say(f"killed {len(reaped)} process(es) a killed earlier run left running")
+    mark_this_run()
     schedule = make_schedule(cfg)
     # The database and the process id keep two runs started in the same second
     # (the suite's two smoke runs, on two workers) out of each other's logs.

@@ -30,11 +30,24 @@ from typing import Any, NoReturn
 import pytest
 import sqlalchemy as sa
 from support.databases import MARIADB, POSTGRESQL
+from support.lifeline import mark_this_run, reap_orphans
 
 from bench.context import drop_database
 from outboxkit.schema import apply_schema
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's root (not an xdist worker) first kills what an earlier,
+    killed run left running, then marks everything this one starts
+    (support.lifeline)."""
+    if hasattr(config, "workerinput"):
+        return
+    reaped = reap_orphans()
+    if reaped:
+        print(f"killed {len(reaped)} process(es) a killed earlier run left running: {reaped}")
+    mark_this_run()
 
 
 def missing_service(reason: str) -> NoReturn:

@@ -293,7 +293,9 @@ spawn_daemon() {
     # bash writes its own pid then execs the daemon, so the pid file is exact
     # whether or not setsid had to fork.
     # shellcheck disable=SC2016 # expanded by the inner bash
-    nohup setsid bash -c 'echo $$ >"$0"; exec "$@"' "$PID_FILE" "$@" \
+    # Without a test run's mark (tests/support/lifeline.py): a service outlives
+    # the run that started it, and is stopped by name.
+    env -u OUTBOXKIT_TEST_HARNESS nohup setsid bash -c 'echo $$ >"$0"; exec "$@"' "$PID_FILE" "$@" \
         </dev/null >>"$logfile" 2>&1 &
     local i
     for ((i = 0; i < 50; i++)); do

@@ -475,7 +475,15 @@ def test_coordinator_killed_while_the_consumer_commits(
             print("\n".join(json.dumps(r) for r in consumer.lines[-25:]))
         assert record["result"] == "ok", record
         claimed = {int(k.rsplit("/", 1)[1]): v for k, v in record["committed"].items()}
-        assert claimed == {p: o for p, o in held.items() if o >= 0}, (record, held)
+        if not claimed:
+            # On a slow machine the move can outlast the member's session: the
+            # group takes its partitions back (nothing was left uncommitted, or
+            # the result would be commit-incomplete) and the exit names none,
+            # or only ones assigned again with nothing new to commit.
+            moved_away = consumer.events("partitions-lost") + consumer.events("partitions-revoked")
+            assert moved_away, (record, held)
+        else:
+            assert claimed == {p: o for p, o in held.items() if o >= 0}, (record, held)
         print(f"commits resumed {recovered_s:.1f} s after the coordinator's kill; exit {record}")
     finally:
         stop.set()
