@@ -24,14 +24,10 @@ from support.services import RedisInstance, free_port
 from support.waiting import bound
 
 from outboxkit.errors import ConfigError
-from outboxkit.relay.leases import (
-    ForeignRelayMonitor,
-    LeaseSettings,
-    RedisShardLeases,
-    assign_shards,
-    detect_foreign_relays,
-    lease_key,
-)
+from outboxkit.relay.assignment import assign_shards
+from outboxkit.relay.foreign import ForeignRelayMonitor, detect_foreign_relays
+from outboxkit.relay.ownership.redis_leases import LeaseSettings, RedisShardLeases
+from outboxkit.runtime.rediskeys import lease_key
 from outboxkit.schema.table import outbox_table
 
 TABLE = "outbox_events"
@@ -433,7 +429,7 @@ def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
     the clock and marking shards for handover. ``before-the-join``: the claim is
     open before the rebalance. Either way, the shards that claim got stay this
     relay's until it ends and its rows are finished."""
-    import outboxkit.relay.leases as leases_module
+    import outboxkit.relay.ownership.redis_leases as leases_module
 
     inflight = Inflight()
     a = make_leases("relay-a", shards=16, inflight=inflight)
@@ -673,7 +669,7 @@ def test_a_pause_of_the_machine_ends_the_proof_before_another_relay_takes_the_sh
     does not count the pause, Redis's TTLs do. On resume the relay that held the
     shards must not claim from them: by the time it learns from Redis that they
     were taken, the other relay may already claim from them."""
-    import outboxkit.relay.leases as leases_module
+    import outboxkit.relay.ownership.redis_leases as leases_module
 
     clock = _StandingClock(leases_module.time)
     monkeypatch.setattr(leases_module, "time", clock)
