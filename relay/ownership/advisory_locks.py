@@ -1,7 +1,9 @@
 """Shard ownership by PostgreSQL session advisory locks: no Redis needed.
 
 :class:`PgAdvisoryShards` implements :class:`~outboxkit.relay.shards.ShardOwnership`
-with one dedicated database session per relay (autocommit, outside the pool):
+on :class:`~outboxkit.relay.ownership.base.ShardOwnershipBase` (the held and
+target shards, ``claiming()``, the rebalance and the hand-over), with one
+dedicated database session per relay (autocommit, outside the pool):
 
 * **Lock keys.** Shard ``s`` of outbox ``O`` is the two-key advisory lock
   ``(k, s)`` with ``k = crc32("outboxkit-shards:" + O)`` read as a signed 32-bit
@@ -28,9 +30,9 @@ with one dedicated database session per relay (autocommit, outside the pool):
   so nobody coordinates.
 * **Acquire** targets with ``pg_try_advisory_lock``: a shard still locked by its
   previous owner is tried again at the next (fast) tick.
-* **Hand-over.** A shard no longer targeted stops being given to ``claiming()``
-  blocks at once; it is unlocked only when no open block holds it and it is not
-  in ``inflight_shards()`` (its rows are settled), exactly as with Redis leases.
+* **Hand-over.** A shard no longer targeted is unlocked once the base offers it:
+  no open ``claiming()`` block holds it and it is not in ``inflight_shards()``
+  (its rows are settled), exactly as with Redis leases.
 * **Death.** The server drops every lock of a session when it ends (crash,
   ``pg_terminate_backend``, failover), so a dead relay's shards are free at
   once and the survivors take them at their next tick. The relay notices its
@@ -67,20 +69,19 @@ be compared on one clock, and never overlap.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import select
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
-from outboxkit.relay.assignment import assign_shards
 from outboxkit.relay.claim import ClaimFence
+from outboxkit.relay.ownership.base import Held, ShardOwnershipBase, ShardOwnershipMetrics
 from outboxkit.relay.pg_session import (
     ReconnectLoop,
     connect,
@@ -89,15 +90,12 @@ from outboxkit.relay.pg_session import (
     masked_url,
 )
 from outboxkit.runtime.errors import ConfigError
-from outboxkit.runtime.logs import Episode, log_event
-from outboxkit.schema.table import validate_identifier
+from outboxkit.runtime.logs import Episode
 
 if TYPE_CHECKING:
     import psycopg
 
 __all__ = ["MEMBER_KEY", "AdvisoryShardMetrics", "PgAdvisoryShards", "lock_keys"]
-
-_log = logging.getLogger("outboxkit.relay.leases")
 
 #: Second key of the shared membership lock (shards are >= 0).
 MEMBER_KEY = -1
@@ -161,45 +159,25 @@ def lock_keys(outbox: str, shard: int) -> tuple[int, int]:
     return crc - (1 << 32) if crc >= 1 << 31 else crc, shard
 
 
-class AdvisoryShardMetrics:
-    """The shard-ownership metrics, under the same names as with Redis leases."""
+class AdvisoryShardMetrics(ShardOwnershipMetrics):
+    """The shard-ownership metrics of advisory locks, under the same names as with
+    Redis leases; no ``outbox_shard_grants_fenced``: nothing fences a lock."""
 
-    def __init__(self, registry: CollectorRegistry, *, owned_gauge: bool = True) -> None:
-        self.owned: Gauge | None = None
-        if owned_gauge:
-            self.owned = Gauge(
-                "outbox_shards_owned",
-                "Shards whose advisory lock this relay's session holds",
-                registry=registry,
-            )
-        self.acquired = Counter(
-            "outbox_shard_lease_acquired",
-            "Shards acquired (pg_try_advisory_lock succeeded)",
-            registry=registry,
-        )
-        self.lost = Counter(
-            "outbox_shard_lease_lost",
-            "Shards lost because the relay's database session ended",
-            registry=registry,
-        )
-        self.handovers = Counter(
-            "outbox_shard_handovers",
-            "Shards released to another relay after their in-flight rows were finished",
-            registry=registry,
-        )
-        self.rebalances = Counter(
-            "outbox_rebalances",
-            "Changes of the live relay set that changed this relay's target shards",
-            registry=registry,
-        )
+    HELP: ClassVar[Mapping[str, str]] = {
+        "owned": "Shards whose advisory lock this relay's session holds",
+        "acquired": "Shards acquired (pg_try_advisory_lock succeeded)",
+        "lost": "Shards lost because the relay's database session ended",
+    }
 
 
-class PgAdvisoryShards:
+class PgAdvisoryShards(ShardOwnershipBase[Held, int]):
     """Shard ownership through session advisory locks; see the module docstring.
 
     The caller claims inside :meth:`claiming` and registers the claimed rows in
     ``inflight_shards()`` before the block ends.
     """
+
+    _thread_kind = "locks"
 
     def __init__(
         self,
@@ -219,23 +197,17 @@ class PgAdvisoryShards:
         """``outbox``: the identity key the locks are named by (the relay passes the
         one it read from the database; without it, the bare ``table``, as older
         versions named them)."""
-        self.table = validate_identifier(table)
-        if shard_count < 1:
-            raise ConfigError(f"shard_count must be >= 1 (got {shard_count})")
-        if not node_id:
-            raise ConfigError("node_id must not be empty")
+        super().__init__(
+            table=table, node_id=node_id, shard_count=shard_count, logger=logger, outbox=outbox
+        )
         if not tick_interval > 0:
             raise ConfigError(f"tick_interval must be > 0 (got {tick_interval})")
         self.db_url = db_url
-        self.node_id = node_id
-        self.shard_count = shard_count
         self.tick_interval = tick_interval
         self.connect_timeout = connect_timeout
-        self.log = logger or _log
         self.metrics = AdvisoryShardMetrics(
             registry or CollectorRegistry(), owned_gauge=owned_gauge
         )
-        self.outbox = outbox or self.table
         self._key, _ = lock_keys(self.outbox, 0)
         #: The class key older relays of this outbox use, when it differs from ours.
         self._legacy_key: int | None = lock_keys(self.table, 0)[0]
@@ -247,20 +219,10 @@ class PgAdvisoryShards:
         #: application_name of every member session (ours and older relays').
         self._member_apps: frozenset[str] = frozenset()
 
-        self._lock = threading.Lock()
-        #: shard -> monotonic time it stopped being a target (None: a target).
-        self._held: dict[int, float | None] = {}
-        #: Shards held by open claiming() blocks (one count per block).
-        self._claiming: dict[int, int] = {}
         self._alive = False
-        self._leaving = False
         self._pid: int | None = None
         #: The server's clock (ms) the last time this session was seen holding its locks.
         self._verified_ms: int | None = None
-        self._members: tuple[int, ...] = ()
-        self._targets: frozenset[int] = frozenset()
-        self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
-        self._stop = threading.Event()
         self._first_round = threading.Event()
         self._loop = ReconnectLoop(
             self._session,
@@ -273,7 +235,6 @@ class PgAdvisoryShards:
             },
             min_s=reconnect_min,
         )
-        self._thread: threading.Thread | None = None
 
     # -- ShardOwnership ------------------------------------------------------
 
@@ -281,39 +242,8 @@ class PgAdvisoryShards:
         """Join and take a first share (waiting up to ``connect_timeout`` for it),
         then keep following the member set in a background thread."""
         self._inflight = inflight_shards
-        self._thread = threading.Thread(
-            target=self._loop.run, name=f"outboxkit-shard-locks-{self.table}", daemon=True
-        )
-        self._thread.start()
+        self._start_thread(self._loop.run)
         self._first_round.wait(self.connect_timeout)
-
-    def claimable(self) -> frozenset[int]:
-        """Shards a claim could use now (introspection; claims use :meth:`claiming`)."""
-        with self._lock:
-            return self._claimable_locked()
-
-    def _claimable_locked(self) -> frozenset[int]:
-        if self._leaving or not self._alive:
-            return frozenset()
-        return frozenset(s for s, surplus in self._held.items() if surplus is None)
-
-    @contextlib.contextmanager
-    def claiming(self) -> Iterator[frozenset[int]]:
-        """Claim from the yielded shards inside this block; register the claimed
-        rows in ``inflight_shards()`` before it ends. None of these shards is
-        unlocked while the block is open (a dead session loses them regardless)."""
-        with self._lock:
-            shards = self._claimable_locked()
-            for s in shards:
-                self._claiming[s] = self._claiming.get(s, 0) + 1
-        try:
-            yield shards
-        finally:
-            with self._lock:
-                for s in shards:
-                    n = self._claiming.pop(s) - 1
-                    if n:
-                        self._claiming[s] = n
 
     def claim_fence(self, shards: frozenset[int]) -> ClaimFence:
         """The condition a claim from ``shards`` (yielded by :meth:`claiming`) makes
@@ -334,12 +264,7 @@ class PgAdvisoryShards:
     def release_all(self) -> None:
         """Leave: stop claiming, unlock every shard and the membership (the others
         rebalance at their next tick), end the session."""
-        with self._lock:
-            self._leaving = True
-        self._stop_thread()
-
-    def close(self) -> None:
-        self.release_all()
+        super().release_all()  # the session thread unlocks as it ends
 
     # -- introspection (tests, health details) ---------------------------------
 
@@ -347,20 +272,6 @@ class PgAdvisoryShards:
     def backend_pid(self) -> int | None:
         """The server process of the ownership session (None while down)."""
         return self._pid
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """Server pids of the live relays' ownership sessions."""
-        return self._members
-
-    @property
-    def targets(self) -> frozenset[int]:
-        return self._targets
-
-    def held(self) -> frozenset[int]:
-        """Shards whose lock this relay holds (claimable or being handed over)."""
-        with self._lock:
-            return frozenset(self._held) if self._alive else frozenset()
 
     def is_member(self, node_id: str) -> bool | None:
         """Whether ``node_id``'s relay holds this outbox's membership lock (or an
@@ -370,14 +281,18 @@ class PgAdvisoryShards:
             return None
         return _app_name(node_id)[:_MAX_APP_NAME] in self._member_apps
 
-    # -- the session thread ----------------------------------------------------
+    # -- what the base asks of a backend ---------------------------------------
 
-    def _stop_thread(self) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=self.connect_timeout + 2)
-        self._thread = None
+    def _holding_locked(self) -> bool:
+        return self._alive  # the server ends every lock with the session
+
+    def _tick_seconds(self, busy: bool) -> float:
+        return self.tick_interval / 4 if busy else self.tick_interval
+
+    def _join_timeout(self) -> float:
+        return self.connect_timeout + 2
+
+    # -- the session thread ----------------------------------------------------
 
     def _session(self) -> None:
         """One database session: join, then tick until stopped; raise when it fails."""
@@ -423,10 +338,9 @@ class PgAdvisoryShards:
         # ended here, and ownership rebuilt from the log must see each end.
         reason = "session-lost-while-leaving" if self._leaving else "session-lost"
         for shard in lost:
-            log_event(
-                self.log, "shard-lost", level=logging.WARNING, table=self.table,
-                shard=shard, reason=reason, db_ms=verified_ms,
-            )  # fmt: skip
+            self._event(
+                "shard-lost", shard, level=logging.WARNING, reason=reason, db_ms=verified_ms
+            )
         self._pid = None  # last: whoever sees no pid sees the losses logged
         self._set_owned_gauge()
 
@@ -444,13 +358,6 @@ class PgAdvisoryShards:
             if readable:
                 conn.execute("SELECT 1")
 
-    def _next_delay(self) -> float:
-        with self._lock:
-            busy = any(v is not None for v in self._held.values()) or not (
-                self._targets <= self._held.keys()
-            )
-        return self.tick_interval / 4 if busy else self.tick_interval
-
     def _tick(self, conn: psycopg.Connection) -> None:
         self._follow_members(conn)
         self._hand_over(conn)
@@ -467,53 +374,10 @@ class PgAdvisoryShards:
         self._verified_ms = int(row[0])
         self._legacy_live = int(row[2]) > 0
         self._member_apps = frozenset(str(a) for a in row[3] if a)
-        members = tuple(sorted(int(pid) for pid in row[1]))
-        if members == self._members:
-            return
-        me = str(self._pid)
-        targets = assign_shards(self.shard_count, (str(m) for m in members)).get(me, frozenset())
-        self._members = members
-        with self._lock:
-            before = self._targets
-            self._targets = targets
-            held = frozenset(self._held)
-        if targets != before:
-            self.metrics.rebalances.inc()
-            log_event(
-                self.log,
-                "rebalance",
-                table=self.table,
-                members=list(members),
-                live=len(members),
-                target=len(targets),
-                held=len(held),
-                to_acquire=len(targets - held),
-                to_hand_over=len(held - targets),
-            )
+        self._follow(tuple(sorted(int(pid) for pid in row[1])), str(self._pid))
 
     def _hand_over(self, conn: psycopg.Connection) -> None:
-        with self._lock:
-            now = time.monotonic()
-            for shard, surplus in self._held.items():
-                if shard not in self._targets and surplus is None:
-                    self._held[shard] = now
-                elif shard in self._targets and surplus is not None:
-                    self._held[shard] = None  # the split changed back before we let go
-            candidates = {
-                s for s, v in self._held.items() if v is not None and s not in self._claiming
-            }
-        if not candidates:
-            return
-        # A block that ended registered its rows first; a block opened from now on
-        # cannot be given these shards (they are marked).
-        inflight = self._inflight()
-        with self._lock:
-            ready = sorted(
-                s
-                for s in candidates
-                if self._held.get(s) is not None and s not in self._claiming and s not in inflight
-            )
-        for shard in ready:
+        for shard in self._surplus_ready():
             db_ms = self._verified_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
             if shard in self._companions:
@@ -521,15 +385,7 @@ class PgAdvisoryShards:
                 self._companions.discard(shard)
             with self._lock:
                 self._held.pop(shard, None)
-            self.metrics.handovers.inc()
-            log_event(
-                self.log,
-                "shard-released",
-                table=self.table,
-                shard=shard,
-                reason="handover",
-                db_ms=db_ms,
-            )
+            self._handed_over(shard, db_ms=db_ms)
 
     def _acquire_targets(self, conn: psycopg.Connection) -> None:
         with self._lock:
@@ -545,10 +401,9 @@ class PgAdvisoryShards:
         db_ms = self._verified_ms = _db_ms(conn)
         with self._lock:
             for shard in got:
-                self._held[shard] = None
+                self._held[shard] = Held()
         for shard in got:
-            self.metrics.acquired.inc()
-            log_event(self.log, "shard-acquired", table=self.table, shard=shard, db_ms=db_ms)
+            self._acquired(shard, db_ms=db_ms)
 
     def _take_companions(self, conn: psycopg.Connection, got: list[int]) -> list[int]:
         """Older relays are live: keep only the shards whose legacy lock could be
@@ -572,31 +427,10 @@ class PgAdvisoryShards:
             db_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock_all()")
         except Exception as exc:  # the session is ending anyway: the server frees them
-            log_event(
-                self.log,
-                "shard-release-failed",
-                level=logging.WARNING,
-                table=self.table,
-                shards=held,
-                error=describe_error(exc),
-                note="the locks end with the session",
-            )
+            self._release_failed(held, describe_error(exc), "the locks end with the session")
             return
         for shard in held:
-            log_event(
-                self.log,
-                "shard-released",
-                table=self.table,
-                shard=shard,
-                reason="drain",
-                db_ms=db_ms,
-            )
-
-    def _set_owned_gauge(self) -> None:
-        if self.metrics.owned is None:
-            return
-        with self._lock:
-            self.metrics.owned.set(len(self._held) if self._alive else 0)
+            self._event("shard-released", shard, reason="drain", db_ms=db_ms)
 
 
 #: PostgreSQL keeps the first 63 bytes of an application_name.

@@ -2,7 +2,10 @@
 
 Per-key order across relays rests on one rule: a shard (and so every key hashed
 to it) is claimed from by at most one relay at a time. :class:`RedisShardLeases`
-implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
+implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis, on
+:class:`~outboxkit.relay.ownership.base.ShardOwnershipBase` (the held and target
+shards, ``claiming()``, the rebalance and the hand-over); this module adds the
+leases themselves:
 
 * **Names** carry the outbox's identity, read from the database
   (:mod:`outboxkit.runtime.identity`: ``orders.outbox_events`` on MySQL,
@@ -34,16 +37,14 @@ implements :class:`~outboxkit.relay.shards.ShardOwnership` with Redis:
 * **Membership**: a sorted set ``{prefix}outboxkit:{outbox}:members`` scored with
   each relay's heartbeat expiry (Redis server time). Every relay computes the
   same deterministic split of shards over the live members
-  (:func:`assign_shards`: rendezvous hashing with quotas, every member gets
-  ``floor`` or ``ceil`` of ``shards / members``), so nobody coordinates.
+  (:func:`~outboxkit.relay.assignment.assign_shards`: rendezvous hashing with
+  quotas, every member gets ``floor`` or ``ceil`` of ``shards / members``), so
+  nobody coordinates.
 * **Handover**: the loop claims inside ``with leases.claiming() as shards:``;
-  the block holds the shards it was given until it ends, and the claim
-  registers its rows in ``inflight_shards()`` before it does. A shard that is
-  no longer this relay's target stops being given to new blocks at once (the
-  decision and the mark are made under one lock, with the clock read inside
-  it); it is released (CAS) only once no open block holds it and
-  ``inflight_shards()`` no longer contains it. A shard whose renewal failed is
-  forgotten under the same condition.
+  a shard that is no longer this relay's target is released (CAS) once the
+  base offers it (no open block holds it and ``inflight_shards()`` no longer
+  contains it). A shard whose renewal failed is forgotten under the same
+  condition.
 * **Dead relay**: its heartbeat expires just after its leases (both carry the
   same TTL, the renewals are sent first), so a survivor that sees it gone finds
   the leases free and takes the shards within one renew period after the TTL.
@@ -67,14 +68,14 @@ the same table and says loudly that per-key order is no longer guaranteed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import redis
 import tenacity
@@ -83,18 +84,14 @@ from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from outboxkit.relay.assignment import assign_shards
 from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.lease_scripts import ACQUIRE_LUA, HEARTBEAT_LUA, RELEASE_LUA, RENEW_LUA
-from outboxkit.relay.metrics import ShardLeaseMetrics
+from outboxkit.relay.ownership.base import Held, ShardOwnershipBase, ShardOwnershipMetrics
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.logs import Episode, log_event, redact
 from outboxkit.runtime.rediskeys import lease_key, members_key, servers_key
-from outboxkit.schema.table import validate_identifier
 
 __all__ = ["LeaseSettings", "RedisShardLeases", "ShardLeaseMetrics"]
-
-_log = logging.getLogger("outboxkit.relay.leases")
 
 # Tick faster than the renew period while a handover or an acquisition is
 # pending, so shards change hands in a fraction of a second, not a period.
@@ -143,17 +140,29 @@ class LeaseSettings:
             raise ConfigError("; ".join(errors), errors=errors)
 
 
-@dataclass(slots=True)
-class _Held:
+class ShardLeaseMetrics(ShardOwnershipMetrics):
+    """The shard-ownership metrics of Redis leases, registered on the relay's registry."""
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "owned": "Shards whose lease this relay holds and can prove (renewed in time)",
+        "acquired": "Shard leases acquired (SET NX succeeded)",
+        "lost": "Shard leases lost: taken or expired in Redis, or unproven past the safety "
+        "deadline",
+        "fenced": "1 while no shard lease is taken because Redis has been up for less than "
+        "the lease TTL (a restart may have forgotten leases others still believe in)",
+    }
+
+
+@dataclass(slots=True, kw_only=True)
+class _Lease(Held):
     value: str
     valid_until: float  # monotonic; claimable before this
     wall_until: float  # wall clock (time.time()); and before this
-    surplus_since: float | None = None  # monotonic; set when no longer a target
     unproven: bool = False  # the deadline passed without a successful renew
     companion: bool = False  # the legacy lease key is held too (older relays live)
 
 
-def _proven(h: _Held, now: float, wall: float) -> bool:
+def _proven(h: _Lease, now: float, wall: float) -> bool:
     """Whether ``h`` is proven ours at monotonic ``now`` and wall clock ``wall``."""
     return now < h.valid_until and wall < h.wall_until
 
@@ -163,12 +172,14 @@ class _Lost:
     since: float  # monotonic; not claimable from this moment on
 
 
-class RedisShardLeases:
+class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
     """Shard ownership through Redis leases; see the module docstring.
 
     The caller claims inside :meth:`claiming` and registers the claimed rows in
     ``inflight_shards()`` before the block ends; that is the whole handshake.
     """
+
+    _thread_kind = "leases"
 
     def __init__(
         self,
@@ -191,22 +202,16 @@ class RedisShardLeases:
         is connected to, recorded beside its membership (None: unknown, never
         compared). ``conflicts``: where a member on another server is
         reported."""
-        self.table = validate_identifier(table)
-        if shard_count < 1:
-            raise ConfigError(f"shard_count must be >= 1 (got {shard_count})")
-        if not node_id:
-            raise ConfigError("node_id must not be empty")
-        self.outbox = outbox or self.table
+        super().__init__(
+            table=table, node_id=node_id, shard_count=shard_count, logger=logger, outbox=outbox
+        )
         #: The names older relays of this outbox use, when they differ from ours.
         self._legacy = self.table if self.outbox != self.table else None
         self._legacy_members: frozenset[str] = frozenset()
         self.fingerprint = fingerprint
         self.conflicts = conflicts
-        self.node_id = node_id
-        self.shard_count = shard_count
         self.settings = settings or LeaseSettings()
         self.settings.validate()
-        self.log = logger or _log
         self.metrics = ShardLeaseMetrics(registry or CollectorRegistry(), owned_gauge=owned_gauge)
         timeout = self.settings.command_timeout
         if isinstance(redis_client, str):
@@ -232,22 +237,11 @@ class RedisShardLeases:
             self._heartbeat_keys.append(members_key(self.settings.prefix, self._legacy))
         self._ttl_ms = max(1, round(self.settings.ttl * 1000))
 
-        self._lock = threading.Lock()
-        self._held: dict[int, _Held] = {}
         self._lost: dict[int, _Lost] = {}
-        #: Shards held by open claiming() blocks (one count per block).
-        self._claiming: dict[int, int] = {}
-        self._members: tuple[str, ...] = ()
-        self._targets: frozenset[int] = frozenset()
-        self._assignment_cache: tuple[tuple[str, ...], dict[str, frozenset[int]]] | None = None
         self._redis_ok: bool | None = None
         self._run_id: str | None = None
         self._fence = Episode(self.log, "shard-grants-fenced", "shard-grants-unfenced")
-        self._inflight: Callable[[], frozenset[int]] = lambda: frozenset()
-        self._stop = threading.Event()
         self._kick = threading.Event()
-        self._leaving = False
-        self._thread: threading.Thread | None = None
 
     def check_reachable(self, timeout: float) -> None:
         """Raise DependencyError (and close) unless Redis answers within ``timeout`` s;
@@ -272,48 +266,13 @@ class RedisShardLeases:
         renewing and rebalancing in a background thread."""
         self._inflight = inflight_shards
         self._tick()
-        self._thread = threading.Thread(
-            target=self._run, name=f"outboxkit-shard-leases-{self.table}", daemon=True
-        )
-        self._thread.start()
-
-    def claimable(self) -> frozenset[int]:
-        """Shards a claim could use now (introspection; claims use :meth:`claiming`)."""
-        with self._lock:
-            return self._claimable_locked(time.monotonic(), time.time())
-
-    def _claimable_locked(self, now: float, wall: float) -> frozenset[int]:
-        if self._leaving:
-            return frozenset()
-        return frozenset(
-            s for s, h in self._held.items() if h.surplus_since is None and _proven(h, now, wall)
-        )
-
-    @contextlib.contextmanager
-    def claiming(self) -> Iterator[frozenset[int]]:
-        """Claim from the yielded shards inside this block; register the claimed
-        rows in ``inflight_shards()`` before it ends. None of these shards is
-        released or forgotten while the block is open."""
-        with self._lock:
-            shards = self._claimable_locked(time.monotonic(), time.time())
-            for s in shards:
-                self._claiming[s] = self._claiming.get(s, 0) + 1
-        try:
-            yield shards
-        finally:
-            with self._lock:
-                for s in shards:
-                    n = self._claiming.pop(s) - 1
-                    if n:
-                        self._claiming[s] = n
+        self._start_thread(self._run)
 
     def release_all(self) -> None:
         """Leave: stop claiming, release every lease by CAS and drop out of the
         member set, so the others rebalance at their next tick instead of after
         the TTL. Leases that cannot be released (Redis down) simply expire."""
-        with self._lock:
-            self._leaving = True
-        self._stop_thread()
+        self._stop_ticking()
         with self._lock:
             held = {s: h.value for s, h in self._held.items()}
             companions = {s for s, h in self._held.items() if h.companion}
@@ -321,48 +280,23 @@ class RedisShardLeases:
             self._beat(join=False)
             results, redis_ms = self._call_cas(self._release, held, companions) if held else ({}, 0)
         except redis.RedisError as exc:
-            log_event(
-                self.log,
-                "shard-release-failed",
-                level=logging.WARNING,
-                table=self.table,
-                shards=sorted(held),
-                error=f"{type(exc).__name__}: {exc}",
-                note="the leases expire after their TTL",
-            )
+            error = f"{type(exc).__name__}: {exc}"
+            self._release_failed(sorted(held), error, "the leases expire after their TTL")
             return
         with self._lock:
             for shard, result in results.items():
                 self._held.pop(shard, None)
                 if result == 1:
-                    log_event(
-                        self.log, "shard-released", table=self.table, shard=shard,
-                        reason="drain", redis_ms=redis_ms,
-                    )  # fmt: skip
+                    self._event("shard-released", shard, reason="drain", redis_ms=redis_ms)
             self._lost.clear()
         self._set_owned_gauge()
 
     def close(self) -> None:
-        with self._lock:
-            self._leaving = True
-        self._stop_thread()
+        self._stop_ticking()
         if self._own_client:
             self._redis.close()
 
     # -- introspection (tests, health details) ---------------------------------
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        return self._members
-
-    @property
-    def targets(self) -> frozenset[int]:
-        return self._targets
-
-    def held(self) -> frozenset[int]:
-        """Shards whose lease this relay holds (claimable or being handed over)."""
-        with self._lock:
-            return frozenset(self._held)
 
     def is_member(self, node_id: str) -> bool | None:
         """Whether ``node_id`` shares this outbox's shards with this relay: a live
@@ -372,15 +306,29 @@ class RedisShardLeases:
             return None
         return node_id in self._members or node_id in self._legacy_members
 
-    # -- the renewal thread ----------------------------------------------------
+    # -- what the base asks of a backend ---------------------------------------
 
-    def _stop_thread(self) -> None:
-        self._stop.set()
+    def _proof_locked(self) -> Callable[[_Lease], bool]:
+        now, wall = time.monotonic(), time.time()
+        return lambda h: _proven(h, now, wall)
+
+    def _busy_locked(self) -> bool:
+        return bool(self._lost) or super()._busy_locked()
+
+    def _tick_seconds(self, busy: bool) -> float:
+        interval = self.settings.renew_interval
+        return min(interval, _FAST_TICK_S) if busy else interval
+
+    def _owned_locked(self) -> int:
+        return sum(1 for h in self._held.values() if not h.unproven)
+
+    def _join_timeout(self) -> float:
+        return self.settings.command_timeout * 4 + 1
+
+    def _wake(self) -> None:
         self._kick.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=self.settings.command_timeout * 4 + 1)
-        self._thread = None
+
+    # -- the renewal thread ----------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -399,16 +347,6 @@ class RedisShardLeases:
                     error=f"{type(exc).__name__}: {exc}",
                     exc_info=True,
                 )
-
-    def _next_delay(self) -> float:
-        with self._lock:
-            busy = (
-                bool(self._lost)
-                or any(h.surplus_since is not None for h in self._held.values())
-                or not self._targets <= self._held.keys()
-            )
-        interval = self.settings.renew_interval
-        return min(interval, _FAST_TICK_S) if busy else interval
 
     def _tick(self) -> None:
         with self._lock:
@@ -432,12 +370,6 @@ class RedisShardLeases:
         self._check_deadlines()
         self._set_owned_gauge()
 
-    def _set_owned_gauge(self) -> None:
-        if self.metrics.owned is None:
-            return
-        with self._lock:
-            self.metrics.owned.set(sum(1 for h in self._held.values() if not h.unproven))
-
     def _beat(self, *, join: bool) -> tuple[list[object], list[object], list[object]]:
         """One heartbeat (join or leave): the live members, their servers' fingerprints,
         and the relays live under the legacy names."""
@@ -445,35 +377,14 @@ class RedisShardLeases:
         raw, servers, legacy = self._heartbeat(keys=self._heartbeat_keys, args=args)
         return list(raw), list(servers), list(legacy)
 
-    def _join(self) -> tuple[str, ...]:
+    def _join(self) -> None:
         raw, servers, legacy = self._beat(join=True)
         live = [_text(m) for m in raw]
         self._check_servers(
             dict(zip(live, (_text(f) if f else None for f in servers), strict=True))
         )
         self._legacy_members = frozenset(_text(m) for m in legacy)
-        members = tuple(sorted(live))
-        if members != self._members:
-            targets = self._assignment(members).get(self.node_id, frozenset())
-            before = self._targets
-            self._members = members
-            with self._lock:
-                self._targets = targets
-                held = frozenset(self._held)
-            if targets != before:
-                self.metrics.rebalances.inc()
-                log_event(
-                    self.log,
-                    "rebalance",
-                    table=self.table,
-                    members=list(members),
-                    live=len(members),
-                    target=len(targets),
-                    held=len(held),
-                    to_acquire=len(targets - held),
-                    to_hand_over=len(held - targets),
-                )
-        return members
+        self._follow(tuple(sorted(live)), self.node_id)
 
     def _check_servers(self, servers: dict[str, str | None]) -> None:
         """Report members connected to another database server than this relay."""
@@ -498,14 +409,6 @@ class RedisShardLeases:
             ),
         )
 
-    def _assignment(self, members: tuple[str, ...]) -> dict[str, frozenset[int]]:
-        cached = self._assignment_cache
-        if cached is not None and cached[0] == members:
-            return cached[1]
-        assignment = assign_shards(self.shard_count, members)
-        self._assignment_cache = (members, assignment)
-        return assignment
-
     def _renew_held(self) -> None:
         with self._lock:
             held = {s: h.value for s, h in self._held.items()}
@@ -524,76 +427,40 @@ class RedisShardLeases:
                     h.wall_until = self._deadline(sent_wall)
                     if h.unproven:
                         h.unproven = False
-                        log_event(
-                            self.log,
+                        self._event(
                             "shard-acquired",
-                            table=self.table,
-                            shard=shard,
+                            shard,
                             reason="renewed-after-outage",
                             redis_ms=redis_ms,
                         )
                 else:
                     self._lose(shard, h, "taken" if result == -1 else "expired", redis_ms)
 
-    def _lose(self, shard: int, h: _Held, reason: str, redis_ms: int) -> None:
+    def _lose(self, shard: int, h: _Lease, reason: str, redis_ms: int) -> None:
         # Caller holds the lock.
         del self._held[shard]
         self._lost[shard] = _Lost(since=time.monotonic())
         if not h.unproven:  # already counted and logged when its deadline passed
             self.metrics.lost.inc()
-        log_event(
-            self.log, "shard-lost", level=logging.WARNING, table=self.table, shard=shard,
-            reason=reason, redis_ms=redis_ms,
-        )  # fmt: skip
+        self._event("shard-lost", shard, level=logging.WARNING, reason=reason, redis_ms=redis_ms)
 
     def _hand_over(self) -> None:
-        with self._lock:
-            # The clock is read under the lock: a claiming() block either started
-            # before the mark (and holds the shard until it ends) or sees it.
-            now = time.monotonic()
-            for shard, h in self._held.items():
-                if shard not in self._targets and h.surplus_since is None:
-                    h.surplus_since = now
-                elif shard in self._targets and h.surplus_since is not None:
-                    h.surplus_since = None  # the split changed back before we let go
-            surplus = {
-                s
-                for s, h in self._held.items()
-                if h.surplus_since is not None and s not in self._claiming
-            }
-        if not surplus:
-            return
-        # A block that ended registered its rows here first; a block that opens
-        # from now on cannot be given these shards.
-        inflight = self._inflight()
-        with self._lock:
-            ready = {
-                s: h.value
-                for s, h in self._held.items()
-                if s in surplus
-                and h.surplus_since is not None
-                and s not in self._claiming
-                and s not in inflight
-            }
-            companions = {s for s in ready if self._held[s].companion}
+        ready = self._surplus_ready()
         if not ready:
             return
-        results, redis_ms = self._call_cas(self._release, ready, companions)
+        values = {s: h.value for s, h in ready.items()}
+        companions = {s for s, h in ready.items() if h.companion}
+        results, redis_ms = self._call_cas(self._release, values, companions)
         with self._lock:
             for shard, result in results.items():
                 h2 = self._held.pop(shard, None)
                 if result == 1:
-                    self.metrics.handovers.inc()
-                    log_event(
-                        self.log, "shard-released", table=self.table, shard=shard,
-                        reason="handover", redis_ms=redis_ms,
-                    )  # fmt: skip
+                    self._handed_over(shard, redis_ms=redis_ms)
                 elif h2 is not None:
                     self.metrics.lost.inc()
-                    log_event(
-                        self.log, "shard-lost", level=logging.WARNING, table=self.table,
-                        shard=shard, reason="taken" if result == -1 else "expired",
-                        redis_ms=redis_ms,
+                    self._event(
+                        "shard-lost", shard, level=logging.WARNING,
+                        reason="taken" if result == -1 else "expired", redis_ms=redis_ms,
                     )  # fmt: skip
 
     def _forget_lost(self) -> None:
@@ -624,16 +491,13 @@ class RedisShardLeases:
             for shard, result in results.items():
                 if result != 1:
                     continue
-                self._held[shard] = _Held(
+                self._held[shard] = _Lease(
                     value=values[shard],
                     valid_until=self._deadline(sent),
                     wall_until=self._deadline(sent_wall),
                     companion=shard in companions,
                 )
-                self.metrics.acquired.inc()
-                log_event(
-                    self.log, "shard-acquired", table=self.table, shard=shard, redis_ms=redis_ms
-                )
+                self._acquired(shard, redis_ms=redis_ms)
 
     def _fenced(self) -> bool:
         """No shard is taken while Redis has been up for less than the lease TTL.
@@ -701,9 +565,9 @@ class RedisShardLeases:
                     h.unproven = True
                     self.metrics.lost.inc()
                     until = min(h.wall_until, wall - (now - h.valid_until))
-                    log_event(
-                        self.log, "shard-lost", level=logging.WARNING, table=self.table,
-                        shard=shard, reason="lease-unproven", trusted_until_ms=int(until * 1000),
+                    self._event(
+                        "shard-lost", shard, level=logging.WARNING, reason="lease-unproven",
+                        trusted_until_ms=int(until * 1000),
                     )  # fmt: skip
 
     def _redis_state(self, ok: bool, exc: Exception | None = None) -> None:
