@@ -17,8 +17,8 @@ from chaos.cluster import RELAY_DB_USER, Cluster
 from chaos.fleet import GROUP, REDIS_PREFIX, TABLE, Fleet
 from chaos.procs import Proc
 from chaos.schedule import Fault
-from outboxkit.relay.leases import lease_key
 from outboxkit.runtime.identity import read_identity
+from outboxkit.runtime.rediskeys import lease_key
 
 
 @dataclass

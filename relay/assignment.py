@@ -1,7 +1,8 @@
 """Which relay serves which shard: the split every relay computes identically.
 
 No coordination: each relay reads the same live member set from Redis (see
-:mod:`outboxkit.relay.leases`) and runs :func:`assign_shards` on it.
+:mod:`outboxkit.relay.ownership.redis_leases`; with advisory locks, from
+``pg_locks``) and runs :func:`assign_shards` on it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from outboxkit.schema.table import Status, db_now, outbox_table, validate_identi
 
 __all__ = ["ForeignRelayMonitor", "OutsiderMonitor", "detect_foreign_relays"]
 
-# The name it has always logged under (it lived in the leases module).
+# The name it has always logged under (it lived in the leases module), as the
+# shard-ownership backends do.
 _log = logging.getLogger("outboxkit.relay.leases")
 
 

@@ -1,4 +1,4 @@
-"""The Lua scripts behind the shard leases (see :mod:`outboxkit.relay.leases`).
+"""The Lua scripts behind the shard leases (see :mod:`outboxkit.relay.ownership.redis_leases`).
 
 Renewal and release are compare-and-set on the exact lease value, so a relay
 never extends or deletes a lease it cannot prove is its own; the heartbeat

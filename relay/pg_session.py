@@ -1,6 +1,6 @@
 """Dedicated PostgreSQL sessions of the relay: the ``LISTEN`` connection and the
 shard-ownership connection (see :mod:`outboxkit.relay.pg_wakeup` and
-:mod:`outboxkit.relay.pg_shards`).
+:mod:`outboxkit.relay.ownership.advisory_locks`).
 
 Both are one psycopg connection each, in autocommit, outside the relay's
 SQLAlchemy pool: a pooled connection could be handed back and reused, and

@@ -47,8 +47,7 @@ from outboxkit.relay.claim import (
 from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
-from outboxkit.relay.foreign import OutsiderMonitor
-from outboxkit.relay.leases import ForeignRelayMonitor, RedisShardLeases
+from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
 from outboxkit.relay.metrics import (
     RelayMetrics,
     count_invalid_status,
@@ -56,6 +55,7 @@ from outboxkit.relay.metrics import (
     sample_ordering_blocked,
     topics_with_rows,
 )
+from outboxkit.relay.ownership.redis_leases import RedisShardLeases
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.retention import start_retention

@@ -5,8 +5,9 @@ in the same shard (``schema.codec.shard_for``), so a relay that owns a shard is
 the only one that can deliver that key. :class:`ShardOwnership` is the seam:
 :class:`AllShards` owns every shard (one relay per table; two such relays never
 double-claim a row, but give up per-key order). Redis leases
-(:mod:`outboxkit.relay.leases`) and, on PostgreSQL, session advisory locks
-(:mod:`outboxkit.relay.pg_shards`) plug in through the same protocol;
+(:mod:`outboxkit.relay.ownership.redis_leases`) and, on PostgreSQL, session
+advisory locks (:mod:`outboxkit.relay.ownership.advisory_locks`) plug in through
+the same protocol, on one shared base (:mod:`outboxkit.relay.ownership`);
 ``--shard-ownership`` picks one (:func:`default_ownership`).
 
 The wakers (:class:`Waker`, :class:`PollWaker`) live in
@@ -22,7 +23,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
-from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
+from outboxkit.relay.ownership.redis_leases import LeaseSettings, RedisShardLeases
 from outboxkit.relay.wakeup import PollWaker, Waker
 
 if TYPE_CHECKING:
@@ -144,7 +145,8 @@ def default_ownership(
     kind = s.effective_shard_ownership()
     outbox = identity.key if identity is not None else None
     if kind == "advisory" and s.db_url:
-        from outboxkit.relay.pg_shards import PgAdvisoryShards  # psycopg only on PostgreSQL
+        # psycopg only on PostgreSQL
+        from outboxkit.relay.ownership.advisory_locks import PgAdvisoryShards
 
         ownership = PgAdvisoryShards(
             s.db_url,

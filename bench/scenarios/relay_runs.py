@@ -33,8 +33,10 @@ def require_shard_leases(ctx: BenchContext) -> None:
         return  # relays share shards through session advisory locks, no Redis needed
     if not ctx.services.redis_url:
         raise Unavailable("several relays need Redis for shard leases: no Redis URL given")
-    if importlib.util.find_spec("outboxkit.relay.leases") is None:
-        raise Unavailable("shard leases (outboxkit.relay.leases) are not there yet")
+    # Either home: the ownership family, or the leases module of older revisions.
+    homes = ("outboxkit.relay.ownership", "outboxkit.relay.leases")
+    if not any(importlib.util.find_spec(home) for home in homes):
+        raise Unavailable("shard leases (outboxkit.relay.ownership) are not there yet")
 
 
 @dataclass

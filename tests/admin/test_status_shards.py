@@ -8,7 +8,7 @@ from support.databases import on_both_databases
 from support.waiting import bound, wait_for
 
 from outboxkit.admin import read_shards
-from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
+from outboxkit.relay.ownership.redis_leases import LeaseSettings, RedisShardLeases
 from outboxkit.runtime.identity import read_identity
 
 

@@ -24,7 +24,7 @@ SEVEN = (
     "publishing",
     "finalizing",
     "draining",
-    "shard leasing",
+    "shard ownership",
     "offset committing",
     "dead-lettering",
 )
@@ -72,14 +72,16 @@ def test_each_of_the_seven_concerns_points_at_one_module() -> None:
     modules = [next(iter(by_concern[c])) for c in SEVEN]
     assert len(set(modules)) == len(SEVEN), "two concerns share a module"
     for concern, module in zip(SEVEN, modules, strict=True):
-        assert named_for(concern, Path(module).stem), f"{concern}: {module} is not named for it"
+        assert named_for(concern, Path(module)), f"{concern}: {module} is not named for it"
 
 
-def named_for(concern: str, stem: str) -> bool:
-    """``claim`` for claiming, ``leases`` for shard leasing; ``dlq`` for dead-lettering."""
-    if stem == "dlq":
+def named_for(concern: str, module: Path) -> bool:
+    """``claim`` for claiming, ``dlq`` for dead-lettering; a module of a package
+    named for it, such as ``ownership/base`` for shard ownership."""
+    if module.stem == "dlq":
         return concern == "dead-lettering"
-    return any(word[:4] == stem[:4] for word in re.split(r"[\s-]+", concern))
+    names = (module.stem, module.parent.name)
+    return any(word[:4] == name[:4] for word in re.split(r"[\s-]+", concern) for name in names)
 
 
 @pytest.mark.parametrize(("concern", "path", "name"), rows())

@@ -26,7 +26,7 @@ from relay_support import (
 
 from outboxkit import Event
 from outboxkit.relay import RelaySettings
-from outboxkit.relay.leases import lease_key
+from outboxkit.runtime.rediskeys import lease_key
 
 
 def test_kafka_closes_before_shard_leases_go_and_the_database_last(

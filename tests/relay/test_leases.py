@@ -24,14 +24,10 @@ from support.services import RedisInstance, free_port
 from support.waiting import bound
 
 from outboxkit.errors import ConfigError
-from outboxkit.relay.leases import (
-    ForeignRelayMonitor,
-    LeaseSettings,
-    RedisShardLeases,
-    assign_shards,
-    detect_foreign_relays,
-    lease_key,
-)
+from outboxkit.relay.assignment import assign_shards
+from outboxkit.relay.foreign import ForeignRelayMonitor, detect_foreign_relays
+from outboxkit.relay.ownership.redis_leases import LeaseSettings, RedisShardLeases
+from outboxkit.runtime.rediskeys import lease_key
 from outboxkit.schema.table import outbox_table
 
 TABLE = "outbox_events"
@@ -433,13 +429,14 @@ def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
     the clock and marking shards for handover. ``before-the-join``: the claim is
     open before the rebalance. Either way, the shards that claim got stay this
     relay's until it ends and its rows are finished."""
-    import outboxkit.relay.leases as leases_module
+    # The hand-over reads the clock, under the lock, where the base marks the shards.
+    import outboxkit.relay.ownership.base as base_module
 
     inflight = Inflight()
     a = make_leases("relay-a", shards=16, inflight=inflight)
     claims: list[_OpenClaim] = []
     armed = threading.Event()
-    real_time = leases_module.time
+    real_time = base_module.time
 
     class SlippingClock:
         def __getattr__(self, name: str) -> Any:
@@ -449,7 +446,7 @@ def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
             now = real_time.monotonic()
             if (
                 armed.is_set()
-                and sys._getframe(1).f_code.co_name == "_hand_over"
+                and sys._getframe(1).f_code.co_name == "_surplus_ready"
                 and a.targets != frozenset(range(16))  # the rebalance happened
             ):
                 armed.clear()
@@ -460,7 +457,7 @@ def test_a_claim_open_during_a_handover_keeps_its_shards_until_it_ends(
                 t.join(0.3)
             return now
 
-    monkeypatch.setattr(leases_module, "time", SlippingClock())
+    monkeypatch.setattr(base_module, "time", SlippingClock())
     b_future = assign_shards(16, ["relay-a", "relay-b"])["relay-b"]
     if moment == "during-the-mark":
         armed.set()
@@ -612,7 +609,7 @@ def test_a_restarted_redis_lends_no_shard_that_an_old_owner_may_still_hold(
 
 
 class _StandingClock:
-    """The leases module's ``time``, whose monotonic clock stands still while
+    """The ``time`` of the shard-ownership modules, whose monotonic clock stands still while
     :meth:`stand` is on and then goes on from where it stood, as in a virtual
     machine that is stopped and resumed (a snapshot, a live migration). The wall
     clock and Redis's clock count the whole time."""
@@ -673,10 +670,12 @@ def test_a_pause_of_the_machine_ends_the_proof_before_another_relay_takes_the_sh
     does not count the pause, Redis's TTLs do. On resume the relay that held the
     shards must not claim from them: by the time it learns from Redis that they
     were taken, the other relay may already claim from them."""
-    import outboxkit.relay.leases as leases_module
+    import outboxkit.relay.ownership.base as base_module
+    import outboxkit.relay.ownership.redis_leases as leases_module
 
     clock = _StandingClock(leases_module.time)
-    monkeypatch.setattr(leases_module, "time", clock)
+    for module in (leases_module, base_module):  # the proofs, and the hand-over's marks
+        monkeypatch.setattr(module, "time", clock)
     caplog.set_level(logging.INFO, logger="outboxkit.relay.leases")
     # A proof lasts ttl - renew - budget = 3 s after each renewal: longer than a
     # renewal period plus the time the checks below take, shorter than the pause.

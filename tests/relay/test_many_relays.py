@@ -39,7 +39,7 @@ from support.ownership import assert_never_owned_twice as never_owned_twice
 
 from outboxkit import Event, enable_wakeups, enqueue
 from outboxkit.relay import RelaySettings
-from outboxkit.relay.leases import lease_key
+from outboxkit.runtime.rediskeys import lease_key
 from outboxkit.schema import apply_schema, outbox_table
 from outboxkit.schema.codec import shard_for
 

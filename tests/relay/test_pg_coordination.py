@@ -32,8 +32,8 @@ from test_pg_shards import Unnoticing, server_owners, terminate
 
 from outboxkit import Event
 from outboxkit.relay import RelaySettings
-from outboxkit.relay.leases import RedisShardLeases
-from outboxkit.relay.pg_shards import PgAdvisoryShards
+from outboxkit.relay.ownership.advisory_locks import PgAdvisoryShards
+from outboxkit.relay.ownership.redis_leases import RedisShardLeases
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.relay.shards import default_ownership
 from outboxkit.relay.wakeup import default_waker

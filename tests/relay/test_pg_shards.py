@@ -22,7 +22,7 @@ from support.ownership import assert_never_owned_twice as never_owned_twice
 from support.waiting import bound, wait_for
 
 from outboxkit.errors import ConfigError
-from outboxkit.relay.pg_shards import PgAdvisoryShards, lock_keys
+from outboxkit.relay.ownership.advisory_locks import PgAdvisoryShards, lock_keys
 from outboxkit.schema.apply import _LOCK_NAME
 
 pytestmark = pytest.mark.integration

@@ -645,7 +645,7 @@ class SharedInfrastructureModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        from outboxkit.relay.leases import LeaseSettings
+        from outboxkit.relay.ownership.redis_leases import LeaseSettings
         from outboxkit.runtime.identity import read_identity
 
         self.t = outbox_table(TABLE)
@@ -663,7 +663,7 @@ class SharedInfrastructureModel(RuleBasedStateMachine):
         self.uid = itertools.count()
 
     def _leases(self, relay: str) -> Any:
-        from outboxkit.relay.leases import RedisShardLeases
+        from outboxkit.relay.ownership.redis_leases import RedisShardLeases
 
         outbox = OWNERS[relay]
         leases = RedisShardLeases(

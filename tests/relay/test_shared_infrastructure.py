@@ -37,7 +37,7 @@ from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay.conflicts import OwnershipConflicts
-from outboxkit.relay.leases import LeaseSettings, RedisShardLeases
+from outboxkit.relay.ownership.redis_leases import LeaseSettings, RedisShardLeases
 from outboxkit.schema import apply_schema
 
 pytestmark = pytest.mark.integration
@@ -532,7 +532,7 @@ def test_an_older_relay_and_a_new_one_never_hold_one_lease_at_once(
 
 def test_an_older_relay_and_a_new_one_never_hold_one_advisory_lock_at_once(pg_url: str) -> None:
     """The same upgrade with PostgreSQL advisory locks."""
-    from outboxkit.relay.pg_shards import PgAdvisoryShards
+    from outboxkit.relay.ownership.advisory_locks import PgAdvisoryShards
 
     def shards(node_id: str, outbox: str | None) -> PgAdvisoryShards:
         return PgAdvisoryShards(

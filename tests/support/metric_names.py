@@ -15,8 +15,8 @@ def exported_metric_names() -> set[str]:
 
     from outboxkit.consumer.metrics import ConsumerMetrics
     from outboxkit.relay.conflicts import OwnershipConflicts
-    from outboxkit.relay.leases import ShardLeaseMetrics
     from outboxkit.relay.metrics import RelayMetrics
+    from outboxkit.relay.ownership.redis_leases import ShardLeaseMetrics
     from outboxkit.runtime import ServiceMetrics
 
     builders: list[Callable[[CollectorRegistry], object]] = [
