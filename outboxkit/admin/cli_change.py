@@ -55,6 +55,16 @@ def _selection(args: argparse.Namespace) -> Selection:
     )
 
 
+def _add_selectors(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`_selection` reads: requeue and discard choose rows alike."""
+    p.add_argument("--id", action="append", type=id_list, default=[], help="row id(s), 1,2,3")
+    p.add_argument("--event-id", action="append", default=[], help="event id (repeatable)")
+    p.add_argument("--topic", action="append", default=[], help="rows of this topic (repeatable)")
+    p.add_argument("--since", help="created at or after this time (ISO 8601)")
+    p.add_argument("--until", help="created before this time (ISO 8601)")
+    p.add_argument("--all-failed", action="store_true", help="every failed row")
+
+
 def add_requeue_parser(actions: Any, common: argparse.ArgumentParser) -> None:
     """``outboxkit admin requeue``; ``common`` holds the connection flags and ``--json``."""
     p = actions.add_parser(
@@ -71,12 +81,7 @@ def add_requeue_parser(actions: Any, common: argparse.ArgumentParser) -> None:
             "combine with AND."
         ),
     )
-    p.add_argument("--id", action="append", type=id_list, default=[], help="row id(s), 1,2,3")
-    p.add_argument("--event-id", action="append", default=[], help="event id (repeatable)")
-    p.add_argument("--topic", action="append", default=[], help="rows of this topic (repeatable)")
-    p.add_argument("--since", help="created at or after this time (ISO 8601)")
-    p.add_argument("--until", help="created before this time (ISO 8601)")
-    p.add_argument("--all-failed", action="store_true", help="every failed row")
+    _add_selectors(p)
     p.add_argument("--include-retryable", action="store_true", help="also reset retryable rows")
     p.add_argument("--dry-run", action="store_true", help="print what would change; change nothing")
     p.set_defaults(func=_requeue)
@@ -150,12 +155,7 @@ def add_discard_parser(actions: Any, common: argparse.ArgumentParser) -> None:
             "requeue."
         ),
     )
-    p.add_argument("--id", action="append", type=id_list, default=[], help="row id(s), 1,2,3")
-    p.add_argument("--event-id", action="append", default=[], help="event id (repeatable)")
-    p.add_argument("--topic", action="append", default=[], help="rows of this topic (repeatable)")
-    p.add_argument("--since", help="created at or after this time (ISO 8601)")
-    p.add_argument("--until", help="created before this time (ISO 8601)")
-    p.add_argument("--all-failed", action="store_true", help="every failed row")
+    _add_selectors(p)
     p.add_argument("--reason", help="why, kept in the recovery log (e.g. a ticket)")
     p.add_argument("--dry-run", action="store_true", help="print what would go; change nothing")
     p.set_defaults(func=_discard, include_retryable=False)
