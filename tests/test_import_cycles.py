@@ -36,11 +36,9 @@ ALLOWED: frozenset[frozenset[str]] = frozenset(
         frozenset({"outboxkit.relay.drain", "outboxkit.relay.relay", "outboxkit.relay.retention"}),
         # The Redis waker and the PostgreSQL LISTEN waker import each other.
         frozenset({"outboxkit.relay.wakeup", "outboxkit.relay.pg_wakeup"}),
-        # The consumer's: the drain reads the service object, the offsets mixin its
-        # loop, the async inbox the event loop thread and back.
+        # The consumer's: the drain reads the service object, the offsets mixin its loop.
         frozenset({"outboxkit.consumer.base", "outboxkit.consumer.drain"}),
         frozenset({"outboxkit.consumer.loop", "outboxkit.consumer.offsets"}),
-        frozenset({"outboxkit.consumer.asyncio_handler", "outboxkit.consumer.inbox_async"}),
     }
 )
 
