@@ -42,9 +42,10 @@ from outboxkit.consumer.dlq import DeadLetters, producer_config
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.handling import Handling, Outcome, Result
 from outboxkit.consumer.inbox import Inbox
-from outboxkit.consumer.loop import DrainReport, PollLoop
+from outboxkit.consumer.loop import PollLoop
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
+from outboxkit.consumer.report import DrainReport
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings, dead_letter_problems, is_pattern
 from outboxkit.consumer.workers import Dispatcher, Run
@@ -552,7 +553,7 @@ class Consumer:
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
         if self._loop is not None:
-            self._loop.on_commit(err, partitions)
+            self._loop.commits.on_commit(err, partitions)
 
     def _on_kafka_error(self, err: Any) -> None:
         # librdkafka repeats transport errors while a broker is down: log a code

@@ -14,8 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, ClassVar
 
-from outboxkit.consumer.loop import DrainReport
 from outboxkit.consumer.offsets import commit_and_close
+from outboxkit.consumer.report import DrainReport
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_OK
 from outboxkit.runtime.exitrecord import CRASH_LOOP, ExitRecord
 from outboxkit.runtime.logs import log_event
@@ -100,7 +100,7 @@ def shutdown(consumer: Consumer) -> int:
         # one was told to stop): it is retried, the group served meanwhile, with
         # what the drain's budget left (none once hurried), plus the close's.
         committed = commit_and_close(
-            loop,
+            loop.commits,
             s.close_timeout,
             consumer._mark_closed,
             consumer._mark_committed,
