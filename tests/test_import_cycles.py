@@ -36,8 +36,6 @@ ALLOWED: frozenset[frozenset[str]] = frozenset(
         frozenset({"outboxkit.relay.drain", "outboxkit.relay.relay", "outboxkit.relay.retention"}),
         # The Redis waker and the PostgreSQL LISTEN waker import each other.
         frozenset({"outboxkit.relay.wakeup", "outboxkit.relay.pg_wakeup"}),
-        # The consumer's drain reads the service object it is given.
-        frozenset({"outboxkit.consumer.base", "outboxkit.consumer.drain"}),
     }
 )
 
