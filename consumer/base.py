@@ -42,9 +42,10 @@ from outboxkit.consumer.dlq import DeadLetters, producer_config
 from outboxkit.consumer.errors import Classification, classify
 from outboxkit.consumer.handling import Handling, Outcome, Result
 from outboxkit.consumer.inbox import Inbox
-from outboxkit.consumer.loop import DrainReport, PollLoop
+from outboxkit.consumer.loop import PollLoop
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
+from outboxkit.consumer.report import DrainReport
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings, dead_letter_problems, is_pattern
 from outboxkit.consumer.workers import Dispatcher, Run
@@ -147,8 +148,9 @@ class Consumer:
         self.registry, self.service_metrics = rt.registry, rt.service_metrics
         self.lifecycle, self.supervisor, self.health = rt.lifecycle, rt.supervisor, rt.health
         self.metrics = ConsumerMetrics(self.registry)
-        self.lifecycle.on_hurry(lambda: drain.on_hurry(self))
-        self.report: DrainReport | None = None
+        self.lifecycle.on_hurry(lambda: drain.on_hurry(self._drain_parts()))
+        #: What the drain reached (its report, the exit commit, the close).
+        self._exit = drain.ExitState()
         self._engine: Engine | None = engine if isinstance(engine, Engine) else None
         self._async_engine = engine
         self._owns_engine = False
@@ -160,8 +162,6 @@ class Consumer:
         self._kafka: Any = None
         self._loop: PollLoop | None = None
         self._dead_letters: DeadLetters | None = None
-        self._closed = False
-        self._commit_finished = False
         self._error_logged: dict[int, float] = {}
         #: Set when the inbox opens with inbox_batch > 1: groups of a run in one transaction.
         self._groups: InboxGroups | None = None
@@ -205,14 +205,16 @@ class Consumer:
         """
         lc = self.lifecycle
         with lc.process_signals(
-            handle_signals, cut=lambda: drain.cut(self), on_forced=lambda: drain.on_forced(self)
+            handle_signals,
+            cut=lambda: drain.cut(self._drain_parts()),
+            on_forced=lambda: drain.on_forced(self._drain_parts()),
         ):
             if self._start():
                 lc.set_running()
                 with frozen_while_running(self.settings.gc_freeze):
                     self.supervisor.run("consumer-poll", self._poll_until_draining)
             lc.drain("stopped")
-            code = drain.shutdown(self)
+            code = drain.shutdown(self._drain_parts())
         return code
 
     def stop(self) -> None:
@@ -222,7 +224,31 @@ class Consumer:
     @property
     def closed_cleanly(self) -> bool:
         """False if the final commit/close did not finish within ``close_timeout``."""
-        return self._closed
+        return self._exit.closed
+
+    @property
+    def report(self) -> DrainReport | None:
+        """The drain's report once :meth:`run` drained (None before)."""
+        return self._exit.report
+
+    def _drain_parts(self) -> drain.DrainParts:
+        """What the drain works on, as it stands now (the start may not have made all of it)."""
+        return drain.DrainParts(
+            settings=self.settings,
+            lifecycle=self.lifecycle,
+            supervisor=self.supervisor,
+            health=self.health,
+            metrics=self.metrics,
+            service_metrics=self.service_metrics,
+            dispatcher=self._dispatcher,
+            state=self._exit,
+            on_stop=lambda: self._call_hook("on_stop"),
+            loop=self._loop,
+            kafka=self._kafka,
+            async_handlers=self._async,
+            dead_letters=self._dead_letters,
+            owned_engine=self._engine if self._owns_engine else None,
+        )
 
     # -- start ---------------------------------------------------------------------
 
@@ -527,12 +553,6 @@ class Consumer:
         elif outcome is Outcome.RETRY:
             self.metrics.messages.labels(result="retry").inc()
 
-    def _mark_closed(self) -> None:
-        self._closed = True
-
-    def _mark_committed(self) -> None:
-        self._commit_finished = True
-
     # -- hooks and callbacks --------------------------------------------------------------
 
     def _on_failure(self, message: Message, error: BaseException, attempts: int) -> None:
@@ -552,7 +572,7 @@ class Consumer:
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
         if self._loop is not None:
-            self._loop.on_commit(err, partitions)
+            self._loop.commits.on_commit(err, partitions)
 
     def _on_kafka_error(self, err: Any) -> None:
         # librdkafka repeats transport errors while a broker is down: log a code

@@ -41,6 +41,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from outboxkit.consumer.inbox import _IDLE_RECHECK, Inbox, check_not_aborted
+from outboxkit.consumer.loop_thread import AsyncHandler, HandlerCancelled, LoopThread
 from outboxkit.consumer.message import Message
 from outboxkit.runtime.errors import (
     ConfigError,
@@ -51,8 +52,6 @@ from outboxkit.runtime.logs import redact
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-
-    from outboxkit.consumer.asyncio_handler import LoopThread
 
 __all__ = ["AsyncInbox", "async_db_url"]
 
@@ -161,8 +160,6 @@ class AsyncInbox:
 
     def run(self, message: Message, handler: Callable[[Message], None]) -> bool:
         """Run the async handler once per ``(group_id, identity)``. True if a duplicate."""
-        from outboxkit.consumer.asyncio_handler import AsyncHandler
-
         if not isinstance(handler, AsyncHandler):
             raise TypeError("the async inbox runs async handlers only")
         handle = handler.coroutine_function
@@ -182,8 +179,6 @@ class AsyncInbox:
         worker = threading.get_ident()
         if worker not in self._held:
             return
-        from outboxkit.consumer.asyncio_handler import HandlerCancelled
-
         # HandlerCancelled: the loop is stopping, and aclose() closes it.
         with contextlib.suppress(HandlerCancelled):
             self.loop_thread.run(lambda: self._release_idle(worker))

@@ -6,10 +6,21 @@ the last contiguous finished message of each partition). It keeps polling even
 when every partition is paused (full, or its dead-letter topic is down), so a
 slow handler never exceeds ``max.poll.interval.ms``.
 
-Rebalances (cooperative-sticky) arrive as callbacks inside ``consume()``; they,
-the commits on revoke and at exit, and the offset bookkeeping are in
-:mod:`outboxkit.consumer.offsets` (:class:`PollLoop` inherits
-:class:`~outboxkit.consumer.offsets.OffsetCommits`).
+Storing and committing offsets, with their bookkeeping, is the work of
+:mod:`outboxkit.consumer.offsets`: the loop holds one
+:class:`~outboxkit.consumer.offsets.OffsetCommits` (:attr:`PollLoop.commits`)
+and calls it.
+
+Rebalances (cooperative-sticky) arrive as callbacks inside ``consume()`` (or
+``close()``), here:
+
+* assigned: the partitions are opened for work;
+* revoked: queued messages of those partitions are released, running ones get
+  up to ``revoke_timeout`` to finish, the finished offsets are committed
+  synchronously, then the partitions are unassigned. A handler still running
+  after that is abandoned: its result is dropped and the new owner gets the
+  message again;
+* lost: nothing is committed (the partitions may already have a new owner).
 """
 
 from __future__ import annotations
@@ -18,7 +29,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from confluent_kafka import KafkaError, KafkaException
@@ -28,11 +38,12 @@ from outboxkit.consumer.handling import Outcome
 from outboxkit.consumer.message import Message
 from outboxkit.consumer.metrics import ConsumerMetrics
 from outboxkit.consumer.offsets import OffsetCommits, PartitionOffsets
+from outboxkit.consumer.report import DrainReport
 from outboxkit.consumer.workers import Dispatcher, TopicPartition, WorkItem
 from outboxkit.runtime.kafkaclient import log_kafka_error
 from outboxkit.runtime.logs import log_event
 
-__all__ = ["Completion", "DrainReport", "PollLoop"]
+__all__ = ["Completion", "PollLoop"]
 
 _log = logging.getLogger("outboxkit.consumer")
 
@@ -53,22 +64,9 @@ _ROOM_WAIT = 0.5
 Completion = tuple[WorkItem, Outcome, str | None]
 
 
-@dataclass
-class DrainReport:
-    batch_size: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    duplicate: int = 0
-    unknown: int = 0
-    released: int = 0
-    committed: dict[str, int] = field(default_factory=dict)
-    committed_messages: int = 0
-    commit_error: str | None = None
-
-
-class PollLoop(OffsetCommits):
-    """The poll thread's state: fetch, hand out, collect, pause; the rebalance
-    callbacks and the commits it inherits from :class:`OffsetCommits`."""
+class PollLoop:
+    """The poll thread's state: fetch, hand out, collect, pause, and the rebalance
+    callbacks; offsets are stored and committed through :attr:`commits`."""
 
     def __init__(
         self,
@@ -95,9 +93,11 @@ class PollLoop(OffsetCommits):
         self.totals: dict[str, int] = defaultdict(int)
         self.last_batch = 0
         self.draining = False
-        self.closing = False
         self._watch: set[WorkItem] | None = None  # the drain batch
         self._report = DrainReport()
+        self.commits = OffsetCommits(
+            kafka=kafka, offsets=self.offsets, report=self._report, draining=self._is_draining
+        )
 
     # -- the loop ---------------------------------------------------------------
 
@@ -199,7 +199,7 @@ class PollLoop(OffsetCommits):
             self.metrics.messages.labels(result=result).inc(n)
             self.totals[result] += n
         if to_store:
-            self._store(to_store)
+            self.commits.store(to_store)
         running, waiting, queued = self.dispatcher.counts()
         self.metrics.inflight.set(running + waiting)
         self.metrics.buffered.set(queued)
@@ -255,6 +255,71 @@ class PollLoop(OffsetCommits):
         if err.fatal():
             raise KafkaException(err)
 
+    # -- rebalances (called inside consume(), or close()) -------------------------
+
+    def on_assign(self, kafka: Any, partitions: list[Any]) -> None:
+        kafka.incremental_assign(partitions)
+        if partitions and not self.draining:
+            # librdkafka keeps a partition's pause across assignments, while this
+            # consumer forgot it had paused it when it was revoked or lost: a
+            # partition paused then would never be fetched again once assigned back.
+            try:
+                kafka.resume(partitions)
+            except KafkaException as exc:
+                log_event(_log, "resume-failed", level=logging.WARNING, error=str(exc))
+        tps = [(p.topic, p.partition) for p in partitions]
+        for tp in tps:
+            self.dispatcher.open(tp)
+            self.offsets[tp] = PartitionOffsets()
+            if self.draining:
+                self._pause(tp, "draining")
+        if tps:
+            log_event(_log, "partitions-assigned", partitions=_names(tps))
+
+    def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        released = self.dispatcher.release(tps)
+        self._count_released(released)
+        if not self.commits.closing:
+            deadline = time.monotonic() + self.revoke_timeout
+            while self.dispatcher.running(lambda i: i.tp in tps) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                self.collect()
+        self.collect()
+        abandoned = len(self.dispatcher.running(lambda i: i.tp in tps))
+        committed = self.commits.commit(tps)
+        self.dispatcher.close(tps)
+        self._forget(tps)
+        kafka.incremental_unassign(partitions)
+        log_event(
+            _log,
+            "partitions-revoked",
+            partitions=_names(tps),
+            committed=committed,
+            released=len(released),
+            abandoned=abandoned,
+        )
+
+    def on_lost(self, kafka: Any, partitions: list[Any]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        behind = [tp for tp in tps if (t := self.offsets.get(tp)) is not None and t.uncommitted]
+        if behind and self.draining:
+            # The exit commit cannot cover them any more: what finished there
+            # since the last commit is handled again by the next owner.
+            self._report.commit_error = f"lost before their commit: {', '.join(_names(behind))}"
+        released = self.dispatcher.close(tps)
+        self._count_released(released)
+        self._forget(tps)
+        kafka.incremental_unassign(partitions)
+        log_event(
+            _log,
+            "partitions-lost",
+            level=logging.WARNING,
+            partitions=_names(tps),
+            released=len(released),
+            note="nothing committed: the partitions may have a new owner",
+        )
+
     # -- pausing ----------------------------------------------------------------
 
     def _pause(self, tp: TopicPartition, reason: str, **fields: object) -> None:
@@ -303,6 +368,9 @@ class PollLoop(OffsetCommits):
             self.metrics.forget_partition(*tp)
 
     # -- drain ---------------------------------------------------------------------
+
+    def _is_draining(self) -> bool:
+        return self.draining
 
     def begin_drain(self) -> None:
         """Stop taking work: pause everything, release what has not started."""
@@ -355,3 +423,7 @@ class PollLoop(OffsetCommits):
             self._report.failed += 1
         else:
             self._report.released += 1
+
+
+def _names(tps: Iterable[TopicPartition]) -> list[str]:
+    return sorted(f"{t}/{p}" for t, p in tps)

@@ -2,23 +2,16 @@
 
 Everything between "a message finished" and "the group holds its offset" is
 here: :class:`PartitionOffsets` (the bookkeeping below), :class:`OffsetCommits`
-(``store_offsets``, the commit callback, the synchronous commit on revoke, the
-rebalance callbacks) and :func:`commit_and_close` (the final commit at exit).
+(``store_offsets``, the commit callback, the synchronous commit a revocation
+asks for, the exit commit) and :func:`commit_and_close` (the final commit and
+close at exit). The poll loop (:mod:`outboxkit.consumer.loop`) holds one
+:class:`OffsetCommits` and calls it, from its rebalance callbacks too.
 librdkafka commits stored offsets every ``commit_interval``; revocations and
 the exit commit synchronously. The exit commit may find the group rebalancing
 (a rolling deploy's new member joined, this one gave up partitions and has not
 rejoined yet: ``ILLEGAL_GENERATION``, ``REBALANCE_IN_PROGRESS``); it then keeps
 serving the group, which completes the rejoin, and tries again within the
-drain's budget (:meth:`OffsetCommits.commit_at_exit`). Rebalances
-(cooperative-sticky):
-
-* assigned: the partitions are opened for work;
-* revoked: queued messages of those partitions are released, running ones get
-  up to ``revoke_timeout`` to finish, the finished offsets are committed
-  synchronously, then the partitions are unassigned. A handler still running
-  after that is abandoned: its result is dropped and the new owner gets the
-  message again;
-* lost: nothing is committed (the partitions may already have a new owner).
+drain's budget (:meth:`OffsetCommits.commit_at_exit`).
 
 Which offset of a partition may be stored: the at-least-once bookkeeping.
 
@@ -55,17 +48,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tenacity
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KafkaTopicPartition
 
-from outboxkit.consumer.workers import Dispatcher, TopicPartition, WorkItem
+from outboxkit.consumer.report import DrainReport
+from outboxkit.consumer.workers import TopicPartition
 from outboxkit.runtime.logs import log_event
-
-if TYPE_CHECKING:
-    from outboxkit.consumer.loop import DrainReport
 
 __all__ = ["CommitRefused", "OffsetCommits", "PartitionOffsets", "commit_and_close"]
 
@@ -208,87 +199,31 @@ class PartitionOffsets:
 
 
 class OffsetCommits:
-    """The committing half of the poll loop (:class:`~outboxkit.consumer.loop.PollLoop`
-    inherits it): runs on the poll thread only, like the rest of the loop."""
+    """Storing and committing the offsets of the poll loop's partitions.
 
-    if TYPE_CHECKING:  # provided by PollLoop
-        kafka: Any
-        dispatcher: Dispatcher
-        offsets: dict[TopicPartition, PartitionOffsets]
-        revoke_timeout: float
-        draining: bool
-        closing: bool
-        _report: DrainReport
+    Runs on the poll thread only, like the loop that holds it (``PollLoop.commits``
+    in :mod:`outboxkit.consumer.loop`). Given what it
+    works on: the Kafka consumer; the loop's trackers (the loop adds a
+    partition's at assignment and drops it at revocation or loss; this reads
+    them); the drain report, where the exit commit's outcome goes; and whether
+    the drain began (a failed commit is the exit record's only then).
+    """
 
-        def collect(self) -> None: ...
-        def _pause(self, tp: TopicPartition, reason: str, **fields: object) -> None: ...
-        def _forget(self, tps: Iterable[TopicPartition]) -> None: ...
-        def _count_released(self, items: list[WorkItem]) -> None: ...
-
-    # -- rebalances (called inside consume(), or close()) -------------------------
-
-    def on_assign(self, kafka: Any, partitions: list[Any]) -> None:
-        kafka.incremental_assign(partitions)
-        if partitions and not self.draining:
-            # librdkafka keeps a partition's pause across assignments, while this
-            # consumer forgot it had paused it when it was revoked or lost: a
-            # partition paused then would never be fetched again once assigned back.
-            try:
-                kafka.resume(partitions)
-            except KafkaException as exc:
-                log_event(_log, "resume-failed", level=logging.WARNING, error=str(exc))
-        tps = [(p.topic, p.partition) for p in partitions]
-        for tp in tps:
-            self.dispatcher.open(tp)
-            self.offsets[tp] = PartitionOffsets()
-            if self.draining:
-                self._pause(tp, "draining")
-        if tps:
-            log_event(_log, "partitions-assigned", partitions=_names(tps))
-
-    def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        released = self.dispatcher.release(tps)
-        self._count_released(released)
-        if not self.closing:
-            deadline = time.monotonic() + self.revoke_timeout
-            while self.dispatcher.running(lambda i: i.tp in tps) and time.monotonic() < deadline:
-                time.sleep(0.02)
-                self.collect()
-        self.collect()
-        abandoned = len(self.dispatcher.running(lambda i: i.tp in tps))
-        committed = self.commit(tps)
-        self.dispatcher.close(tps)
-        self._forget(tps)
-        kafka.incremental_unassign(partitions)
-        log_event(
-            _log,
-            "partitions-revoked",
-            partitions=_names(tps),
-            committed=committed,
-            released=len(released),
-            abandoned=abandoned,
-        )
-
-    def on_lost(self, kafka: Any, partitions: list[Any]) -> None:
-        tps = {(p.topic, p.partition) for p in partitions}
-        behind = [tp for tp in tps if (t := self.offsets.get(tp)) is not None and t.uncommitted]
-        if behind and self.draining:
-            # The exit commit cannot cover them any more: what finished there
-            # since the last commit is handled again by the next owner.
-            self._report.commit_error = f"lost before their commit: {', '.join(_names(behind))}"
-        released = self.dispatcher.close(tps)
-        self._count_released(released)
-        self._forget(tps)
-        kafka.incremental_unassign(partitions)
-        log_event(
-            _log,
-            "partitions-lost",
-            level=logging.WARNING,
-            partitions=_names(tps),
-            released=len(released),
-            note="nothing committed: the partitions may have a new owner",
-        )
+    def __init__(
+        self,
+        *,
+        kafka: Any,
+        offsets: dict[TopicPartition, PartitionOffsets],
+        report: DrainReport,
+        draining: Callable[[], bool],
+    ) -> None:
+        self.kafka = kafka
+        self.offsets = offsets
+        self.report = report
+        self._draining = draining
+        #: The exit commit began: a revocation then commits without waiting for
+        #: handlers (what still runs now is unknown).
+        self.closing = False
 
     def on_commit(self, err: Any, partitions: list[Any]) -> None:
         """Commit callback (periodic commits): count what the broker confirmed."""
@@ -390,7 +325,7 @@ class OffsetCommits:
                 continue
             tracker = self.offsets.get((p.topic, p.partition))
             if tracker is not None:
-                self._report.committed_messages += tracker.confirmed(p.offset)
+                self.report.committed_messages += tracker.confirmed(p.offset)
             confirmed[f"{p.topic}/{p.partition}"] = p.offset
         if refused:
             raise CommitRefused("; ".join(refused), retriable=curable)
@@ -398,10 +333,10 @@ class OffsetCommits:
 
     def _commit_failed(self, error: str, **fields: object) -> None:
         log_event(_log, "commit-failed", level=logging.ERROR, error=error, **fields)
-        if self.draining:
+        if self._draining():
             # The exit record describes the drain: a revocation's failed commit
             # long before it is not the exit's (the new owner redid that work).
-            self._report.commit_error = error
+            self.report.commit_error = error
 
     def _serve_group(self, seconds: float) -> None:
         """Poll for ``seconds`` so the group's rebalance can complete; take no work."""
@@ -423,7 +358,8 @@ class OffsetCommits:
             if tracker.committed is not None
         }
 
-    def _store(self, offsets: dict[TopicPartition, int]) -> None:
+    def store(self, offsets: dict[TopicPartition, int]) -> None:
+        """``store_offsets``: librdkafka commits them with the next periodic commit."""
         try:
             self.kafka.store_offsets(
                 offsets=[KafkaTopicPartition(t, p, o) for (t, p), o in offsets.items()]
@@ -434,7 +370,7 @@ class OffsetCommits:
 
 
 def commit_and_close(
-    loop: OffsetCommits,
+    commits: OffsetCommits,
     close_timeout: float,
     on_closed: Callable[[], None],
     on_committed: Callable[[], None] = lambda: None,
@@ -458,13 +394,13 @@ def commit_and_close(
     until = max(start, budget_until or start) + close_timeout
 
     def commit_and_close() -> None:
-        loop.commit_at_exit(until - close_timeout / 2)
+        commits.commit_at_exit(until - close_timeout / 2)
         # What the group holds now for the partitions this process had, whether
         # the periodic commit or this one wrote it.
-        box.update(loop.committed_offsets())
+        box.update(commits.committed_offsets())
         on_committed()
-        loop.closing = True
-        loop.kafka.close()
+        commits.closing = True
+        commits.kafka.close()
         on_closed()
 
     thread = threading.Thread(target=commit_and_close, name="consumer-close", daemon=True)
@@ -479,7 +415,3 @@ def commit_and_close(
             note="the group notices this member is gone after session.timeout.ms",
         )
     return dict(box)
-
-
-def _names(tps: Iterable[TopicPartition]) -> list[str]:
-    return sorted(f"{t}/{p}" for t, p in tps)

@@ -74,7 +74,7 @@ def test_a_close_that_times_out_after_the_commit_is_an_ok_drain(
         wait_for(
             lambda: (
                 consumer._loop is not None
-                and consumer._loop.committed_offsets() == {f"{topic}/0": 5}
+                and consumer._loop.commits.committed_offsets() == {f"{topic}/0": 5}
             ),
             30,
             what="the commit confirmed to the consumer",

@@ -204,7 +204,7 @@ class Model:
         elif op == "collect":
             loop.collect()
         elif op == "commit":
-            loop.commit()
+            loop.commits.commit()
         elif op == "assign" and tp not in loop.offsets:
             loop.on_assign(self.kafka, [self.part(tp)])
             self.position[tp] = self.kafka.committed.get(tp, 0)  # where Kafka resumes
@@ -280,7 +280,7 @@ def test_the_drain_counts_each_message_once_whatever_happens_during_it(
     model.never_past_unfinished(kafka.stored, "stored")
 
     kafka.rebalancing, kafka.refusal = rebalancing, refusal
-    loop.commit_at_exit(time.monotonic() + 30.0)
+    loop.commits.commit_at_exit(time.monotonic() + 30.0)
     model.never_past_unfinished(kafka.committed, "committed")
     for tp, tracker in loop.offsets.items():
         if tracker.stored is not None:
