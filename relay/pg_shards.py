@@ -80,7 +80,6 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from outboxkit.relay.assignment import assign_shards
-from outboxkit.relay.claim import ClaimFence
 from outboxkit.relay.pg_session import (
     ReconnectLoop,
     connect,
@@ -88,6 +87,7 @@ from outboxkit.relay.pg_session import (
     log_closing_failure,
     masked_url,
 )
+from outboxkit.relay.rows import ClaimFence
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.logs import Episode, log_event
 from outboxkit.schema.table import validate_identifier

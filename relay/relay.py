@@ -36,9 +36,6 @@ from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import (
-    Batch,
-    ByteBudget,
-    ClaimedRow,
     check_session_settings,
     claim_batch,
     create_engine,
@@ -59,6 +56,7 @@ from outboxkit.relay.metrics import (
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.retention import start_retention
+from outboxkit.relay.rows import Batch, ByteBudget, ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import ShardOwnership, claim_fence, claiming, default_ownership
 from outboxkit.relay.wakeup import PollWaker, Waker, default_waker

@@ -35,7 +35,6 @@ from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay.claim import (
-    Batch,
     _claim_statements,
     candidates,
     candidates_query,
@@ -48,6 +47,7 @@ from outboxkit.relay.metrics import (
     sample_backlog,
     sample_ordering_blocked,
 )
+from outboxkit.relay.rows import Batch
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.schema import Status, apply_schema, outbox_table, recovery_table, shard_for
 
