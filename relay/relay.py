@@ -35,14 +35,10 @@ from sqlalchemy.engine import Engine
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import (
-    check_session_settings,
-    claim_batch,
-    create_engine,
-    reclaims_due,
-)
+from outboxkit.relay.claim import claim_batch, reclaims_due
 from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.drain import ExitRecord, release
+from outboxkit.relay.engine import check_session_settings, create_engine
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.foreign import OutsiderMonitor
 from outboxkit.relay.leases import ForeignRelayMonitor, RedisShardLeases

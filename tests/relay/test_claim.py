@@ -39,8 +39,8 @@ from outboxkit.relay.claim import (
     candidates,
     candidates_query,
     claim_batch,
-    create_engine,
 )
+from outboxkit.relay.engine import create_engine
 from outboxkit.relay.finalize import Decision, Fate, finalize
 from outboxkit.relay.metrics import (
     ordering_blocked_query,
