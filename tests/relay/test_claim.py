@@ -34,12 +34,8 @@ from sqlalchemy.dialects import postgresql
 from support.databases import on_both_databases
 
 from outboxkit import Event
-from outboxkit.relay.claim import (
-    _claim_statements,
-    candidates,
-    candidates_query,
-    claim_batch,
-)
+from outboxkit.relay.claim import _claim_statements, claim_batch
+from outboxkit.relay.claim_sql import candidates, candidates_query
 from outboxkit.relay.engine import create_engine
 from outboxkit.relay.finalize import Decision, Fate, finalize
 from outboxkit.relay.metrics import (
