@@ -8,8 +8,8 @@ See ``docs/relay.md``. Run it with ``outboxkit relay`` or embed it::
     relay.drain()
 """
 
-from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.relay import PUSH_JOB, Relay
+from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import AllShards, ShardOwnership
 from outboxkit.relay.wakeup import PollWaker, Waker

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from outboxkit.relay.claim import Batch
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult
 from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
+from outboxkit.relay.rows import Batch
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event
 
 __all__ = [

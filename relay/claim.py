@@ -29,7 +29,7 @@ them reads ``delivered`` rows, so the claim does not slow down as history grows
 (an ``ORDER BY id`` over ``status IN (...)`` could make MySQL sort the whole
 backlog). Each candidate's per-key check is one probe per status that seeks
 ``(message_key, status, id)`` by key and status, so it reads that key's
-leased or waiting rows only (see ``candidates_query``). On PostgreSQL each
+leased or waiting rows only (see ``claim_sql.candidates_query``). On PostgreSQL each
 probe is a subplan run per candidate, written so only that index serves it
 (``key_probe``, ``key_rows``), and the ``delivering`` probe runs only for a
 candidate whose key is among the keys held in flight, read once per claim
@@ -70,134 +70,46 @@ learns of its loss late, when the news reaches its own session's socket; a
 still there, after the rows were locked. If it is not, nothing is leased
 (``claim-fenced``), so no row is claimed after the server ended the hold,
 however late the relay hears of it.
+
+Where the parts are: the SQL of the candidates and of the per-key probes is in
+:mod:`outboxkit.relay.claim_sql`; the rows a claim returns and the fence and
+byte budget it is given in :mod:`outboxkit.relay.rows`; the relay's engine (READ
+COMMITTED, timeouts, PostgreSQL's session settings) in
+:mod:`outboxkit.relay.engine`. This module locks and leases: ``claim_batch``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import secrets
 import time
 import zlib
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
-from outboxkit.relay._dbtime import db_now_plus, micros, micros_between, time_ahead, time_passed
-from outboxkit.relay.settings import RelaySettings
-from outboxkit.runtime.db import create_loop_engine
+from outboxkit.relay._dbtime import db_now_plus, micros, micros_between, time_passed
+from outboxkit.relay.claim_sql import candidates, id_in, lease_over
+from outboxkit.relay.rows import Batch, ByteBudget, ClaimedRow, ClaimFence
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event
-from outboxkit.schema.crc32 import key_crc32
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import (
-    MYSQL_DIALECTS,
-    Status,
-    db_now,
-    key_status_index,
-    outbox_table,
-    undelivered,
-)
+from outboxkit.schema.table import Status, db_now, outbox_table
 
 __all__ = [
+    # Moved to outboxkit.relay.rows; still exported here, as outboxkit.relay
+    # exports them and code outside this repository may import them from here.
     "Batch",
-    "ByteBudget",
-    "ClaimFence",
     "ClaimedRow",
-    "candidates",
     "claim_batch",
-    "create_engine",
 ]
 
 log = logging.getLogger("outboxkit.relay.claim")
 
 #: The ``attempts`` column is a signed 32-bit INT.
 _MAX_ATTEMPTS_STORED = 2**31 - 1
-
-
-# Not frozen, like Report and Decision: a frozen dataclass's ``__init__`` sets
-# each field through ``object.__setattr__``, about 6 x slower (2.7 against 0.44 µs
-# for 11 fields), and the relay builds one of each per row. Nothing assigns to
-# their fields after construction; they are not hashed.
-@dataclass(slots=True)
-class ClaimedRow:
-    id: int
-    event_id: str
-    topic: str
-    key: bytes | None
-    payload: bytes
-    headers: str | None
-    shard: int
-    #: Attempts including this claim.
-    attempts: int
-    #: Seconds from the row's ``created_at`` to the claim, on the database clock.
-    age_at_claim: float
-    #: Owner of the expired lease this claim took over, or None.
-    reclaimed_from: str | None
-    #: The stored shard when it was outside the table's range (``shard`` then
-    #: holds the shard the row was claimed under), else None.
-    misplaced_shard: int | None = None
-    #: Why the row can never be sent, found by the claim (its payload is over the
-    #: producer's ``message.max.bytes``; see :class:`ByteBudget`): ``payload`` was
-    #: then not loaded. The publisher fails such a row without producing it.
-    unsendable: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """Rows leased to ``owner`` under ``token`` for the lease TTL from the claim
-    (the lease's end is database time; ``claimed_mono``, this process's monotonic
-    clock when the claim returned, is later than its start)."""
-
-    owner: str
-    token: str
-    rows: tuple[ClaimedRow, ...]
-    claimed_mono: float
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def shards(self) -> frozenset[int]:
-        return frozenset(r.shard for r in self.rows)
-
-    def age(self, row: ClaimedRow, mono: float) -> float:
-        """Seconds from ``row``'s ``created_at`` (database clock) to monotonic time
-        ``mono``: its age at the claim plus the time since."""
-        return row.age_at_claim + (mono - self.claimed_mono)
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimFence:
-    """A condition the claim's lease statement must meet, checked by the server
-    after the claim locked its rows: the claim leases nothing when it is false.
-
-    ``clause`` is built once and reused (the lease statement with it is cached
-    per clause object); ``params`` are its bound values for this claim;
-    ``what`` names the hold it checks, for the ``claim-fenced`` log line."""
-
-    clause: sa.ColumnElement[bool]
-    params: Mapping[str, Any]
-    what: str
-
-
-@dataclass(frozen=True, slots=True)
-class ByteBudget:
-    """The bytes of payloads and headers one claim may load (``max_bytes``), and
-    the largest record the producer sends (``max_message_bytes``, its
-    ``message.max.bytes``). See :func:`_within_budget` for the rule."""
-
-    max_bytes: int
-    max_message_bytes: int
-
-    def inline_max(self, limit: int) -> int:
-        """Rows up to this size (payload + headers) come with the lock statement:
-        ``limit`` of them are ``max_bytes`` at most, whatever the claim then keeps."""
-        return max(1, self.max_bytes // limit)
 
 
 #: Without a budget every row comes with the lock statement.
@@ -208,386 +120,12 @@ class _Fenced(Exception):
     """The fence was false: roll the claim back."""
 
 
-def candidates(
-    conn: Connection,
-    table: str,
-    *,
-    shards: Collection[int],
-    limit: int,
-    excluded_topics: Collection[str] = (),
-    shard_count: int | None = None,
-    id_upper: int | None = None,
-    reclaim: bool = True,
-) -> list[tuple[int, bytes | None]]:
-    """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks.
-
-    ``id_upper``: consider only rows with ``id <= id_upper``. ``reclaim``: include
-    ``delivering`` rows whose lease is over (see the module docstring)."""
-    bounded = id_upper is not None
-    query = _cached_candidates_query(
-        table,
-        tuple(sorted(shards)),
-        limit,
-        tuple(sorted(excluded_topics)),
-        shard_count,
-        bounded,
-        conn.dialect.name,
-        reclaim,
-    )
-    params = {"id_upper": id_upper} if bounded else {}
-    return [(r.id, r.message_key) for r in conn.execute(query, params)]
-
-
 def reclaims_due(*, in_flight: bool, looked: float, now: float, poll_interval: float) -> bool:
     """Whether a claim looks for expired leases (``reclaim``): always with nothing
     of the claimer's in flight, and beside its leased batch once per
     ``poll_interval`` since it ``looked`` last (monotonic seconds; see the module
     docstring). The relay's rule, and the DB ceiling's that copies the relay."""
     return not in_flight or now - looked >= poll_interval
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_candidates_query(
-    table: str,
-    shards: tuple[int, ...],
-    limit: int,
-    excluded_topics: tuple[str, ...],
-    shard_count: int | None,
-    bounded: bool,
-    dialect: str,
-    reclaim: bool,
-) -> sa.Select[tuple[int, bytes | None]]:
-    # Built once per shard set and paused-topic set (they rarely change): building
-    # it took 18% of the loop at 1,000 events/s, and the same object keeps its
-    # SQLAlchemy cache key, so it is not compiled again either.
-    return candidates_query(
-        table,
-        shards,
-        limit,
-        excluded_topics,
-        shard_count=shard_count,
-        bounded=bounded,
-        dialect=dialect,
-        reclaim=reclaim,
-    )
-
-
-def _lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
-    """A ``delivering`` row's lease is over: expired, or never set (another writer
-    stored ``delivering`` without a lease; nothing protects it, and left alone it
-    would neither be claimed nor hold its key back); or ending further ahead than
-    any relay leases (``infinity``, year 9999: see ``_dbtime.time_passed``)."""
-    return sa.or_(time_passed(t.c.lease_expires_at, now), t.c.lease_expires_at.is_(None))
-
-
-def home_shard(t: sa.Table | sa.Alias, shard_count: int) -> sa.ColumnElement[int]:
-    """The shard ``enqueue`` gives a row, computed by the database:
-    ``CRC32(message_key, or event_id when keyless) MOD shard_count`` (zlib's CRC-32,
-    as in :func:`outboxkit.schema.codec.shard_for`: MySQL's ``CRC32()``,
-    PostgreSQL's ``outboxkit_crc32()``)."""
-    return sa.func.mod(key_crc32(t.c.message_key, t.c.event_id), sql_int(shard_count))
-
-
-def sql_int(value: int) -> sa.ColumnElement[int]:
-    """An integer written into the statement, not bound (see :func:`candidates_query`)."""
-    return sa.literal_column(str(int(value)), sa.Integer())
-
-
-def sql_status(status: Status) -> sa.ColumnElement[str]:
-    """A status written into the statement as a string literal, not bound."""
-    value = status.value
-    assert value.isalpha(), value  # our own enum: nothing to quote
-    return sa.literal_column(f"'{value}'", sa.String())
-
-
-def in_list(
-    column: sa.ColumnElement[Any], values: Collection[int], dialect: str | None
-) -> sa.ColumnElement[bool]:
-    """``column IN values``, the integers written into the statement, which is
-    built once per shard set (see ``_cached_candidates_query``).
-
-    As parameters, an expanding ``IN`` of 64 shards was 64 of them in each of
-    the claim's three arms: PyMySQL escaped them on every claim, and psycopg
-    parsed the statement anew on every call (its query cache stops at 50),
-    about 2-4 ms of client CPU per claim, more than the claim's own SQL. As one
-    array parameter on PostgreSQL, the plan PostgreSQL may settle on for a
-    prepared statement (a generic one, for any value) could not see which
-    shards it was given (see :func:`candidates_query`)."""
-    return column.in_([sql_int(v) for v in sorted(values)])
-
-
-def _owned(
-    t: sa.Table, shards: Collection[int], shard_count: int | None, dialect: str | None
-) -> sa.ColumnElement[bool] | None:
-    """Rows this claim may take: stored shard owned, or stored shard out of range
-    and home shard owned. None when that is every row (every shard owned), on
-    MySQL/MariaDB: no condition to evaluate for each row."""
-    stored = in_list(t.c.shard, shards, dialect)
-    if shard_count is None:
-        return stored
-    out_of_range = sa.or_(t.c.shard < sql_int(0), t.c.shard >= sql_int(shard_count))
-    if set(shards) >= set(range(shard_count)):
-        return None
-    return sa.or_(
-        stored, sa.and_(out_of_range, in_list(home_shard(t, shard_count), shards, dialect))
-    )
-
-
-def candidates_query(
-    table: str,
-    shards: Collection[int],
-    limit: int,
-    excluded_topics: Collection[str] = (),
-    *,
-    shard_count: int | None = None,
-    bounded: bool = False,
-    dialect: str | None = None,
-    reclaim: bool = True,
-) -> sa.Select[tuple[int, bytes | None]]:
-    """The candidates of a claim. ``shard_count``: the table's shard count; without
-    it, rows whose stored shard is out of range are never candidates. ``bounded``:
-    only rows with ``id <=`` the bound parameter ``id_upper`` are considered.
-    ``dialect``: the database's (``engine.dialect.name``), for :func:`in_list`.
-    ``reclaim``: also ``delivering`` rows whose lease is over; without it, none,
-    and any earlier ``delivering`` row holds its key back.
-
-    Statuses, shards, limits and the other constants are written into the
-    statement (it is built once per shard set and paused-topic set); only
-    ``id_upper`` and paused topics are bound. On PostgreSQL psycopg prepares a
-    statement it ran five times, and after five more runs PostgreSQL may keep a
-    *generic* plan, made for any parameter values. With the statuses bound
-    (``status = $1``), that plan could not tell ``pending`` from ``delivered``:
-    it walked the primary key through the whole table and scanned it for each
-    per-key check, 4-8 ms per claim instead of 0.5-1, for the relay's life. In
-    latency runs at 1,000 events/s that was p50 16 ms instead of 4-5 and p99
-    31-39 ms instead of 8-13, in about half the runs: those whose relay
-    happened to settle on the generic plan."""
-    t = outbox_table(table)
-    earlier = t.alias("earlier")
-    now = db_now()
-    # What holds a key's later rows back, per status of the earlier row.
-    holds: dict[Status, sa.ColumnElement[bool]] = {
-        Status.RETRYABLE: time_ahead(earlier.c.next_attempt_at, now),
-        # Without the reclaim arm, a row left delivering under an expired lease is
-        # not claimed now, so it must hold its key like a live one.
-        Status.DELIVERING: time_ahead(earlier.c.lease_expires_at, now) if reclaim else sa.true(),
-    }
-    owned = _owned(t, shards, shard_count, dialect)
-    common: list[sa.ColumnElement[bool]] = [] if owned is None else [owned]
-    if bounded:
-        common.append(t.c.id <= sa.bindparam("id_upper", type_=sa.BigInteger()))
-    if excluded_topics:
-        # A row of a paused topic is not claimed (nor reclaimed once its lease
-        # expired), so it cannot ride ahead of its key's later rows in the batch:
-        # while it waits, so do they (also on other topics).
-        topics = sorted(excluded_topics)
-        common.append(t.c.topic.not_in(topics))
-        paused = earlier.c.topic.in_(topics)
-        holds = {
-            Status.PENDING: paused,
-            Status.RETRYABLE: sa.or_(holds[Status.RETRYABLE], paused),
-            Status.DELIVERING: sa.or_(holds[Status.DELIVERING], paused),
-        }
-    # One probe per status, each ``status = <constant>``, so it seeks
-    # ``(message_key, status, id)`` by both columns and reads only the key's rows
-    # in that status (see key_probe).
-    for status, hold in holds.items():
-        unheld = (
-            ~key_probe(sql_int(1), earlier, table, dialect)
-            .where(*key_rows(earlier, t.c.message_key, status, dialect, before=t.c.id), hold)
-            .exists()
-        )
-        if dialect == "postgresql" and status is Status.DELIVERING:
-            unheld = sa.or_(t.c.message_key.not_in(_leased_keys(earlier, hold)), unheld)
-        elif dialect == "postgresql" and status is Status.RETRYABLE:
-            unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
-        common.append(unheld)
-    if dialect in MYSQL_DIALECTS:
-        common.append(_unheld_by_invalid_status(t, table, dialect))
-
-    def by_status(
-        status: Status, due: sa.ColumnElement[bool]
-    ) -> sa.Select[tuple[int, bytes | None]]:
-        order: tuple[sa.ColumnElement[Any], ...]
-        if dialect == "postgresql":
-            where, order = _status_range(t, status), (t.c.status, t.c.id)
-        else:
-            where, order = (t.c.status == sql_status(status),), (t.c.id,)
-        return (
-            sa.select(t.c.id, t.c.message_key)
-            .where(*where, due, *common)
-            .order_by(*order)
-            .limit(sql_int(limit))
-        )
-
-    arms = [
-        by_status(Status.PENDING, time_passed(t.c.next_attempt_at, now)),
-        by_status(Status.RETRYABLE, time_passed(t.c.next_attempt_at, now)),
-    ]
-    if reclaim:
-        arms.append(by_status(Status.DELIVERING, _lease_over(t, now)))
-    merged = sa.union_all(*arms).subquery("candidates")
-    return sa.select(merged.c.id, merged.c.message_key).order_by(merged.c.id).limit(sql_int(limit))
-
-
-#: What MariaDB/MySQL store for a status outside the enum, written from a session
-#: without strict mode (an ENUM's error value). PostgreSQL's enum refuses it.
-INVALID_STATUS = ""
-
-
-def invalid_status(t: sa.FromClause) -> sa.ColumnElement[bool]:
-    """``t.status`` is the ENUM's error value: a status outside the enum."""
-    return t.c.status == sa.literal_column(f"'{INVALID_STATUS}'", sa.String())
-
-
-def _unheld_by_invalid_status(t: sa.Table, table: str, dialect: str) -> sa.ColumnElement[bool]:
-    """MariaDB/MySQL: no earlier row of the candidate's key has a status outside
-    the enum. Such a row is never claimed (nothing says what it is) and waits for
-    an operator (``admin requeue`` makes it ``pending``), so it holds its key's
-    later rows back. Asked first once per claim (an uncorrelated ``NOT EXISTS``,
-    one seek of ``(status, id)``): with no such row in the table, as always
-    after a strict writer, no candidate pays for the per-key probe."""
-    anywhere = t.alias("invalid_anywhere")
-    invalid = t.alias("invalid_earlier")
-    none_at_all = (
-        ~sa.select(sql_int(1)).select_from(anywhere).where(invalid_status(anywhere)).exists()
-    )
-    none_earlier = (
-        ~key_probe(sql_int(1), invalid, table, dialect)
-        .where(
-            invalid.c.message_key == t.c.message_key,
-            invalid_status(invalid),
-            invalid.c.id < t.c.id,
-        )
-        .exists()
-    )
-    return sa.or_(none_at_all, none_earlier)
-
-
-def _leased_keys(
-    earlier: sa.FromClause, hold: sa.ColumnElement[bool]
-) -> sa.Select[tuple[bytes | None]]:
-    """PostgreSQL: the keys of the ``delivering`` rows that hold their keys back
-    (``hold``), read once per claim into a hash table (an uncorrelated ``NOT IN``
-    is a *hashed subplan*), so only a candidate whose key is among them pays for
-    its per-key probe.
-
-    They are what relays hold in flight (a batch or two each), few; a probe of
-    the key index costs about 3 µs, and beside a leased batch it was one per
-    candidate: the pipelined relay's claim of batch N+1, which meets N leased.
-    Keyless rows never hold anything back and are left out (a NULL in a ``NOT
-    IN`` list makes it unknown for every key)."""
-    return sa.select(earlier.c.message_key).where(
-        *_status_range(earlier, Status.DELIVERING), earlier.c.message_key.is_not(None), hold
-    )
-
-
-def _any_holding(earlier: sa.FromClause, status: Status, hold: sa.ColumnElement[bool]) -> sa.Exists:
-    """PostgreSQL: whether any row in ``status`` holds its key back (``hold``), asked
-    once per claim (an uncorrelated ``EXISTS`` is an *initplan*): while none does,
-    as in a healthy drain with no retry waiting, no candidate pays for its
-    per-key probe in that status (2-3 ms per 500-row claim).
-
-    For ``retryable`` only: finding no such row reads the retryable rows, which
-    the claim reads anyway. The ``pending`` hold (a paused topic's rows) is not
-    gated: with none of them pending, the question would read the whole backlog."""
-    return (
-        sa.select(sql_int(1))
-        .select_from(earlier)
-        .where(*_status_range(earlier, status), hold)
-        .exists()
-    )
-
-
-def _status_range(t: sa.FromClause, status: Status) -> tuple[sa.ColumnElement[bool], ...]:
-    """``status`` as the closed range ``status >= s AND status <= s`` (PostgreSQL).
-
-    With ``status = s`` PostgreSQL treats the status as a constant, so ``ORDER BY
-    id`` can be served by the primary key as well as by ``(status, id)``; with
-    statistics taken while most rows were pending (a backlog, then its drain)
-    it walked the primary key through every row delivered since, filtering them
-    out one by one: the candidates took 25.5 ms per 500-row batch on average
-    over a 60,000-row drain (3 ms without the delivered rows), more the further
-    it went, until autovacuum analyzed the table. A range is not a
-    constant: ``ORDER BY status, id`` then comes from ``(status, id)`` alone, and
-    the primary key would need a sort of every row it matches."""
-    value = sql_status(status)
-    return (t.c.status >= value, t.c.status <= value)
-
-
-def key_probe(
-    column: sa.ColumnElement[Any], alias: sa.FromClause, table: str, dialect: str | None
-) -> sa.Select[Any]:
-    """``SELECT column FROM alias`` for a probe of one key's rows in one status
-    (the range :func:`key_rows` gives), made to seek ``(message_key, status, id)``.
-
-    On a table that grew after the server opened it (a new outbox filling up)
-    the databases know no row counts per key and chose ``(status, id)`` instead,
-    reading every row in that status for each probe (20 million row reads and
-    39 s for one claim beside 3,000 leased rows on MariaDB). MySQL/MariaDB are
-    told to use the key index (``schema.apply.require_claim_schema`` checks at
-    start that it exists); PostgreSQL, which takes no hints, is given a range
-    only that index serves (:func:`key_rows`).
-    """
-    probe = sa.select(column).select_from(alias)
-    if dialect in MYSQL_DIALECTS:
-        probe = probe.with_hint(alias, f"FORCE INDEX ({key_status_index(table)})", dialect)
-    elif dialect == "postgresql":
-        # OFFSET 0 keeps a NOT EXISTS probe a subplan run for each candidate
-        # (PostgreSQL makes a join of it otherwise): believing the rows a probe
-        # may match few (statistics taken before they were leased), the join
-        # read them once and compared each candidate with every one of them.
-        probe = probe.offset(sql_int(0))
-    return probe
-
-
-def key_rows(
-    alias: sa.FromClause,
-    key: sa.ColumnElement[Any],
-    status: Status,
-    dialect: str | None,
-    *,
-    before: sa.ColumnElement[int] | None = None,
-    after: sa.ColumnElement[int] | None = None,
-) -> tuple[sa.ColumnElement[bool], ...]:
-    """The rows of ``alias`` with message key ``key`` in ``status`` whose id is
-    below ``before`` or above ``after`` (give one): one range of the key index
-    ``(message_key, status, id)``, for a :func:`key_probe`.
-
-    On PostgreSQL the range is written as row comparisons, ``(message_key,
-    status) >= (key, s) AND (message_key, status, id) < (key, s, before)``, which
-    only an index leading with those columns can serve; ``status = s`` could
-    be served by ``(status, id)`` too, and was:
-
-    - without statistics, a probe read every row in the status (32 million row
-      reads for one claim in test_claim.py);
-    - with statistics taken while no row was ``delivering`` (a backlog, then its
-      drain), PostgreSQL read the leased rows once and compared every candidate
-      with each of them: 500 x 500 rows, 32 ms of a pipelined relay's 50 ms per
-      batch, when its claim met the batch in flight.
-    """
-    assert (before is None) != (after is None)
-    value = sql_status(status)
-    if dialect != "postgresql":
-        bound = alias.c.id < before if after is None else alias.c.id > after
-        return (alias.c.message_key == key, alias.c.status == value, bound)
-    columns = (alias.c.message_key, alias.c.status)
-    this_key = (key, value)
-    ends: tuple[sa.ColumnElement[bool], ...]
-    if after is None:
-        ends = (
-            sa.tuple_(*columns) >= sa.tuple_(*this_key),
-            sa.tuple_(*columns, alias.c.id) < sa.tuple_(*this_key, before),
-        )
-    else:
-        ends = (
-            sa.tuple_(*columns, alias.c.id) > sa.tuple_(*this_key, after),
-            sa.tuple_(*columns) <= sa.tuple_(*this_key),
-        )
-    # The key's equality too: it gives the estimate of a probe (rows per key),
-    # which the row comparisons do not; and the index's predicate, which they
-    # do not imply either (the index holds no delivered row).
-    return (alias.c.message_key == key, *ends, undelivered(alias))
 
 
 def claim_batch(
@@ -742,16 +280,6 @@ def _claimed(row: Sequence[Any], shard_count: int | None) -> ClaimedRow:
     )
 
 
-def id_in(column: sa.ColumnElement[int], dialect: str) -> sa.ColumnElement[bool]:
-    """``column`` is one of the ids bound as ``ids`` (a list): ``= ANY(array)`` on
-    PostgreSQL, one parameter and one statement text whatever the batch size (an
-    expanding ``IN`` of 500 ids is 500 parameters for psycopg to parse on every
-    call, and a new text per batch size); an expanding ``IN`` elsewhere."""
-    if dialect == "postgresql":
-        return column == sa.any_(sa.bindparam("ids", type_=ARRAY(sa.BigInteger())))
-    return column.in_(sa.bindparam("ids", expanding=True))
-
-
 @functools.lru_cache(maxsize=32)
 def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Update]:
     """The lock and lease statements of a claim, built once per table and dialect.
@@ -766,7 +294,7 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
             t.c.status.in_([Status.PENDING.value, Status.RETRYABLE.value]),
             time_passed(t.c.next_attempt_at, now),
         ),
-        sa.and_(t.c.status == Status.DELIVERING.value, _lease_over(t, now)),
+        sa.and_(t.c.status == Status.DELIVERING.value, lease_over(t, now)),
     )
     columns: dict[str, sa.ColumnElement[Any]] = {c.name: c for c in t.c}
     # The row's age at the claim, computed by the server as an integer: cheaper to
@@ -815,7 +343,7 @@ def _fenced_lease(lease: sa.Update, clause: sa.ColumnElement[bool]) -> sa.Update
 
 
 def _effective_shard(stored: int, key: bytes | None, event_id: str, shard_count: int | None) -> int:
-    """The stored shard, or for one out of range the home shard (as ``home_shard``)."""
+    """The stored shard, or for one out of range the home shard (as ``claim_sql.home_shard``)."""
     shard = int(stored)
     if shard_count is None or 0 <= shard < shard_count:
         return shard
@@ -966,118 +494,3 @@ def _record_reclaims(
         }
         record_recovery(conn, kind="lease-reclaimed", node_id=owner, table=table, detail=detail)
     return by_owner
-
-
-#: What the relay's own engine sets on its PostgreSQL sessions, besides the
-#: statement timeout: plans for each run's values (see :func:`create_engine`) and
-#: no JIT compilation (``runtime.db.without_jit``).
-PG_SESSION_SETTINGS = {"plan_cache_mode": "force_custom_plan", "jit": "off"}
-_PG_CUSTOM_PLANS = f"-c plan_cache_mode={PG_SESSION_SETTINGS['plan_cache_mode']}"
-
-
-def check_session_settings(conn: Connection, *, lease_ttl: float) -> None:
-    """Log ``engine-settings`` (a warning) when a PostgreSQL session of an engine
-    passed to ``Relay(..., engine=...)`` lacks :data:`PG_SESSION_SETTINGS`, or
-    bounds no statement by the lease (``statement_timeout`` off or longer than
-    the relay's own engine sets, :func:`statement_timeout_s`).
-
-    That engine is the caller's (other code may share its pool), so the relay
-    does not change it; it says once, at start, what differs and the
-    ``connect_args`` that set it. Without them the claim can keep a plan made for
-    a table that has since grown (docs/postgresql.md, *What differs from MySQL*),
-    and a statement stuck on the server can hold the relay past its rows' lease.
-    MySQL/MariaDB bound statements on the client (the driver's read timeout),
-    which a session cannot report: not checked there."""
-    if conn.dialect.name != "postgresql":
-        return
-    # One read of the session's values; a setting this server does not have is
-    # absent (nothing to advise). statement_timeout is in milliseconds there,
-    # whatever unit it was set in.
-    read = sa.text("SELECT name, setting FROM pg_settings WHERE name IN :names").bindparams(
-        sa.bindparam("names", expanding=True)
-    )
-    current = {
-        str(name): str(value)
-        for name, value in conn.execute(
-            read, {"names": [*PG_SESSION_SETTINGS, "statement_timeout"]}
-        )
-    }
-    wanted = {**PG_SESSION_SETTINGS}
-    differing = {
-        name: current[name]
-        for name in sorted(PG_SESSION_SETTINGS)
-        if name in current and current[name] != wanted[name]
-    }
-    timeout_ms = current.get("statement_timeout")
-    limit_s = statement_timeout_s(lease_ttl)
-    if timeout_ms is not None and not 0 < int(timeout_ms) <= limit_s * 1000:
-        differing["statement_timeout"] = "0 (none)" if int(timeout_ms) == 0 else f"{timeout_ms}ms"
-        wanted["statement_timeout"] = f"{limit_s}s"
-    if not differing:
-        return
-    options = " ".join(f"-c {name}={wanted[name]}" for name in differing)
-    log_event(
-        log,
-        "engine-settings",
-        level=logging.WARNING,
-        differing=differing,
-        advice=f'create the engine with connect_args={{"options": "{options}"}}',
-        effect="the relay runs; without these its claims may keep plans made for an "
-        "emptier table (plan_cache_mode), be compiled on every run at large batches (jit), "
-        "or wait on a stuck statement past their rows' lease (statement_timeout)",
-    )
-
-
-def statement_timeout_s(lease_ttl: float) -> int:
-    """The longest a relay's statement may run, in whole seconds: a statement that
-    outlives a lease is pointless, and a hung server must not hang the loop."""
-    return max(1, math.ceil(lease_ttl))
-
-
-def create_engine(settings: RelaySettings) -> Engine:
-    """The relay's engine: READ COMMITTED (no gap locks in the claim), a connect
-    timeout, and statement timeouts no longer than a lease.
-
-    MySQL/MariaDB: the driver's ``read_timeout``/``write_timeout`` (client side:
-    they also end a wait on a hung server). PostgreSQL: the server's
-    ``statement_timeout`` for the relay's sessions (the server cancels the
-    statement; the client sets no read timeout of its own).
-
-    PostgreSQL also plans each run of a statement with parameters for its values
-    (``plan_cache_mode = force_custom_plan``). psycopg prepares a statement it ran
-    five times, and PostgreSQL may then keep one plan for any values, made from
-    the table as it was then: on a new table (or one that grew faster than
-    autovacuum analyzed it) that plan scanned the whole table to lock and lease a
-    batch by primary key, and went on doing so as the table grew, until the next
-    ANALYZE (claims 2 ms at first, 6 ms after 10,000 rows). Planning the lock and
-    lease statements costs about 0.05 ms each; the candidates statement, which
-    has no parameters unless the pipelined relay bounds it, keeps its one plan."""
-    assert settings.db_url is not None
-    url = sa.make_url(settings.db_url)
-    connect_args: dict[str, object] = {}
-    timeout = statement_timeout_s(settings.lease_ttl)
-    connect_timeout = max(1, math.ceil(settings.connect_timeout))
-    backend = url.get_backend_name()
-    if backend in MYSQL_DIALECTS:
-        connect_args = {
-            "connect_timeout": connect_timeout,
-            "read_timeout": timeout,
-            "write_timeout": timeout,
-        }
-    elif backend == "postgresql":
-        # Appended to any options the URL gives (``?options=...``).
-        options = url.query.get("options", "")
-        if not isinstance(options, str):
-            options = " ".join(options)
-        connect_args = {
-            "connect_timeout": connect_timeout,
-            # Plans made for each run's values (see the docstring).
-            "options": f"{options} -c statement_timeout={timeout}s {_PG_CUSTOM_PLANS}".strip(),
-        }
-    return create_loop_engine(
-        url,
-        pool_size=2,
-        max_overflow=2,
-        isolation_level="READ COMMITTED",
-        connect_args=connect_args,
-    )

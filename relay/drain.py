@@ -30,9 +30,9 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Engine
 
-from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, finalize
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
+from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.relay.wakeup import RedisWaker
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK

@@ -25,8 +25,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import micros
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.publish import ErrorKind, Report, config_fault_reason
+from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, outbox_table
@@ -47,7 +47,7 @@ class Fate(enum.Enum):
     RELEASED = "released"  # no outcome known: retryable now, lease cleared
 
 
-# Not frozen: built once per row (see claim.ClaimedRow).
+# Not frozen: built once per row (see rows.ClaimedRow).
 @dataclass(slots=True)
 class Decision:
     row: ClaimedRow

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
 from outboxkit.relay._dbtime import micros_between, time_ahead
-from outboxkit.relay.claim import invalid_status, key_probe, key_rows
+from outboxkit.relay.claim_sql import invalid_status, key_probe, key_rows
 from outboxkit.schema.table import MYSQL_DIALECTS, Status, db_now, outbox_table
 
 __all__ = [
@@ -150,7 +150,7 @@ def sample_backlog(conn: Connection, table: str) -> tuple[dict[Status, int], flo
             sa.select(micros_between(t.c.created_at, db_now()))
             .where(t.c.status == status.value)
             # (status, id): served by that index alone, never by walking the
-            # primary key through delivered rows (see claim._status_range).
+            # primary key through delivered rows (see claim_sql._status_range).
             .order_by(t.c.status, t.c.id)
             .limit(_AGE_PROBE)
         )
@@ -167,7 +167,7 @@ _AGE_PROBE = 16
 
 def count_invalid_status(conn: Connection, table: str) -> int:
     """Rows whose status is outside the enum (MariaDB/MySQL: ``''``, see
-    ``claim.INVALID_STATUS``); 0 on PostgreSQL, whose enum refuses them. One
+    ``claim_sql.INVALID_STATUS``); 0 on PostgreSQL, whose enum refuses them. One
     range of the ``(status, id)`` index."""
     if conn.dialect.name not in MYSQL_DIALECTS:
         return 0
@@ -197,7 +197,7 @@ def ordering_blocked_query(
     live lease, not yet delivered in a paused topic) — few in a healthy system —
     and, for each blocking key, counts its later ``pending`` and ``retryable``
     rows with one probe per status through the ``(message_key, status, id)``
-    index (:func:`~outboxkit.relay.claim.key_probe`, as the claim does), so the
+    index (:func:`~outboxkit.relay.claim_sql.key_probe`, as the claim does), so the
     cost follows the blockers, not the backlog. A join of blockers and waiting
     rows let PostgreSQL, on a table without statistics, read the whole backlog
     into a hash table on every sample.

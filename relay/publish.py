@@ -73,7 +73,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outboxkit.relay.claim import ClaimedRow
+from outboxkit.relay.rows import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
 from outboxkit.runtime.kafkaclient import check_forced, client_config, log_kafka_error
@@ -213,7 +213,7 @@ class FatalProducerError(DependencyError):
         self.fatal = fatal
 
 
-# Not frozen: built once per row (see claim.ClaimedRow).
+# Not frozen: built once per row (see rows.ClaimedRow).
 @dataclass(slots=True)
 class Report:
     """One delivery report. ``code`` is None when Kafka acknowledged the message."""

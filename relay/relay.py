@@ -35,17 +35,10 @@ from sqlalchemy.engine import Engine
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import (
-    Batch,
-    ByteBudget,
-    ClaimedRow,
-    check_session_settings,
-    claim_batch,
-    create_engine,
-    reclaims_due,
-)
+from outboxkit.relay.claim import claim_batch, reclaims_due
 from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.drain import ExitRecord, release
+from outboxkit.relay.engine import check_session_settings, create_engine
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
 from outboxkit.relay.metrics import (
@@ -59,6 +52,7 @@ from outboxkit.relay.ownership.redis_leases import RedisShardLeases
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.retention import start_retention
+from outboxkit.relay.rows import Batch, ByteBudget, ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import ShardOwnership, claim_fence, claiming, default_ownership
 from outboxkit.relay.wakeup import PollWaker, Waker, default_waker

@@ -29,8 +29,8 @@ from outboxkit.relay.wakeup import PollWaker, Waker
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from outboxkit.relay.claim import ClaimFence
     from outboxkit.relay.conflicts import OwnershipConflicts
+    from outboxkit.relay.rows import ClaimFence
     from outboxkit.relay.settings import RelaySettings
     from outboxkit.runtime.identity import OutboxIdentity
 

@@ -67,9 +67,9 @@ def relay_modules() -> tuple[Any, Any]:
 def relay_engine(ctx: BenchContext) -> sa.Engine:
     """An engine configured as the relay configures its own (isolation, pool, timeouts)."""
     try:
-        claim = importlib.import_module("outboxkit.relay.claim")
+        engine_module = importlib.import_module("outboxkit.relay.engine")
         settings = importlib.import_module("outboxkit.relay.settings")
-        create: Any = claim.create_engine
+        create: Any = engine_module.create_engine
     except (ImportError, AttributeError):
         return sa.create_engine(
             ctx.db_url, pool_pre_ping=True, pool_size=2, isolation_level="READ COMMITTED"

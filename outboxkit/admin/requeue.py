@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import time_ahead
-from outboxkit.relay.claim import INVALID_STATUS
+from outboxkit.relay.claim_sql import INVALID_STATUS
 from outboxkit.runtime.db import gentle_connection
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.schema.recovery import record_recovery

@@ -80,7 +80,6 @@ from typing import TYPE_CHECKING, ClassVar
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
-from outboxkit.relay.claim import ClaimFence
 from outboxkit.relay.ownership.base import Held, ShardOwnershipBase, ShardOwnershipMetrics
 from outboxkit.relay.pg_session import (
     ReconnectLoop,
@@ -89,6 +88,7 @@ from outboxkit.relay.pg_session import (
     log_closing_failure,
     masked_url,
 )
+from outboxkit.relay.rows import ClaimFence
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.logs import Episode
 

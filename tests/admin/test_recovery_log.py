@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.databases import on_both_databases
 
-from outboxkit.relay.claim import Batch, ClaimedRow
 from outboxkit.relay.finalize import _record_acked_ahead, decide
 from outboxkit.relay.publish import ErrorKind, Report
+from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.schema.recovery import MAX_DETAIL_BYTES, detail_text, record_recovery
 from outboxkit.schema.table import MAX_LAST_ERROR, recovery_table
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from outboxkit.relay.claim import ByteBudget, _within_budget
+from outboxkit.relay.claim import _within_budget
+from outboxkit.relay.rows import ByteBudget
 from outboxkit.relay.settings import DEFAULT_BATCH_MAX_BYTES, RelaySettings
 from outboxkit.runtime import ConfigError, load
 

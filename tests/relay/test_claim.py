@@ -34,20 +34,16 @@ from sqlalchemy.dialects import postgresql
 from support.databases import on_both_databases
 
 from outboxkit import Event
-from outboxkit.relay.claim import (
-    Batch,
-    _claim_statements,
-    candidates,
-    candidates_query,
-    claim_batch,
-    create_engine,
-)
+from outboxkit.relay.claim import _claim_statements, claim_batch
+from outboxkit.relay.claim_sql import candidates, candidates_query
+from outboxkit.relay.engine import create_engine
 from outboxkit.relay.finalize import Decision, Fate, finalize
 from outboxkit.relay.metrics import (
     ordering_blocked_query,
     sample_backlog,
     sample_ordering_blocked,
 )
+from outboxkit.relay.rows import Batch
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.schema import Status, apply_schema, outbox_table, recovery_table, shard_for
 

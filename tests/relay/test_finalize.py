@@ -32,10 +32,11 @@ from support.databases import on_both_databases
 from outboxkit import Event
 from outboxkit.relay import Relay
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import Batch, ClaimedRow, claim_batch
+from outboxkit.relay.claim import claim_batch
 from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, _per_row_write, decide, finalize
 from outboxkit.relay.publish import ErrorKind, InFlight, Report
+from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.runtime.testing import capture_json_logs
 from outboxkit.schema import apply_schema
 from outboxkit.schema.table import outbox_table, recovery_table

@@ -30,7 +30,7 @@ from support.databases import on_both_databases
 
 from outboxkit.cli import main
 from outboxkit.relay import publish
-from outboxkit.relay.claim import ClaimedRow
+from outboxkit.relay.rows import ClaimedRow
 from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = pytest.mark.integration

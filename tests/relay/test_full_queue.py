@@ -38,9 +38,9 @@ from support.services import KafkaInstance, free_ports
 from support.tcpproxy import TcpProxy
 
 from outboxkit import Event
-from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.finalize import Fate, decide
 from outboxkit.relay.publish import ErrorKind, Publisher
+from outboxkit.relay.rows import ClaimedRow
 from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]

@@ -61,10 +61,11 @@ from support.databases import on_both_databases
 import outboxkit
 from outboxkit.admin.requeue import Selection, requeue
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.claim import Batch, claim_batch
+from outboxkit.relay.claim import claim_batch
 from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, decide, exhausted, finalize
 from outboxkit.relay.publish import ErrorKind, Report
+from outboxkit.relay.rows import Batch
 from outboxkit.schema import apply_schema
 from outboxkit.schema.table import outbox_table, recovery_table
 

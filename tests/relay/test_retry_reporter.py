@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from outboxkit.relay.accounting import RetryReporter
-from outboxkit.relay.claim import ClaimedRow
 from outboxkit.relay.finalize import Decision, Fate
 from outboxkit.relay.metrics import RelayMetrics
+from outboxkit.relay.rows import ClaimedRow
 from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = pytest.mark.unit

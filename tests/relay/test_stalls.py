@@ -14,7 +14,7 @@ from support.databases import on_both_databases
 from outboxkit import Event
 from outboxkit.relay import Relay
 from outboxkit.relay import relay as relay_module
-from outboxkit.relay.claim import Batch
+from outboxkit.relay.rows import Batch
 from outboxkit.runtime.testing import capture_json_logs
 
 pytestmark = [pytest.mark.integration, on_both_databases]

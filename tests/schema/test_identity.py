@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from outboxkit.relay.claim import candidates
+from outboxkit.relay.claim_sql import candidates
 from outboxkit.schema import apply_schema, meta_table, outbox_table
 
 pytestmark = pytest.mark.integration
