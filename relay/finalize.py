@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import micros
 from outboxkit.relay.backoff import Backoff
-from outboxkit.relay.publish import ErrorKind, Report, config_fault_reason
+from outboxkit.relay.delivery import ErrorKind, Report, config_fault_reason
 from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
 from outboxkit.schema.recovery import record_recovery

@@ -63,7 +63,6 @@ idempotent session, with backoff. confluent-kafka raises a fatal error from
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -73,6 +72,18 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from outboxkit.relay.delivery import (
+    TOO_LARGE_FOR_QUEUE,
+    ErrorKind,
+    InFlight,
+    Report,
+    classify,
+    config_fault_reason,
+    delivery_callback,
+    local_report,
+    not_sent,
+    row_fault,
+)
 from outboxkit.relay.rows import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
@@ -90,61 +101,13 @@ __all__ = [
     "Publisher",
     "Report",
     "classify",
+    "config_fault_reason",
     "producer_config",
 ]
 
 log = logging.getLogger("outboxkit.relay.publish")
 
 
-class ErrorKind(enum.Enum):
-    RETRIABLE = "retriable"
-    ROW_FAULT = "row-fault"
-    CONFIG_FAULT = "config-fault"
-    UNKNOWN = "unknown"
-    NOT_SENT = "not-sent"
-
-
-_ROW_FAULTS = frozenset(
-    {
-        KafkaError.MSG_SIZE_TOO_LARGE,
-        KafkaError.INVALID_RECORD,
-        KafkaError.INVALID_MSG,
-        KafkaError.INVALID_MSG_SIZE,
-        KafkaError.RECORD_LIST_TOO_LARGE,
-        KafkaError.INVALID_TIMESTAMP,
-        KafkaError._BAD_MSG,
-        KafkaError._INVALID_ARG,
-        # The broker says the topic name is illegal: no configuration fixes that.
-        KafkaError.TOPIC_EXCEPTION,
-    }
-)
-_CONFIG_FAULTS = {
-    KafkaError.UNKNOWN_TOPIC_OR_PART: "unknown-topic",
-    KafkaError._UNKNOWN_TOPIC: "unknown-topic",
-    KafkaError._UNKNOWN_PARTITION: "unknown-topic",
-    KafkaError.TOPIC_AUTHORIZATION_FAILED: "authorization",
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED: "authorization",
-    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "authorization",
-    KafkaError.SASL_AUTHENTICATION_FAILED: "authentication",
-    KafkaError._AUTHENTICATION: "authentication",
-    KafkaError._SSL: "authentication",
-}
-_RETRIABLE = frozenset(
-    {
-        KafkaError._MSG_TIMED_OUT,
-        KafkaError._TIMED_OUT,
-        KafkaError._TRANSPORT,
-        KafkaError._ALL_BROKERS_DOWN,
-        KafkaError._QUEUE_FULL,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.REQUEST_TIMED_OUT,
-        KafkaError.BROKER_NOT_AVAILABLE,
-        KafkaError.NETWORK_EXCEPTION,
-        KafkaError.NOT_ENOUGH_REPLICAS,
-        KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
-    }
-)
 #: Seconds after a producer-level authentication error during which message
 #: timeouts are blamed on it (the messages never had a chance).
 _AUTH_BLAME_WINDOW = 120.0
@@ -165,23 +128,6 @@ _UNKNOWN_TOPIC_CODES = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._
 _QUEUE_FULL_POLL_S = 0.05
 
 
-def classify(code: int, *, retriable: bool = False) -> ErrorKind:
-    if code == KafkaError._PURGE_QUEUE:  # removed from the queue before any send
-        return ErrorKind.NOT_SENT
-    if code in _ROW_FAULTS:
-        return ErrorKind.ROW_FAULT
-    if code in _CONFIG_FAULTS:
-        return ErrorKind.CONFIG_FAULT
-    if retriable or code in _RETRIABLE:
-        return ErrorKind.RETRIABLE
-    return ErrorKind.UNKNOWN
-
-
-def config_fault_reason(code: int) -> str:
-    """Short label for the ``reason`` of ``outbox_topic_paused``."""
-    return _CONFIG_FAULTS.get(code, "config")
-
-
 @dataclass(frozen=True, slots=True)
 class ProducerFatal:
     """A fatal error of the producer instance: it can send nothing any more."""
@@ -199,7 +145,7 @@ class ProducerFatal:
     @property
     def reason(self) -> str:
         """``authorization``, ``authentication``... or ``fatal`` (metric label)."""
-        return _CONFIG_FAULTS.get(self.code, "fatal")
+        return config_fault_reason(self.code, "fatal")
 
     def __str__(self) -> str:
         return f"fatal {self.name}: {self.error}"
@@ -211,84 +157,6 @@ class FatalProducerError(DependencyError):
     def __init__(self, fatal: ProducerFatal | None, text: str | None = None) -> None:
         super().__init__(text or str(fatal))
         self.fatal = fatal
-
-
-# Not frozen: built once per row (see rows.ClaimedRow).
-@dataclass(slots=True)
-class Report:
-    """One delivery report. ``code`` is None when Kafka acknowledged the message."""
-
-    row_id: int
-    code: int | None
-    error: str | None
-    kind: ErrorKind | None
-    partition: int | None
-    offset: int | None
-    mono: float
-
-    @property
-    def ok(self) -> bool:
-        return self.code is None
-
-
-class InFlight:
-    """The delivery reports of one batch; callbacks of an older batch never land here."""
-
-    def __init__(self, rows: list[ClaimedRow]) -> None:
-        self.rows = rows
-        self.expected = {r.id for r in rows}
-        self.reports: dict[int, Report] = {}
-        #: Producer spans waiting for their report (only with tracing on).
-        self.spans: dict[int, Any] = {}
-        #: The rows' outcomes were decided (:meth:`Publisher.settle_reports`): a
-        #: report arriving now is late, its row was released meanwhile.
-        self.settled = False
-        self._lock = threading.Lock()
-
-    def add(self, report: Report) -> None:
-        with self._lock:
-            if report.row_id not in self.expected or report.row_id in self.reports:
-                return
-            self.reports[report.row_id] = report
-            late = self.settled
-        if late and report.ok:
-            # In flight when the batch gave up on it: the row was released (and is
-            # sent again), but this copy made it. The idempotent producer writes a
-            # partition in produce order, so the key's later rows this batch sent
-            # are behind it; only an earlier row of its key whose own send failed
-            # can now sit behind it too.
-            log_event(
-                log,
-                "acked-after-release",
-                level=logging.WARNING,
-                row_id=report.row_id,
-                partition=report.partition,
-                offset=report.offset,
-                note="a copy of a released row reached Kafka after its batch gave up on it; "
-                "the row is sent again (a duplicate)",
-            )
-
-    def settle(self) -> None:
-        """The batch's outcomes are being decided: later reports are late."""
-        with self._lock:
-            self.settled = True
-
-    def done(self) -> bool:
-        with self._lock:
-            return len(self.reports) >= len(self.expected)
-
-    def missing(self) -> int:
-        with self._lock:
-            return len(self.expected) - len(self.reports)
-
-    def missing_ids(self) -> list[int]:
-        """The rows with no report yet, in id order."""
-        with self._lock:
-            return sorted(self.expected - self.reports.keys())
-
-    def snapshot(self) -> dict[int, Report]:
-        with self._lock:
-            return dict(self.reports)
 
 
 def producer_config(
@@ -425,7 +293,7 @@ class Publisher:
         for row in rows:
             if row.topic in missing:
                 inflight.add(
-                    _local_report(row.id, KafkaError.UNKNOWN_TOPIC_OR_PART, missing[row.topic])
+                    local_report(row.id, KafkaError.UNKNOWN_TOPIC_OR_PART, missing[row.topic])
                 )
                 continue
             if stopped is None:
@@ -435,7 +303,7 @@ class Publisher:
                     exc.add_note(f"while producing outbox row id={row.id}")
                     raise
             if stopped is not None:
-                inflight.add(_not_sent(row.id, stopped))
+                inflight.add(not_sent(row.id, stopped))
         if stopped is not None:
             log_event(
                 log,
@@ -504,13 +372,13 @@ class Publisher:
                 kafka_headers(row.headers, row.event_id)
             )
         except StoredRowError as exc:
-            inflight.add(_row_fault(row.id, f"invalid row: {exc}"))
+            inflight.add(row_fault(row.id, f"invalid row: {exc}"))
             return None
         except Exception as exc:  # a decoder bug must not take the batch down
             self._log_row_error(row, exc)
-            inflight.add(_row_fault(row.id, f"invalid row: {type(exc).__name__}: {exc}"))
+            inflight.add(row_fault(row.id, f"invalid row: {type(exc).__name__}: {exc}"))
             return None
-        callback = _callback(inflight, row.id)
+        callback = delivery_callback(inflight, row.id)
         if self._tracing is not None:
             headers, callback = self._tracing.send(
                 row.topic, row.event_id, headers, callback, inflight.spans, row.id
@@ -530,22 +398,22 @@ class Publisher:
                 return None
             except BufferError:  # local queue full: serve reports, then retry
                 if len(self.producer) == 0:  # nothing to wait for: it never fits
-                    inflight.add(_row_fault(row.id, _TOO_LARGE_FOR_QUEUE))
+                    inflight.add(row_fault(row.id, TOO_LARGE_FOR_QUEUE))
                     return None
                 left = until() - time.monotonic()
                 if left <= 0:
                     return "the producer's queue stayed full until the produce deadline"
                 self._poll(min(_QUEUE_FULL_POLL_S, left))
                 if self.fatal is not None:  # nothing more can be sent with it
-                    inflight.add(_local_report(row.id, KafkaError._FATAL, "producer fatal"))
+                    inflight.add(local_report(row.id, KafkaError._FATAL, "producer fatal"))
                     return None
             except KafkaException as exc:
                 err = exc.args[0]
-                inflight.add(_local_report(row.id, err.code(), err.str()))
+                inflight.add(local_report(row.id, err.code(), err.str()))
                 return None
             except Exception as exc:  # TypeError, ValueError...: this row's input
                 self._log_row_error(row, exc)
-                inflight.add(_row_fault(row.id, f"produce raised {type(exc).__name__}: {exc}"))
+                inflight.add(row_fault(row.id, f"produce raised {type(exc).__name__}: {exc}"))
                 return None
 
     def _log_row_error(self, row: ClaimedRow, exc: Exception) -> None:
@@ -695,47 +563,3 @@ class Publisher:
             return  # librdkafka repeats broker-down errors; one line per code per 30 s
         self._last_error_logged = (code, now)
         log_kafka_error(log, err)
-
-
-def _callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError | None, Any], None]:
-    def on_delivery(err: KafkaError | None, msg: Any) -> None:
-        now = time.monotonic()
-        if err is None:
-            inflight.add(Report(row_id, None, None, None, msg.partition(), msg.offset(), now))
-        else:
-            kind = classify(err.code(), retriable=err.retriable())
-            text = f"{err.name()}: {err.str()}"
-            inflight.add(Report(row_id, err.code(), text, kind, None, None, now))
-
-    return on_delivery
-
-
-_TOO_LARGE_FOR_QUEUE = (
-    "the message does not fit into the producer's empty queue: it is larger than "
-    "queue.buffering.max.kbytes (--kafka-config)"
-)
-
-
-def _not_sent(row_id: int, why: str) -> Report:
-    """The row was never handed to the producer: certainly not written."""
-    return Report(
-        row_id,
-        KafkaError._QUEUE_FULL,
-        f"not sent: {why}",
-        ErrorKind.NOT_SENT,
-        None,
-        None,
-        time.monotonic(),
-    )
-
-
-def _row_fault(row_id: int, text: str) -> Report:
-    """The row cannot be sent as stored: fail it (no Kafka error code to name)."""
-    return Report(
-        row_id, KafkaError._INVALID_ARG, text, ErrorKind.ROW_FAULT, None, None, time.monotonic()
-    )
-
-
-def _local_report(row_id: int, code: int, text: str) -> Report:
-    name = KafkaError(code).name()
-    return Report(row_id, code, f"{name}: {text}", classify(code), None, None, time.monotonic())
