@@ -343,7 +343,7 @@ def drains_clean(obs: Observed) -> Check:
         exits = p.events("consumer-exit")
         rec = exits[-1] if exits else {}
         problems = []
-        if p.exit_code != 0 or rec.get("result") != "ok":
+        if p.exit_code != 0 or rec.get("result") != "clean":
             problems.append(f"exit {p.exit_code} result {rec.get('result')}")
         for tp, committed in (rec.get("committed") or {}).items():
             partition = int(str(tp).rsplit("/", 1)[1])

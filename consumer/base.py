@@ -61,7 +61,7 @@ from outboxkit.runtime.heap import HeapTrimmer
 from outboxkit.runtime.kafkaclient import client_config, log_kafka_error
 from outboxkit.runtime.logs import log_event, redact
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.service import ServiceRuntime, frozen_while_running
+from outboxkit.runtime.service import ServiceRuntime, frozen_while_running, handles_signals
 from outboxkit.runtime.settings import (
     describe,
     invalid,
@@ -194,18 +194,19 @@ class Consumer:
 
     # -- running ---------------------------------------------------------------------
 
-    def run(self, *, handle_signals: bool = True) -> int:
+    def run(self, *, handle_signals: bool | None = None) -> int:
         """Consume until drained; return the process exit code.
 
-        ``handle_signals=True`` (entry points): SIGTERM/SIGINT drain, a second
+        With ``handle_signals`` (entry points): SIGTERM/SIGINT drain, a second
         one hurries, and a watchdog forces the exit past ``shutdown_timeout``;
         the handlers are removed again when ``run`` returns. Embedded in a larger
-        program pass ``False`` and call :meth:`stop`. (The default stays ``True``
-        for existing callers; the relay's is ``False``: see docs/architecture.md.)
+        program, pass ``False`` and call :meth:`stop`. The default, ``None``, is
+        yes on the main thread and no elsewhere, as for the relay
+        (:class:`~outboxkit.runtime.service.Service`).
         """
         lc = self.lifecycle
         with lc.process_signals(
-            handle_signals,
+            handles_signals(handle_signals),
             cut=lambda: drain.cut(self._drain_parts()),
             on_forced=lambda: drain.on_forced(self._drain_parts()),
         ):

@@ -32,7 +32,7 @@ from outboxkit.consumer.report import DrainReport
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.consumer.workers import Dispatcher
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_OK
-from outboxkit.runtime.exitrecord import CRASH_LOOP, ExitRecord
+from outboxkit.runtime.exitrecord import CLEAN, CRASH_LOOP, ExitRecord
 from outboxkit.runtime.health import HealthServer
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event
@@ -192,7 +192,7 @@ def result_of(parts: DrainParts, report: DrainReport) -> str:
     until the drain), ``failed`` (a fatal error), ``commit-incomplete`` (finished
     messages whose offsets the group does not hold: the next owner handles them
     again), ``unknown-left`` (handlers that did not finish: redelivered, as they
-    must be), ``ok``."""
+    must be), ``clean`` (:data:`~outboxkit.runtime.exitrecord.CLEAN`)."""
     if parts.supervisor.crash_loops_at_drain:
         return CRASH_LOOP
     if parts.lifecycle.exit_code() != EXIT_OK:
@@ -203,7 +203,7 @@ def result_of(parts: DrainParts, report: DrainReport) -> str:
         return "commit-incomplete"
     if report.unknown:
         return "unknown-left"
-    return "ok"
+    return CLEAN
 
 
 def exit_code_of(parts: DrainParts, result: str) -> int:

@@ -6,12 +6,13 @@ from one place (``relay/drain.py``'s ``log_exit_record``, the consumer's
 ``_exit_record``). The field names and values are a contract: alert runbooks,
 log queries and tests read them.
 
-The two services spell a clean stop differently, and both spellings stay:
+Both services spell a clean stop the same way, :data:`CLEAN` (``clean``; the
+consumer wrote ``ok`` before this release):
 
 * ``relay-exit``: ``result`` is ``clean`` on a clean stop; any other result
   (``left-leased``, ``forced``, ``error``, ``fatal``, ``config-error`` ...) is
   logged at ERROR;
-* ``consumer-exit``: ``result`` is ``ok`` on a clean stop (else ``failed``,
+* ``consumer-exit``: ``result`` is ``clean`` on a clean stop (else ``failed``,
   ``unknown-left``, ``commit-incomplete``, ``forced``); the line is always
   logged at INFO, the exit code says whether the stop was clean.
 
@@ -29,7 +30,10 @@ from typing import ClassVar
 
 from outboxkit.runtime.logs import log_event
 
-__all__ = ["CRASH_LOOP", "ExitRecord"]
+__all__ = ["CLEAN", "CRASH_LOOP", "ExitRecord"]
+
+#: The ``result`` of a clean stop, for both services.
+CLEAN = "clean"
 
 #: The ``result`` of a stop that found a worker crash-looping.
 CRASH_LOOP = "crash-loop"

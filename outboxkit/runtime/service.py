@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -17,7 +18,39 @@ from outboxkit.runtime.metrics import ServiceMetrics
 from outboxkit.runtime.settings import RuntimeSettings
 from outboxkit.runtime.supervisor import Supervisor
 
-__all__ = ["ServiceRuntime", "freeze_heap", "frozen_while_running"]
+__all__ = [
+    "Service",
+    "ServiceRuntime",
+    "freeze_heap",
+    "frozen_while_running",
+    "handles_signals",
+]
+
+
+@runtime_checkable
+class Service(Protocol):
+    """The one lifecycle both services (``Relay``, ``Consumer``) offer their caller.
+
+    ``run`` starts the service and returns its exit code once it has drained;
+    ``stop`` (thread-safe) starts the drain, as the first SIGTERM does. With
+    ``handle_signals`` the service owns the process's SIGTERM/SIGINT for the run
+    (a second signal hurries the drain; a watchdog forces the exit past
+    ``shutdown_timeout``) and gives them back when ``run`` returns; the default,
+    ``None``, means yes on the main thread (an entry point) and no on any other
+    (embedded: call ``stop``). A clean stop's exit record says ``clean``
+    (:data:`~outboxkit.runtime.exitrecord.CLEAN`).
+    """
+
+    def run(self, *, handle_signals: bool | None = None) -> int: ...
+
+    def stop(self) -> None: ...
+
+
+def handles_signals(requested: bool | None) -> bool:
+    """What ``run(handle_signals=requested)`` does (see :class:`Service`)."""
+    if requested is None:
+        return threading.current_thread() is threading.main_thread()
+    return requested
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ answer: 503), and one ``worker-crash-loop`` line is logged when it begins.
 When the drain begins while a worker is crash-looping, the lifecycle's exit
 code becomes ``EXIT_FAILURE`` and :attr:`Supervisor.crash_loops_at_drain`
 keeps what was looping, for the service's exit record (``result`` is
-``crash-loop``, never ``clean``/``ok``).
+``crash-loop``, never ``clean``).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_a_row_the_relay_released_in_flight_explains_one_extra_copy_per_release(
 
 def test_a_consumer_drain_must_not_stop_its_commit_at_a_message_it_processed() -> None:
     def drained(committed: int) -> Any:
-        exit_ = {"event": "consumer-exit", "result": "ok", "committed": {"t/0": committed}}
+        exit_ = {"event": "consumer-exit", "result": "clean", "committed": {"t/0": committed}}
         proc = FakeProc("consumer-0-g0", [exit_], fate="term", exit_code=0)
         return drains_clean(
             observed([], consumers=[proc], processed_at_commit={("consumer-0-g0", 0, 41)})

@@ -4,7 +4,7 @@ Found by the chaos suite's full run: a consumer that had lost its partitions at
 a broker fault was sent SIGTERM while the broker was still away; it had nothing
 to commit, but leaving the group timed out, and its exit record said
 ``commit-incomplete``. The result is about offsets: a close that times out
-after a finished commit is logged (``close-timed-out``) and the result is ``ok``.
+after a finished commit is logged (``close-timed-out``) and the result is ``clean``.
 An exit commit the broker never takes is ``commit-incomplete`` with exit code 3,
 not 0: what the consumer finished since its last commit is handled again.
 
@@ -87,7 +87,7 @@ def test_a_close_that_times_out_after_the_commit_is_an_ok_drain(
     (record,) = logs.events("consumer-exit")
     assert logs.events("close-timed-out"), "the close could not reach the frozen broker"
     assert record["committed"] == {f"{topic}/0": 5}
-    assert record["result"] == "ok", record
+    assert record["result"] == "clean", record
 
 
 def test_an_exit_commit_the_broker_never_takes_exits_3_commit_incomplete(

@@ -86,7 +86,7 @@ def test_sigterm_lets_the_slow_handler_finish_commits_and_exits_0(
     assert proc.events("handler-finished")[-1]["offset"] == 1
     record = proc.exit_record()
     assert record["signal"] == "SIGTERM"
-    assert record["result"] == "ok"
+    assert record["result"] == "clean"
     assert record["batch_size"] == 1
     assert record["succeeded"] == 1 and record["unknown"] == 0 and record["failed"] == 0
     assert _adds_up(record)
@@ -229,7 +229,7 @@ def test_console_log_format_gives_readable_lines(
     assert proc.lines == [] and parsed, "".join(proc.raw)  # not one JSON line
     events = {m["event"]: m["rest"] for m in parsed}
     assert " partition=0 offset=0 logger=consumer_apps " in events["handler-finished"]
-    assert " result=ok " in events["consumer-exit"], events["consumer-exit"]
+    assert " result=clean " in events["consumer-exit"], events["consumer-exit"]
 
 
 def _handled(proc: ConsumerProcess) -> list[tuple[int, int]]:
@@ -278,6 +278,6 @@ def test_drain_at_a_cooperative_revocation_commits_once_the_rebalance_completes(
     assert record["signal"] == "SIGTERM"
     assert record["batch_size"] == 0 and _adds_up(record)
     assert (record["result"], record["committed"]) == (
-        "ok",
+        "clean",
         {f"{topic}/{p}": ends[p] for p in sorted(kept)},
     ), "".join(old.raw[-30:])

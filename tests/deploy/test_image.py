@@ -329,7 +329,7 @@ def test_relay_and_consumer_from_the_image_drain_cleanly_on_sigterm(
     consumer.terminate()
     assert consumer.wait(60) == 0, consumer.last_lines()
     (exit_record,) = consumer.events("consumer-exit")
-    assert exit_record["result"] == "ok" and exit_record["unknown"] == 0, exit_record
+    assert exit_record["result"] == "clean" and exit_record["unknown"] == 0, exit_record
     assert shipped() == delivered, "each delivered event shipped exactly once"
 
 

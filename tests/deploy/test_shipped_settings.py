@@ -51,7 +51,7 @@ COMPOSE_DIR = REPO / "deploy" / "compose"
 K8S_DIR = REPO / "deploy" / "k8s"
 
 #: The process-level result each exit record must carry after a clean drain.
-CLEAN_RESULT = {"relay": ("relay-exit", "clean"), "consume": ("consumer-exit", "ok")}
+CLEAN_RESULT = {"relay": ("relay-exit", "clean"), "consume": ("consumer-exit", "clean")}
 
 
 @dataclass
