@@ -200,7 +200,9 @@ class Relay:
         if code is not None:
             return code
         self.lifecycle.set_running()
-        start_retention(self)
+        self._retention = start_retention(
+            self.engine, self.settings, self.lifecycle, self.service_metrics
+        )
         try:
             self.supervisor.run("relay", self._loop)
         except BaseException:  # KeyboardInterrupt when embedded without handlers
