@@ -41,18 +41,12 @@ from outboxkit.relay.drain import ExitRecord, release
 from outboxkit.relay.engine import check_session_settings, create_engine
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
 from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
-from outboxkit.relay.metrics import (
-    RelayMetrics,
-    count_invalid_status,
-    sample_backlog,
-    sample_ordering_blocked,
-    topics_with_rows,
-)
-from outboxkit.relay.ownership.redis_leases import RedisShardLeases
+from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import FatalProducerError, InFlight, Publisher, Report
 from outboxkit.relay.retention import start_retention
 from outboxkit.relay.rows import Batch, ByteBudget, ClaimedRow
+from outboxkit.relay.sampling import BacklogSampler
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import ShardOwnership, claim_fence, claiming, default_ownership
 from outboxkit.relay.wakeup import PollWaker, Waker, default_waker
@@ -68,7 +62,6 @@ from outboxkit.runtime import (
 )
 from outboxkit.runtime.errors import database_unreachable, is_infrastructure_error
 from outboxkit.runtime.identity import OutboxIdentity, read_fingerprint, read_identity
-from outboxkit.runtime.logs import Episode
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import freeze_heap
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
@@ -169,8 +162,8 @@ class Relay:
         #: What one claim may load (docs/relay.md, "Big rows").
         self._byte_budget = ByteBudget(settings.batch_max_bytes, settings.max_message_bytes())
         self._jittered = False
-        self._next_sample = 0.0
-        self._invalid_status = Episode(log, "status-invalid", "status-invalid-gone")
+        #: Built once started (it needs the engine and the shard ownership).
+        self._sampler: BacklogSampler | None = None
         self._crashes_before_drain = 0
         self._retention: threading.Thread | None = None
         self._abandoned: list[str] = []
@@ -256,7 +249,8 @@ class Relay:
                     return
                 self._rebuild_producer()  # with no batch in flight (it purges the queue)
                 continue
-            self._sample_backlog_if_due()
+            assert self._sampler is not None  # built by _start
+            self._sampler.sample_if_due()
             previous = self._held[-1] if self._held else None
             pending = self._settle_ahead(previous)
             try:
@@ -706,64 +700,11 @@ class Relay:
             self._jittered = True
             self.lifecycle.wait_draining(random.uniform(0, self.settings.start_jitter))
 
-    def _sample_backlog_if_due(self) -> None:
-        now = time.monotonic()
-        if now < self._next_sample:
-            return
-        self._next_sample = now + self.settings.metrics_interval
-        paused = self.paused.paused_topics()
-        try:
-            with self.engine.connect() as conn:
-                counts, age = sample_backlog(conn, self.settings.table)
-                blocked = sample_ordering_blocked(conn, self.settings.table, paused)
-                invalid = count_invalid_status(conn, self.settings.table)
-                gone = paused - topics_with_rows(conn, self.settings.table, paused)
-                if self._foreign is not None:
-                    self._foreign.check(conn)
-                self._follow_fingerprint(conn)
-        except Exception as exc:  # a metrics hook never breaks the loop
-            log_event(log, "backlog-sample-failed", level=logging.WARNING, error=redact(str(exc)))
-            return
-        for status, n in counts.items():
-            self.metrics.backlog.labels(status=status.value).set(n)
-        self.metrics.oldest_pending_age.set(age)
-        self.metrics.ordering_blocked.set(blocked)
-        self._note_invalid_status(invalid)
-        for topic in sorted(gone):  # nothing left to probe with: the pause would never end
-            self.paused.resume(topic, cause="no-rows-left")
-
-    def _note_invalid_status(self, rows: int) -> None:
-        """Rows whose status is outside the enum: the gauge's ``invalid`` status,
-        and one warning while there are any (they are never claimed and hold
-        their keys back until requeued)."""
-        self.metrics.backlog.labels(status="invalid").set(rows)
-        if not rows:
-            self._invalid_status.end(table=self.settings.table)
-            return
-        self._invalid_status.begin(
-            rows,
-            table=self.settings.table,
-            rows=rows,
-            effect="never claimed; each holds its key's later rows back",
-            action="outboxkit admin status shows them; outboxkit admin requeue --id ... "
-            "(or --all-failed) makes them pending; fix the writer (strict sql_mode)",
-        )
-
     @property
     def outbox_name(self) -> str:
         """The outbox's identity key once read at start (``orders.outbox_events``),
         else the table name."""
         return self._identity.key if self._identity is not None else self.settings.table
-
-    def _follow_fingerprint(self, conn: sa.Connection) -> None:
-        """The server may change under the relay (a failover): what it records beside
-        its membership follows, so a stale fingerprint never reports a conflict."""
-        fingerprint = read_fingerprint(conn)
-        if fingerprint is None or fingerprint == self._fingerprint:
-            return
-        self._fingerprint = fingerprint
-        if isinstance(self._ownership, RedisShardLeases):
-            self._ownership.fingerprint = fingerprint
 
     def _inflight_shards(self) -> frozenset[int]:
         return frozenset().union(*(h.batch.shards for h in self._held))
@@ -829,6 +770,15 @@ class Relay:
                     fingerprint=self._fingerprint,
                     conflicts=self.conflicts,
                 )
+            self._sampler = BacklogSampler(
+                s,
+                self.engine,
+                metrics=self.metrics,
+                paused=self.paused,
+                ownership=self._ownership,
+                foreign=self._foreign,
+                fingerprint=self._fingerprint,
+            )
             self._ownership.start(self._inflight_shards)
             self._open.append("shard-ownership")
             if self._own_waker:  # NOTIFY on PostgreSQL, Redis hints on MySQL, or polling
