@@ -1,11 +1,11 @@
 """What a finalized batch changes besides its rows: counters, warnings, pauses.
 
-The relay calls these after every finalize (``Relay._account``), in this
+The relay calls these after every finalize (``Pipeline._account``), in this
 order for each decision: the out-of-order warning, then, for a delivered row
 still ours, its latency and the end of its topic's pause; then the pauses the
 batch asks for; then the outcome counters (``count_outcomes``), so a reader of
 the metrics never finds a row counted delivered whose latency is not yet
-observed. The exit record's counts are added by the relay itself, and only
+observed. The exit record's counts are added by the pipeline itself, and only
 once the drain began (see :mod:`outboxkit.relay.drain`).
 """
 

@@ -4,7 +4,9 @@ Everything the relay does once the drain begins is here: :func:`on_drain`
 (the first signal or :meth:`Relay.drain`), :func:`batch_deadline` (how long the
 batch in flight may still wait for Kafka), :func:`stop` (the shutdown order),
 :func:`on_hurry`, the watchdog's :func:`cut` and :func:`on_forced`, and the
-exit record.
+exit record. Each of them is given the relay's :class:`Resources` (what it
+opened, the batches it holds, the exit record so far) and reads nothing else of
+the relay, so the way out can be read, and changed, on its own.
 
 Drain order (see :func:`stop`): the loop stops claiming, the batch in flight
 gets ``flush_timeout`` for its delivery reports, known outcomes are finalized
@@ -22,30 +24,37 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Engine
 
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, finalize
+from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
+from outboxkit.relay.publish import Publisher
 from outboxkit.relay.rows import Batch, ClaimedRow
-from outboxkit.relay.wakeup import RedisWaker
+from outboxkit.relay.settings import RelaySettings
+from outboxkit.relay.shards import ShardOwnership
+from outboxkit.relay.wakeup import RedisWaker, Waker
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
 from outboxkit.runtime.exitrecord import CRASH_LOOP
 from outboxkit.runtime.exitrecord import ExitRecord as ServiceExitRecord
+from outboxkit.runtime.health import HealthServer
+from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event, redact
-from outboxkit.runtime.metrics import push_exit_metrics
-
-if TYPE_CHECKING:
-    from outboxkit.relay.relay import Relay
+from outboxkit.runtime.metrics import ServiceMetrics, push_exit_metrics
+from outboxkit.runtime.supervisor import Supervisor
 
 __all__ = [
     "ExitRecord",
+    "LeasedBatches",
+    "Resources",
     "batch_deadline",
     "close_resources",
     "cut",
@@ -127,79 +136,142 @@ def log_exit_record(record: ExitRecord) -> None:
     record.write(log)
 
 
+class LeasedBatches(Protocol):
+    """What the drain asks of the batches leased to the relay (the relay's
+    pipeline, :class:`~outboxkit.relay.pipeline.Pipeline`)."""
+
+    def held_rows(self) -> int:
+        """Rows leased to the relay and not yet finalized or released."""
+        ...
+
+    def unfinished_rows(self) -> int:
+        """Rows whose delivery reports are still missing (the whole batch if unsent)."""
+        ...
+
+    def settle_leftover(self) -> None:
+        """Settle what the loop could not (raises while the database is gone)."""
+        ...
+
+    def close_finalizer(self) -> None:
+        """Wait for an outcome write still running, then stop its thread."""
+        ...
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class Resources:
+    """What a relay opened and what its way out reads: the drain reads nothing else.
+
+    The relay builds it with its runtime and fills it in as it starts (engine,
+    producer, shard ownership, waker, retention, the batches it holds), so a
+    drain that begins at any point of the start closes exactly what was opened;
+    ``opened`` names those resources in the order they were opened.
+    """
+
+    settings: RelaySettings
+    lifecycle: Lifecycle
+    supervisor: Supervisor
+    health: HealthServer
+    metrics: RelayMetrics
+    service_metrics: ServiceMetrics
+    waker: Waker
+    #: The outbox's identity key once read at start, else the table name: the
+    #: grouping of the exit metrics.
+    outbox: str
+    #: The pool is the relay's own (built from ``db_url``): disposed at exit.
+    own_engine: bool
+    engine: Engine | None = None
+    publisher: Publisher | None = None
+    ownership: ShardOwnership | None = None
+    retention: threading.Thread | None = None
+    held: LeasedBatches | None = None
+    opened: list[str] = dataclasses.field(default_factory=list)
+    #: Workers given up on when the shutdown budget ran out.
+    abandoned: list[str] = dataclasses.field(default_factory=list)
+    exit: ExitRecord = dataclasses.field(
+        default_factory=lambda: ExitRecord(signal=None, state="starting")
+    )
+    #: Worker crashes before the drain began: more at the end are the drain's.
+    crashes_before_drain: int = 0
+
+    def held_rows(self) -> int:
+        """Rows leased to the relay and not yet finalized or released."""
+        return self.held.held_rows() if self.held is not None else 0
+
+
 # -- the drain, in order --------------------------------------------------------
 
 
-def on_drain(relay: Relay) -> None:
+def on_drain(res: Resources) -> None:
     """The drain began: note the crash count (crashes after this are the drain's)
     and end the idle wait at once."""
-    relay._crashes_before_drain = relay.supervisor.crashes
-    wake = getattr(relay._waker, "wake", None)
+    res.crashes_before_drain = res.supervisor.crashes
+    wake = getattr(res.waker, "wake", None)
     if callable(wake):
         wake()
 
 
-def batch_deadline(relay: Relay, batch: Batch) -> float:
+def batch_deadline(lifecycle: Lifecycle, settings: RelaySettings, batch: Batch) -> float:
     """When to stop waiting for this batch's reports (monotonic); moves on drain/hurry."""
-    if relay.lifecycle.hurry.is_set():
+    if lifecycle.hurry.is_set():
         return 0.0
-    limit = batch.claimed_mono + relay.settings.effective_batch_deadline()
-    started = relay.lifecycle.drain_started_at
+    limit = batch.claimed_mono + settings.effective_batch_deadline()
+    started = lifecycle.drain_started_at
     if started is not None:
-        limit = min(limit, started + relay.settings.flush_timeout)
+        limit = min(limit, started + settings.flush_timeout)
     return limit
 
 
-def produce_deadline(relay: Relay, batch: Batch) -> float:
+def produce_deadline(lifecycle: Lifecycle, settings: RelaySettings, batch: Batch) -> float:
     """Until when a row of this batch that finds the producer's queue full may wait
     for room (monotonic): the batch deadline less ``message.timeout.ms``, so that
     every message handed over by then is reported (acknowledged or timed out) by
     the batch deadline. It moves with the batch deadline: once draining it is
     usually past (``--flush-timeout`` below the message timeout), on a hurry at once.
     """
-    return batch_deadline(relay, batch) - relay.settings.message_timeout_ms() / 1000
+    return batch_deadline(lifecycle, settings, batch) - settings.message_timeout_ms() / 1000
 
 
-def stop(relay: Relay) -> int:
+def stop(res: Resources) -> int:
     """The drain, in order. Each step says why it comes where it does."""
     # 1. Rows first: the loop finalized or released its batch unless it crashed;
     #    try again while the budget lasts, so nothing waits for lease expiry
     #    without need.
-    release_leftover(relay)
-    relay.close_finalizer()
-    left = relay.held_rows()
+    release_leftover(res)
+    if res.held is not None:
+        res.held.close_finalizer()
+    left = res.held_rows()
     # 2-4. Kafka (flush what is acknowledged-to-be, purge released rows' copies),
     #    then Redis (shard leases: the next owner must find our rows settled and
     #    no copy of them left in our producer), then the DB pool.
-    close_resources(relay)
-    relay.lifecycle.set_stopped()
-    record = relay._exit
+    close_resources(res)
+    res.lifecycle.set_stopped()
+    record = res.exit
     record.left_leased = left
     record.batch_size += left
-    record.abandoned = list(relay._abandoned)
-    record.crash_loop = [c.describe() for c in relay.supervisor.crash_loops_at_drain]
+    record.abandoned = list(res.abandoned)
+    record.crash_loop = [c.describe() for c in res.supervisor.crash_loops_at_drain]
     if left:
         record.result, record.exit_code = "left-leased", EXIT_DEPENDENCY
-    elif relay._abandoned:  # the budget ran out for a worker: not a clean exit
+    elif res.abandoned:  # the budget ran out for a worker: not a clean exit
         record.result, record.exit_code = "forced", EXIT_FORCED
-    elif relay.supervisor.crashes > relay._crashes_before_drain:
+    elif res.supervisor.crashes > res.crashes_before_drain:
         record.result, record.exit_code = "error", EXIT_FAILURE
-    elif relay.supervisor.crash_loops_at_drain:
+    elif res.supervisor.crash_loops_at_drain:
         record.result, record.exit_code = CRASH_LOOP, EXIT_FAILURE
-    elif relay.lifecycle.exit_code() != EXIT_OK:
-        record.result, record.exit_code = "fatal", relay.lifecycle.exit_code()
-    finish_record(relay, record)
-    relay.health.stop()
+    elif res.lifecycle.exit_code() != EXIT_OK:
+        record.result, record.exit_code = "fatal", res.lifecycle.exit_code()
+    finish_record(res, record)
+    res.health.stop()
     return record.exit_code
 
 
-def release_leftover(relay: Relay) -> None:
+def release_leftover(res: Resources) -> None:
     """Release a batch the loop could not settle, retrying while the database is
     unreachable for as long as the shutdown budget leaves time to close the rest
     (a database blip during a redeploy must not leave rows leased)."""
-    if not relay._held:
+    held, rows = res.held, res.held_rows()
+    if held is None or not rows:
         return
-    rows = relay.held_rows()
     reserve = _CLOSE_BUDGET + 1.0 + _RECORD_RESERVE
     tries = 0
 
@@ -214,18 +286,18 @@ def release_leftover(relay: Relay) -> None:
                 level=logging.WARNING,
                 rows=rows,
                 error=redact(f"{type(exc).__name__}: {exc}"),
-                budget_s=round(max(0.0, relay.lifecycle.remaining() - reserve), 3),
+                budget_s=round(max(0.0, res.lifecycle.remaining() - reserve), 3),
             )
 
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(is_infrastructure_error),
         wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
-        stop=lambda _state: relay.lifecycle.remaining() <= reserve,
+        stop=lambda _state: res.lifecycle.remaining() <= reserve,
         before_sleep=retry_logged,
         reraise=True,
     )
     try:
-        retrying(relay._settle_leftover)
+        retrying(held.settle_leftover)
     except Exception as exc:
         log_event(
             log,
@@ -241,41 +313,41 @@ def release_leftover(relay: Relay) -> None:
             log_event(log, "release-recovered", rows=rows, attempts=tries + 1)
 
 
-def close_resources(relay: Relay) -> None:
+def close_resources(res: Resources) -> None:
     # Kafka first: once a shard lease is released, the next owner claims the
     # rows we released and sends them; a copy still in our producer's queue
     # could then land after the new owner's later events of the same key.
-    if "kafka-producer" in relay._open and relay._publisher is not None:
-        publisher = relay._publisher
-        budget = min(_CLOSE_BUDGET, max(0.0, relay.lifecycle.remaining() - 1.0))
+    if "kafka-producer" in res.opened and res.publisher is not None:
+        publisher = res.publisher
+        budget = min(_CLOSE_BUDGET, max(0.0, res.lifecycle.remaining() - 1.0))
         _step("kafka-producer", lambda: _log_unsent(publisher.close(budget)))
     # Then the shard ownership (Redis leases or the advisory-lock session: the
     # rows are settled, our copies are flushed or purged), then the wake-ups.
-    if "shard-ownership" in relay._open and relay._ownership is not None:
-        _step("shard-ownership", relay._ownership.release_all)
-        _step("shard-ownership", relay._ownership.close)
-    if "redis-wakeups" in relay._open and isinstance(relay._waker, RedisWaker):
-        _step("redis-wakeups", relay._waker.close)
-    if "pg-wakeups" in relay._open and isinstance(relay._waker, PgNotifyWaker):
-        _step("pg-wakeups", relay._waker.close)
+    if "shard-ownership" in res.opened and res.ownership is not None:
+        _step("shard-ownership", res.ownership.release_all)
+        _step("shard-ownership", res.ownership.close)
+    if "redis-wakeups" in res.opened and isinstance(res.waker, RedisWaker):
+        _step("redis-wakeups", res.waker.close)
+    if "pg-wakeups" in res.opened and isinstance(res.waker, PgNotifyWaker):
+        _step("pg-wakeups", res.waker.close)
     # Retention needs only the database: it stops within one batch once
     # draining; wait for it (within the budget) before the pool goes away.
-    join_retention(relay)
-    if "database" in relay._open and relay._engine is not None and relay._own_engine:
-        _step("database", relay._engine.dispose)
-    relay._open.clear()
+    join_retention(res)
+    if "database" in res.opened and res.engine is not None and res.own_engine:
+        _step("database", res.engine.dispose)
+    res.opened.clear()
 
 
-def join_retention(relay: Relay) -> None:
+def join_retention(res: Resources) -> None:
     """Wait for retention to stop (it checks the drain between batches) while the
     shutdown budget lasts; past that it is abandoned, and the exit record says so."""
-    thread = relay._retention
+    thread = res.retention
     if thread is None:
         return
-    thread.join(timeout=max(0.0, relay.lifecycle.remaining() - _RECORD_RESERVE))
+    thread.join(timeout=max(0.0, res.lifecycle.remaining() - _RECORD_RESERVE))
     if thread.is_alive():
         what = "retention (a database statement did not return)"
-        relay._abandoned.append(what)
+        res.abandoned.append(what)
         log_event(
             log,
             "worker-abandoned",
@@ -287,23 +359,23 @@ def join_retention(relay: Relay) -> None:
         )
 
 
-def finish_record(relay: Relay, record: ExitRecord) -> None:
-    lc = relay.lifecycle
+def finish_record(res: Resources, record: ExitRecord) -> None:
+    lc = res.lifecycle
     record.signal = lc.signal_name
     record.state = lc.state.value
     record.shutdown_deadline_ms = round(lc.shutdown_timeout * 1000)
     started = lc.drain_started_at
     if started is not None:
         record.duration_ms = round((time.monotonic() - started) * 1000)
-    if relay.settings.pushgateway_url:
+    if res.settings.pushgateway_url:
         record.metrics_pushed = push_exit_metrics(
-            relay.settings.pushgateway_url,
+            res.settings.pushgateway_url,
             component="relay",
-            node_id=relay.settings.node_id,
+            node_id=res.settings.node_id,
             # The outbox's identity (the table when the relay never read it):
             # relays of two outboxes never replace each other's group.
-            grouping={"outbox": relay.outbox_name},
-            metrics=(relay.metrics.shutdown_pending, *relay.service_metrics.exit_metrics()),
+            grouping={"outbox": res.outbox},
+            metrics=(res.metrics.shutdown_pending, *res.service_metrics.exit_metrics()),
             # Within what is left of the shutdown budget (the watchdog is
             # already disarmed here), but at least a moment to try.
             timeout=max(0.5, min(5.0, lc.remaining())),
@@ -311,7 +383,7 @@ def finish_record(relay: Relay, record: ExitRecord) -> None:
     log_exit_record(record)
 
 
-def failed_start(relay: Relay, kind: str, code: int, exc: BaseException) -> int:
+def failed_start(res: Resources, kind: str, code: int, exc: BaseException) -> int:
     error = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig else exc
     log_event(
         log,
@@ -321,47 +393,45 @@ def failed_start(relay: Relay, kind: str, code: int, exc: BaseException) -> int:
         error=redact(f"{type(error).__name__}: {error}"),
         exit_code=code,
     )
-    relay.lifecycle.drain("start-failed")
-    close_resources(relay)
-    relay.lifecycle.set_stopped()
-    relay.health.stop()
-    relay._exit.state = "stopped"
-    relay._exit.signal = relay.lifecycle.signal_name
-    relay._exit.result = f"{kind}-error"
-    relay._exit.exit_code = code
-    log_exit_record(relay._exit)
+    res.lifecycle.drain("start-failed")
+    close_resources(res)
+    res.lifecycle.set_stopped()
+    res.health.stop()
+    res.exit.state = "stopped"
+    res.exit.signal = res.lifecycle.signal_name
+    res.exit.result = f"{kind}-error"
+    res.exit.exit_code = code
+    log_exit_record(res.exit)
     return code
 
 
-def on_hurry(relay: Relay) -> None:
-    unfinished = sum(
-        held.inflight.missing() if held.inflight else len(held.batch) for held in relay._held
-    )
+def on_hurry(res: Resources) -> None:
+    unfinished = res.held.unfinished_rows() if res.held is not None else 0
     log_event(log, "drain-hurried", level=logging.WARNING, unfinished_rows=unfinished)
 
 
-def cut(relay: Relay) -> list[str]:
+def cut(res: Resources) -> list[str]:
     """Watchdog: the drain overran shutdown_timeout; name what is being abandoned."""
-    cut = list(relay._open)
-    retention = relay._retention
+    cut = list(res.opened)
+    retention = res.retention
     if retention is not None and retention.is_alive():
         cut.append("retention")
-    held = relay.held_rows()
+    held = res.held_rows()
     if held:
         cut.append(f"{held} leased rows (back after lease expiry)")
     return cut
 
 
-def on_forced(relay: Relay) -> None:
-    started = relay.lifecycle.drain_started_at
+def on_forced(res: Resources) -> None:
+    started = res.lifecycle.drain_started_at
     if started is not None:  # set_stopped() will not run: record the duration here
-        relay.service_metrics.shutdown_duration.set(time.monotonic() - started)
-    record = relay._exit
-    record.left_leased = relay.held_rows()
+        res.service_metrics.shutdown_duration.set(time.monotonic() - started)
+    record = res.exit
+    record.left_leased = res.held_rows()
     record.batch_size += record.left_leased
-    record.abandoned = cut(relay)
+    record.abandoned = cut(res)
     record.result, record.exit_code = "forced", EXIT_FORCED
-    finish_record(relay, record)
+    finish_record(res, record)
 
 
 def _step(name: str, fn: Callable[[], None]) -> None:

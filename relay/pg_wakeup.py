@@ -32,13 +32,13 @@ import logging
 import threading
 
 from outboxkit.notify import channel_sql, legacy_channel, notify_channel
+from outboxkit.relay.drain_aware import DrainAware
 from outboxkit.relay.pg_session import (
     ReconnectLoop,
     connect,
     log_closing_failure,
     masked_url,
 )
-from outboxkit.relay.wakeup import _DrainAware
 from outboxkit.runtime.identity import OutboxIdentity
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import Episode
@@ -51,7 +51,7 @@ _log = logging.getLogger("outboxkit.relay.wakeup")
 _READ_SLICE_S = 0.25
 
 
-class PgNotifyWaker(_DrainAware):
+class PgNotifyWaker(DrainAware):
     """Waits the poll interval, or less when a ``NOTIFY`` for the table arrives."""
 
     def __init__(

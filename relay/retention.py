@@ -34,19 +34,22 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, ParamSpec
+from typing import ParamSpec
 
 import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
 
+from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.db import (
     deadlocked,
     gentle_connection,
     lock_wait_bound,
     lock_wait_timed_out,
 )
+from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event
+from outboxkit.runtime.metrics import ServiceMetrics
 from outboxkit.runtime.supervisor import Supervisor
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import (
@@ -56,9 +59,6 @@ from outboxkit.schema.table import (
     outbox_table,
     validate_identifier,
 )
-
-if TYPE_CHECKING:
-    from outboxkit.relay.relay import Relay
 
 __all__ = [
     "PurgeResult",
@@ -381,22 +381,28 @@ def _retention_lock(engine: Engine, table: str) -> Iterator[bool]:
 _relay_log = logging.getLogger("outboxkit.relay")
 
 
-def start_retention(relay: Relay) -> None:
+def start_retention(
+    engine: Engine,
+    settings: RelaySettings,
+    lifecycle: Lifecycle,
+    metrics: ServiceMetrics,
+) -> threading.Thread | None:
     """Purge old delivered rows in a worker of its own (its own supervisor, so its
-    crashes never count as the relay loop's), stopping at once when draining."""
-    s = relay.settings
+    crashes never count as the relay loop's), stopping at once when draining.
+    Returns the started thread (None with retention off): the drain waits for it."""
+    s = settings
     if s.retention is None:
-        return
+        return None
     retention_s = s.retention
-    supervisor = Supervisor(relay.lifecycle, logger=_relay_log, metrics=relay.service_metrics)
+    supervisor = Supervisor(lifecycle, logger=_relay_log, metrics=metrics)
 
     def loop() -> None:
         run_retention(
-            relay.engine,
+            engine,
             table=s.table,
             retention_s=retention_s,
             interval_s=s.retention_interval,
-            stop=relay.lifecycle.draining.is_set,
+            stop=lifecycle.draining.is_set,
             batch_size=s.retention_batch_size,
             pause_s=s.retention_pause,
             node_id=s.node_id,
@@ -404,7 +410,8 @@ def start_retention(relay: Relay) -> None:
 
     # A daemon thread: a statement stalled on a frozen database must not keep
     # the process alive after the drain gave up on it (see drain.join_retention).
-    relay._retention = threading.Thread(
+    thread = threading.Thread(
         target=supervisor.run, args=("retention", loop), name="retention", daemon=True
     )
-    relay._retention.start()
+    thread.start()
+    return thread

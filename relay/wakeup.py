@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from outboxkit.relay.drain_aware import DrainAware
+from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import Episode, redact_url
 from outboxkit.wakeup import wakeup_channel
@@ -51,8 +52,6 @@ _log = logging.getLogger("outboxkit.relay.wakeup")
 _READ_SLICE_S = 0.5
 _RECONNECT_MIN_S = 0.1
 _RECONNECT_MAX_S = 5.0
-# A plain Event cannot call us back when it is set: poll it at this pace.
-_EVENT_SLICE_S = 0.05
 
 
 @runtime_checkable
@@ -81,50 +80,7 @@ class PollWaker:
         self._woken.set()
 
 
-class _DrainAware:
-    def __init__(self, lifecycle_or_event: Lifecycle | threading.Event | None) -> None:
-        self._wake = threading.Event()
-        self._draining: threading.Event | None = None
-        self._watch_draining = False
-        if isinstance(lifecycle_or_event, Lifecycle):
-            self._draining = lifecycle_or_event.draining
-            lifecycle_or_event.on_drain(self._wake.set)
-        elif lifecycle_or_event is not None:
-            # A bare Event cannot call us back when it is set: watch it.
-            self._draining = lifecycle_or_event
-            self._watch_draining = True
-
-    _woken_for_good = False
-
-    def _is_draining(self) -> bool:
-        return self._woken_for_good or (self._draining is not None and self._draining.is_set())
-
-    def wait(self, timeout: float) -> None:
-        self._sleep(timeout)
-        if not self._is_draining():
-            # Cleared before the caller claims: a wake-up for a row committed after
-            # this point wakes the next wait; a row committed before is seen by the claim.
-            self._wake.clear()
-
-    def wake(self) -> None:
-        """The drain began: this and every later :meth:`wait` return at once."""
-        self._woken_for_good = True
-        self._wake.set()
-
-    def _sleep(self, timeout: float) -> None:
-        if timeout <= 0 or self._is_draining():
-            return
-        if not self._watch_draining:
-            self._wake.wait(timeout)
-            return
-        deadline = time.monotonic() + timeout
-        while not self._is_draining():
-            left = deadline - time.monotonic()
-            if left <= 0 or self._wake.wait(min(left, _EVENT_SLICE_S)):
-                return
-
-
-class RedisWaker(_DrainAware):
+class RedisWaker(DrainAware):
     """Waits the poll interval, or less when a wake-up hint arrives."""
 
     def __init__(
@@ -230,8 +186,6 @@ def default_waker(
     named by ``identity`` (read from the database)."""
     source = s.wakeup_source()
     if source == "notify" and s.db_url:
-        from outboxkit.relay.pg_wakeup import PgNotifyWaker
-
         waker = PgNotifyWaker(
             s.db_url,
             s.table,

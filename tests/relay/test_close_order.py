@@ -70,11 +70,10 @@ def test_kafka_closes_before_shard_leases_go_and_the_database_last(
 
         return wrapped
 
-    assert relay._publisher is not None and relay._ownership is not None
-    relay._publisher.close = spy("kafka", relay._publisher.close)  # type: ignore[method-assign]
-    relay._ownership.release_all = spy(  # type: ignore[method-assign]
-        "redis", relay._ownership.release_all
-    )
+    publisher, ownership = relay._resources.publisher, relay._resources.ownership
+    assert publisher is not None and ownership is not None
+    publisher.close = spy("kafka", publisher.close)  # type: ignore[method-assign]
+    ownership.release_all = spy("redis", ownership.release_all)  # type: ignore[method-assign]
     relay.engine.dispose = spy("database", relay.engine.dispose)  # type: ignore[method-assign]
     assert er.stop() == 0
     client.close()

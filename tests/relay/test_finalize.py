@@ -35,6 +35,7 @@ from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import claim_batch
 from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, _per_row_write, decide, finalize
+from outboxkit.relay.pipeline import Pipeline
 from outboxkit.relay.publish import ErrorKind, InFlight, Report
 from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.runtime.testing import capture_json_logs
@@ -102,6 +103,7 @@ def test_an_ack_ahead_of_a_timed_out_row_is_reported_and_sent_again_after_it(
     outbox: str,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """librdkafka skips a message that hit ``message.timeout.ms`` and goes on with
     the next, so a key's later event can be acknowledged while the earlier one
@@ -114,11 +116,11 @@ def test_an_ack_ahead_of_a_timed_out_row_is_reported_and_sent_again_after_it(
     )
     row_ids = [r.id for r in rows(engine, outbox)]
     relay = Relay(fast_settings(db_url, kafka_bootstrap))
-    real_reports = relay._reports
+    real_reports = Pipeline._reports
     faked: list[int] = []
 
-    def first_row_times_out(inflight: InFlight) -> dict[int, Report]:
-        reports = real_reports(inflight)
+    def first_row_times_out(self: Pipeline, inflight: InFlight) -> dict[int, Report]:
+        reports = real_reports(self, inflight)
         if not faked and row_ids[0] in reports:
             faked.append(row_ids[0])
             reports[row_ids[0]] = Report(
@@ -126,7 +128,7 @@ def test_an_ack_ahead_of_a_timed_out_row_is_reported_and_sent_again_after_it(
             )
         return reports
 
-    relay._reports = first_row_times_out  # type: ignore[method-assign]
+    monkeypatch.setattr(Pipeline, "_reports", first_row_times_out)
     with capture_json_logs(level="INFO") as logs:
         er = EmbeddedRelay(relay).start()
         try:

@@ -57,7 +57,7 @@ def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
 
 
 def _ownership(relay: EmbeddedRelay) -> PgAdvisoryShards:
-    ownership = relay.relay._ownership
+    ownership = relay.relay._resources.ownership
     assert isinstance(ownership, PgAdvisoryShards), type(ownership)
     return ownership
 
@@ -138,7 +138,7 @@ def test_a_committed_event_is_delivered_long_before_the_poll_interval(
 ) -> None:
     topic = kafka_topics(partitions=1)
     relay = embedded(fast_settings(pg_url, kafka_bootstrap, poll_interval=LONG_POLL_S))
-    waker = relay.relay._waker
+    waker = relay.relay._resources.waker
     assert isinstance(waker, PgNotifyWaker)
     wait_for(waker.listening.is_set, timeout=10, what="the relay listening")
     time.sleep(0.5)  # let the claim that follows LISTEN find nothing and wait
@@ -296,7 +296,7 @@ def test_an_embedded_relay_given_only_a_postgresql_engine_coordinates_the_same_w
     )
     relay = embedded(settings, engine=pg_engine)
     assert len(_ownership(relay).claimable()) == SHARDS
-    waker = relay.relay._waker
+    waker = relay.relay._resources.waker
     assert isinstance(waker, PgNotifyWaker)
     wait_for(waker.listening.is_set, timeout=10, what="the relay listening")
     add_events(pg_engine, TABLE, [Event(topic=topic, key="k", payload={"n": 0})])

@@ -24,6 +24,8 @@ from relay_support import (
 from support.databases import on_both_databases
 
 from outboxkit import Event
+from outboxkit.relay import accounting
+from outboxkit.relay import pipeline as pipeline_module
 from outboxkit.relay import relay as relay_module
 from outboxkit.relay.claim import claim_batch
 from outboxkit.schema import outbox_table
@@ -128,7 +130,7 @@ def test_the_pipeline_writes_a_batch_while_the_next_one_is_claimed(
     add_events(engine, outbox, events)
     claims: list[tuple[float, float]] = []
     writes: list[tuple[float, float, str]] = []
-    slow_claim = relay_module.claim_batch
+    slow_claim = pipeline_module.claim_batch
 
     def timed_claim(*args: Any, **kwargs: Any) -> Any:
         start = time.monotonic()
@@ -138,7 +140,7 @@ def test_the_pipeline_writes_a_batch_while_the_next_one_is_claimed(
         finally:
             claims.append((start, time.monotonic()))
 
-    write = relay_module.Relay._write
+    write = pipeline_module.Pipeline._write
 
     def timed_write(self: Any, held: Any, decisions: Any) -> Any:
         start = time.monotonic()
@@ -147,8 +149,8 @@ def test_the_pipeline_writes_a_batch_while_the_next_one_is_claimed(
         finally:
             writes.append((start, time.monotonic(), threading.current_thread().name))
 
-    monkeypatch.setattr(relay_module, "claim_batch", timed_claim)
-    monkeypatch.setattr(relay_module.Relay, "_write", timed_write)
+    monkeypatch.setattr(pipeline_module, "claim_batch", timed_claim)
+    monkeypatch.setattr(pipeline_module.Pipeline, "_write", timed_write)
     relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=pipeline))
     wait_for(lambda: relay.metric("outbox_rows_delivered_total") >= 60, timeout=60, what="60 rows")
     assert relay.stop() == 0
@@ -196,7 +198,7 @@ def test_a_busy_pipelined_relay_reclaims_expired_leases_in_key_order(
     t = outbox_table(outbox)
     # (in flight, looked for expired leases, rows, rows reclaimed), per claim
     claims: list[tuple[bool, bool, int, int]] = []
-    slow_claim = relay_module.claim_batch
+    slow_claim = pipeline_module.claim_batch
 
     def recorded_claim(*args: Any, **kwargs: Any) -> Any:
         if len(claims) == 3:
@@ -217,7 +219,7 @@ def test_a_busy_pipelined_relay_reclaims_expired_leases_in_key_order(
         )
         return batch
 
-    monkeypatch.setattr(relay_module, "claim_batch", recorded_claim)
+    monkeypatch.setattr(pipeline_module, "claim_batch", recorded_claim)
     relay = embedded(
         fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True, poll_interval=1.0)
     )
@@ -244,7 +246,7 @@ def _slow_writes(
     """Make every outcome write take ``seconds`` longer; returns (start, end, row
     ids) of each write."""
     writes: list[tuple[float, float, frozenset[int]]] = []
-    write = relay_module.Relay._write
+    write = pipeline_module.Pipeline._write
 
     def slow_write(self: Any, held: Any, decisions: Any) -> Any:
         start = time.monotonic()
@@ -255,7 +257,7 @@ def _slow_writes(
             ids = frozenset(r.id for r in held.batch.rows)
             writes.append((start, time.monotonic(), ids))
 
-    monkeypatch.setattr(relay_module.Relay, "_write", slow_write)
+    monkeypatch.setattr(pipeline_module.Pipeline, "_write", slow_write)
     return writes
 
 
@@ -290,14 +292,14 @@ def test_an_interrupt_sending_a_batch_keeps_the_previous_batch_written_once(
             raise KeyboardInterrupt
 
     relay = relay_module.Relay(settings, on_batch=interrupt_second)
-    write = relay_module.Relay._write
+    write = pipeline_module.Pipeline._write
 
     def write_once_draining(self: Any, held: Any, decisions: Any) -> Any:
         # The first batch's write ends after the interrupt reached the relay.
         wait_for(lambda: relay.lifecycle.draining.is_set(), timeout=20, what="the drain")
         return write(self, held, decisions)
 
-    monkeypatch.setattr(relay_module.Relay, "_write", write_once_draining)
+    monkeypatch.setattr(pipeline_module.Pipeline, "_write", write_once_draining)
     caplog.set_level(logging.INFO, logger="outboxkit.relay")
     with pytest.raises(KeyboardInterrupt):
         relay.run()
@@ -333,7 +335,7 @@ def test_a_counting_failure_after_the_finalizer_wrote_leaves_the_batch_written(
     # that batch: its rows are no longer under its token, and releasing them
     # again counted 10 leases lost.
     topic = _thirty_keys(engine, outbox, kafka_topics)
-    account = relay_module.Relay._account
+    account = pipeline_module.Pipeline._account
     failed: list[frozenset[int]] = []
 
     def fail_first_count(self: Any, batch: Any, decisions: Any, result: Any) -> None:
@@ -342,7 +344,7 @@ def test_a_counting_failure_after_the_finalizer_wrote_leaves_the_batch_written(
             raise RuntimeError("injected fault counting a written batch")
         account(self, batch, decisions, result)
 
-    monkeypatch.setattr(relay_module.Relay, "_account", fail_first_count)
+    monkeypatch.setattr(pipeline_module.Pipeline, "_account", fail_first_count)
     relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10, pipeline=True))
     wait_for(
         lambda: all(r.status == "delivered" for r in rows(engine, outbox)),
@@ -372,13 +374,13 @@ def test_a_scrape_never_counts_a_row_delivered_before_its_latency(
     # latencies (the 20,000-row test above read 19,215 of 20,000 on a busy
     # machine). Observing each latency is slowed here to widen that window.
     topic = _thirty_keys(engine, outbox, kafka_topics)
-    observe = relay_module.accounting.delivered
+    observe = accounting.delivered
 
     def slow_observe(*args: Any) -> None:
         time.sleep(0.005)
         observe(*args)
 
-    monkeypatch.setattr(relay_module.accounting, "delivered", slow_observe)
+    monkeypatch.setattr(accounting, "delivered", slow_observe)
     relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10))
     ahead: list[tuple[float, float]] = []
 
@@ -410,7 +412,7 @@ def test_a_failure_observing_a_latency_still_counts_the_written_batch(
     # The outcome counters come after the per-row accounting; a fault there (a
     # bug, a broken metrics hook) must not leave a written batch uncounted.
     topic = _thirty_keys(engine, outbox, kafka_topics)
-    observe = relay_module.accounting.delivered
+    observe = accounting.delivered
     failed: list[bool] = []
 
     def fail_once(*args: Any) -> None:
@@ -419,7 +421,7 @@ def test_a_failure_observing_a_latency_still_counts_the_written_batch(
             raise RuntimeError("injected fault observing a latency")
         observe(*args)
 
-    monkeypatch.setattr(relay_module.accounting, "delivered", fail_once)
+    monkeypatch.setattr(accounting, "delivered", fail_once)
     relay = embedded(fast_settings(db_url, kafka_bootstrap, batch_size=10))
     wait_for(
         lambda: relay.metric("outbox_rows_delivered_total") >= 30,

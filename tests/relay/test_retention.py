@@ -57,7 +57,7 @@ def test_relay_retention_purges_only_old_delivered_rows_and_stops_on_drain(
     with engine.connect() as conn:
         kinds = conn.execute(sa.select(recovery_table().c.kind)).scalars().all()
     assert "purge" in kinds
-    assert not relay.relay._retention or not relay.relay._retention.is_alive()
+    assert not relay.relay._resources.retention or not relay.relay._resources.retention.is_alive()
 
 
 def test_one_relay_per_table_purges_at_a_time(engine: sa.Engine, outbox: str) -> None:

@@ -103,8 +103,8 @@ def test_two_databases_sharing_one_redis_each_deliver_their_whole_table(
             )
         wait_all_delivered(engines)
         for r in relays:
-            assert r.relay._ownership is not None
-            assert r.relay._ownership.claimable() == frozenset(range(SHARDS))
+            assert r.relay._resources.ownership is not None
+            assert r.relay._resources.ownership.claimable() == frozenset(range(SHARDS))
 
 
 def _in_schema(pg_url: str, schema: str) -> str:
@@ -146,24 +146,24 @@ def test_two_schemas_of_one_postgresql_database_each_deliver_their_whole_table(
             relays.append(embedded(settings))
         wait_all_delivered(engines)
         for r in relays:
-            assert r.relay._ownership is not None
-            assert r.relay._ownership.claimable() == frozenset(range(SHARDS))
+            assert r.relay._resources.ownership is not None
+            assert r.relay._resources.ownership.claimable() == frozenset(range(SHARDS))
 
 
 # -- wake-ups ------------------------------------------------------------------
 
 
 def _hints(er: EmbeddedRelay) -> int:
-    return int(getattr(er.relay._waker, "hints", 0))
+    return int(getattr(er.relay._resources.waker, "hints", 0))
 
 
 def _flag(er: EmbeddedRelay, name: str) -> bool:
     """Whether the relay's waker has set its event ``name`` (subscribed, listening)."""
-    return bool(getattr(er.relay._waker, name).is_set())
+    return bool(getattr(er.relay._resources.waker, name).is_set())
 
 
 def _channel(er: EmbeddedRelay) -> str:
-    return str(getattr(er.relay._waker, "channel", ""))
+    return str(getattr(er.relay._resources.waker, "channel", ""))
 
 
 def test_a_redis_hint_wakes_only_the_relays_of_its_own_outbox(

@@ -13,7 +13,7 @@ from support.databases import on_both_databases
 
 from outboxkit import Event
 from outboxkit.relay import Relay
-from outboxkit.relay import relay as relay_module
+from outboxkit.relay import pipeline as pipeline_module
 from outboxkit.relay.rows import Batch
 from outboxkit.runtime.testing import capture_json_logs
 
@@ -82,7 +82,7 @@ def test_a_claim_failed_by_the_database_during_the_drain_is_a_clean_stop(
             "SELECT ...", {}, Exception(2013, "Lost connection to server during query")
         )
 
-    monkeypatch.setattr(relay_module, "claim_batch", claim_then_lose_the_connection)
+    monkeypatch.setattr(pipeline_module, "claim_batch", claim_then_lose_the_connection)
     with capture_json_logs(level="INFO") as logs:
         code = relay.run()
     (record,) = logs.events("relay-exit")

@@ -20,8 +20,8 @@ from relay_support import (
 from support.databases import on_both_databases
 
 from outboxkit import Event
-from outboxkit.relay import Batch, Relay
-from outboxkit.relay import relay as relay_module
+from outboxkit.relay import Batch, Relay, accounting
+from outboxkit.relay.pipeline import Pipeline
 from outboxkit.runtime import EXIT_FAILURE
 from outboxkit.runtime.testing import capture_json_logs
 
@@ -136,7 +136,7 @@ def test_a_counting_failure_inside_a_salvage_is_not_reported_as_rows_left_leased
     topic = kafka_topics(partitions=1)
     add_events(engine, outbox, [Event(topic=topic, key="k", payload=b"x") for _ in range(5)])
     crashes = iter([Boom("first")])
-    account = relay_module.Relay._account
+    account = Pipeline._account
     counted: list[int] = []
 
     def fault(batch: Batch) -> None:
@@ -144,13 +144,13 @@ def test_a_counting_failure_inside_a_salvage_is_not_reported_as_rows_left_leased
         if exc is not None:
             raise exc
 
-    def fail_first_count(self: Relay, batch: Batch, decisions: Any, result: Any) -> None:
+    def fail_first_count(self: Pipeline, batch: Batch, decisions: Any, result: Any) -> None:
         if not counted:
             counted.append(len(batch))
             raise RuntimeError("injected fault counting a salvaged batch")
         account(self, batch, decisions, result)
 
-    monkeypatch.setattr(relay_module.Relay, "_account", fail_first_count)
+    monkeypatch.setattr(Pipeline, "_account", fail_first_count)
     with capture_json_logs(level="INFO") as logs:
         relay = embedded(fast_settings(db_url, kafka_bootstrap), on_batch=fault)
         wait_for(lambda: status_counts(engine, outbox) == {"delivered": 5}, timeout=20, what="rows")
@@ -184,7 +184,7 @@ def test_a_counting_failure_during_the_drain_keeps_the_batch_in_the_exit_record(
     def count_fails(*_args: Any) -> None:
         raise RuntimeError("injected fault counting a salvaged batch")
 
-    monkeypatch.setattr(relay_module.accounting, "count_outcomes", count_fails)
+    monkeypatch.setattr(accounting, "count_outcomes", count_fails)
     codes, logs = _run_crashing_once_draining(db_url, kafka_bootstrap)
     assert codes == [EXIT_FAILURE]
     [failed] = logs.events("batch-count-failed")

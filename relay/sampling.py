@@ -1,0 +1,122 @@
+"""The relay's periodic look at its table: backlog gauges, and what follows from it.
+
+Once per ``metrics_interval`` the loop asks :class:`BacklogSampler` for one
+look (one connection, a few read-only queries): the backlog by status, the age
+of the oldest due row, rows held back behind an earlier row of their key, rows
+whose status is outside the enum. The same look resumes a paused topic that
+has no rows left to probe with, lets the no-Redis monitor check for another
+relay, and follows the server's fingerprint across a failover. None of it is
+on the claim -> publish -> finalize path: a failed look is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
+from outboxkit.relay.metrics import (
+    RelayMetrics,
+    count_invalid_status,
+    sample_backlog,
+    sample_ordering_blocked,
+    topics_with_rows,
+)
+from outboxkit.relay.ownership.redis_leases import RedisShardLeases
+from outboxkit.relay.pauses import PausedTopics
+from outboxkit.relay.settings import RelaySettings
+from outboxkit.relay.shards import ShardOwnership
+from outboxkit.runtime.identity import read_fingerprint
+from outboxkit.runtime.logs import Episode, log_event, redact
+
+__all__ = ["BacklogSampler"]
+
+#: The relay's own logger: these are the relay's lines.
+log = logging.getLogger("outboxkit.relay")
+
+
+class BacklogSampler:
+    """Samples the relay's table at most once per ``metrics_interval``.
+
+    ``foreign``: the monitor that watches for another relay without Redis (if
+    any); ``fingerprint``: the server's fingerprint as read at start, which
+    ``ownership`` (Redis leases) records beside its membership.
+    """
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        engine: Engine,
+        *,
+        metrics: RelayMetrics,
+        paused: PausedTopics,
+        ownership: ShardOwnership,
+        foreign: ForeignRelayMonitor | OutsiderMonitor | None,
+        fingerprint: str | None,
+    ) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._metrics = metrics
+        self._paused = paused
+        self._ownership = ownership
+        self._foreign = foreign
+        self._fingerprint = fingerprint
+        self._next_sample = 0.0
+        self._invalid_status = Episode(log, "status-invalid", "status-invalid-gone")
+
+    def sample_if_due(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sample:
+            return
+        self._next_sample = now + self._settings.metrics_interval
+        table = self._settings.table
+        paused = self._paused.paused_topics()
+        try:
+            with self._engine.connect() as conn:
+                counts, age = sample_backlog(conn, table)
+                blocked = sample_ordering_blocked(conn, table, paused)
+                invalid = count_invalid_status(conn, table)
+                gone = paused - topics_with_rows(conn, table, paused)
+                if self._foreign is not None:
+                    self._foreign.check(conn)
+                self._follow_fingerprint(conn)
+        except Exception as exc:  # a metrics hook never breaks the loop
+            log_event(log, "backlog-sample-failed", level=logging.WARNING, error=redact(str(exc)))
+            return
+        for status, n in counts.items():
+            self._metrics.backlog.labels(status=status.value).set(n)
+        self._metrics.oldest_pending_age.set(age)
+        self._metrics.ordering_blocked.set(blocked)
+        self._note_invalid_status(invalid)
+        for topic in sorted(gone):  # nothing left to probe with: the pause would never end
+            self._paused.resume(topic, cause="no-rows-left")
+
+    def _note_invalid_status(self, rows: int) -> None:
+        """Rows whose status is outside the enum: the gauge's ``invalid`` status,
+        and one warning while there are any (they are never claimed and hold
+        their keys back until requeued)."""
+        self._metrics.backlog.labels(status="invalid").set(rows)
+        if not rows:
+            self._invalid_status.end(table=self._settings.table)
+            return
+        self._invalid_status.begin(
+            rows,
+            table=self._settings.table,
+            rows=rows,
+            effect="never claimed; each holds its key's later rows back",
+            action="outboxkit admin status shows them; outboxkit admin requeue --id ... "
+            "(or --all-failed) makes them pending; fix the writer (strict sql_mode)",
+        )
+
+    def _follow_fingerprint(self, conn: sa.Connection) -> None:
+        """The server may change under the relay (a failover): what it records beside
+        its membership follows, so a stale fingerprint never reports a conflict."""
+        fingerprint = read_fingerprint(conn)
+        if fingerprint is None or fingerprint == self._fingerprint:
+            return
+        self._fingerprint = fingerprint
+        if isinstance(self._ownership, RedisShardLeases):
+            self._ownership.fingerprint = fingerprint
