@@ -5,7 +5,7 @@ See ``docs/relay.md``. Run it with ``outboxkit relay`` or embed it::
     relay = Relay(load(RelaySettings))
     threading.Thread(target=relay.run).start()
     ...
-    relay.drain()
+    relay.stop()
 """
 
 from outboxkit.relay.relay import PUSH_JOB, Relay

@@ -54,6 +54,4 @@ def run(args: argparse.Namespace) -> int:
         node_id=settings.node_id,
         log_format=settings.log_format,
     )
-    relay = Relay(settings)
-    relay.install_process_handlers()
-    return relay.run()
+    return Relay(settings).run(handle_signals=True)

@@ -43,7 +43,7 @@ from outboxkit.relay.shards import ShardOwnership
 from outboxkit.relay.wakeup import RedisWaker, Waker
 from outboxkit.runtime.errors import is_infrastructure_error
 from outboxkit.runtime.exitcodes import EXIT_DEPENDENCY, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
-from outboxkit.runtime.exitrecord import CRASH_LOOP
+from outboxkit.runtime.exitrecord import CLEAN, CRASH_LOOP
 from outboxkit.runtime.exitrecord import ExitRecord as ServiceExitRecord
 from outboxkit.runtime.health import HealthServer
 from outboxkit.runtime.lifecycle import Lifecycle
@@ -113,14 +113,14 @@ class ExitRecord(ServiceExitRecord):
     #: What the shutdown gave up on: workers still running when the budget ran out
     #: (their threads are abandoned), or on a forced exit the resources cut.
     abandoned: list[str] = dataclasses.field(default_factory=list)
-    result: str = "clean"
+    result: str = CLEAN
     exit_code: int = 0
     metrics_pushed: bool | None = None
     #: Workers crash-looping when the drain began (``result`` ``crash-loop``).
     crash_loop: list[dict[str, object]] = dataclasses.field(default_factory=list)
 
     event: ClassVar[str] = "relay-exit"
-    clean_results: ClassVar[frozenset[str] | None] = frozenset({"clean"})
+    clean_results: ClassVar[frozenset[str] | None] = frozenset({CLEAN})
 
     def add(self, batch_size: int, result: FinalizeResult) -> None:
         self.batch_size += batch_size

@@ -1,10 +1,10 @@
 """The relay: claim a batch -> publish it -> finalize it, until drained.
 
 ``Relay(settings).run()`` blocks until the relay has drained and returns an
-exit code. It installs no signal handlers unless asked: the CLI calls
-:meth:`Relay.install_process_handlers` (signals and the forced-exit watchdog;
-``run(handle_signals=True)`` does the same), and ``run`` removes the handlers
-when it returns; an application embedding the relay calls :meth:`Relay.drain`.
+exit code. On the main thread it owns the process's signals for the run
+(``handle_signals``, as the consumer's: SIGTERM/SIGINT drain, a watchdog forces
+the exit) and removes the handlers when it returns; an application embedding
+the relay on another thread calls :meth:`Relay.stop`.
 
 Guarantees: a row is marked ``delivered`` only after Kafka acknowledged it;
 every row change after the claim is checked against the lease token; no row is
@@ -20,6 +20,7 @@ import functools
 import logging
 import random
 import time
+import warnings
 from collections.abc import Callable
 
 import sqlalchemy as sa
@@ -55,7 +56,7 @@ from outboxkit.runtime import (
 from outboxkit.runtime.errors import database_unreachable, is_infrastructure_error
 from outboxkit.runtime.identity import OutboxIdentity, read_fingerprint, read_identity
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.service import freeze_heap
+from outboxkit.runtime.service import freeze_heap, handles_signals
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
 from outboxkit.schema.apply import read_shard_count, require_claim_schema
 
@@ -143,15 +144,24 @@ class Relay:
 
     # -- public API -----------------------------------------------------------
 
-    def run(self, *, handle_signals: bool = False) -> int:
+    def run(self, *, handle_signals: bool | None = None) -> int:
         """Start, relay until drained, shut down in order; return the exit code.
 
-        ``handle_signals=True`` does for this run what :meth:`install_process_handlers`
-        does; either way signal handlers are removed again when ``run`` returns.
+        With ``handle_signals`` (entry points that own the process):
+        SIGTERM/SIGINT drain, a second one hurries, a watchdog forces the exit
+        (code 4) once ``shutdown_timeout`` has passed, and once started the
+        relay freezes the heap (``runtime.service.freeze_heap``: no full
+        collection walks what lives as long as the process); the handlers are
+        removed again when ``run`` returns. Embedded, pass ``False`` and call
+        :meth:`stop`. The default, ``None``, is yes on the main thread and no
+        elsewhere, as for the consumer (:class:`~outboxkit.runtime.service.Service`).
         """
         res = self._resources
+        install = handles_signals(handle_signals)
+        if install:
+            self._owns_process = True
         with self.lifecycle.process_signals(
-            handle_signals, cut=lambda: drain.cut(res), on_forced=lambda: drain.on_forced(res)
+            install, cut=lambda: drain.cut(res), on_forced=lambda: drain.on_forced(res)
         ):
             return self._run()
 
@@ -172,16 +182,29 @@ class Relay:
             raise
         return drain.stop(res)
 
-    def drain(self) -> None:
-        """Start the drain (what the first SIGTERM does); :meth:`run` then returns."""
+    def stop(self) -> None:
+        """Start the drain (thread-safe; what the first SIGTERM does); :meth:`run`
+        then returns once it is done."""
         self.lifecycle.drain("api")
 
+    def drain(self) -> None:
+        """Deprecated: :meth:`stop`, the name both services share."""
+        warnings.warn(
+            "Relay.drain() is deprecated and will be removed: call Relay.stop()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.stop()
+
     def install_process_handlers(self) -> None:
-        """For entry points that own the process: SIGTERM/SIGINT drain (second: hurry),
-        and a watchdog forces the exit (code 4) once ``shutdown_timeout`` has passed.
-        Once started, the relay also freezes the heap (``runtime.service.freeze_heap``):
-        no full collection walks what lives as long as the process.
-        """
+        """Deprecated: ``run(handle_signals=True)`` does the same for the run (and is
+        the default on the main thread)."""
+        warnings.warn(
+            "Relay.install_process_handlers() is deprecated and will be removed: "
+            "call Relay.run(handle_signals=True)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         self._owns_process = True
         self.lifecycle.install_signal_handlers()
         res = self._resources

@@ -159,14 +159,16 @@ def _invocation(draw: st.DrawFn) -> tuple[tuple[str, ...], list[str], dict[str, 
     return path, argv, env
 
 
+#: ``(service, handle_signals)`` of every stubbed ``run`` call.
+_RUNS: list[tuple[str, bool | None]] = []
+
+
 class _StubRelay:
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
-    def install_process_handlers(self) -> None:
-        pass
-
-    def run(self) -> int:
+    def run(self, *, handle_signals: bool | None = None) -> int:
+        _RUNS.append(("relay", handle_signals))
         return 0
 
 
@@ -176,7 +178,8 @@ class _StubConsumer:
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
-    def run(self, *, handle_signals: bool) -> int:
+    def run(self, *, handle_signals: bool | None = None) -> int:
+        _RUNS.append(("consumer", handle_signals))
         return 0
 
 
@@ -225,6 +228,16 @@ def _assert_clear_outcome(argv: list[str], env: dict[str, str], code: int, err: 
         # usage errors and settings errors: the first line says what is wrong
         if not first.startswith("{"):
             assert ": " in first, context
+
+
+def test_both_clis_run_their_service_the_same_way(db_url: str) -> None:
+    """Both entry points own the process: ``run(handle_signals=True)``, nothing else."""
+    _RUNS.clear()
+    with _stubbed_services():
+        assert _run(["relay"], {"OUTBOXKIT_KAFKA_BOOTSTRAP": "127.0.0.1:1"}, db_url)[0] == 0
+        consume = ["consume", "pkg.module:Handler", "--topics", "t", "--group-id", "g"]
+        assert _run(consume, {"OUTBOXKIT_KAFKA_BOOTSTRAP": "127.0.0.1:1"}, db_url)[0] == 0
+    assert _RUNS == [("relay", True), ("consumer", True)]
 
 
 @pytest.mark.integration

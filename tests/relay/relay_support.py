@@ -231,7 +231,7 @@ class EmbeddedRelay:
         return self
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        self.relay.drain()
+        self.relay.stop()
         self.thread.join(bound(timeout))
         assert not self.thread.is_alive(), "relay did not stop"
         return self.exit_code

@@ -77,7 +77,7 @@ def test_a_claim_failed_by_the_database_during_the_drain_is_a_clean_stop(
     relay = Relay(fast_settings(db_url, kafka_bootstrap, start_jitter=0.0))
 
     def claim_then_lose_the_connection(*args: object, **kwargs: object) -> None:
-        relay.drain()
+        relay.stop()
         raise sa.exc.OperationalError(
             "SELECT ...", {}, Exception(2013, "Lost connection to server during query")
         )

@@ -201,7 +201,7 @@ def _run_crashing_once_draining(db_url: str, kafka_bootstrap: str) -> tuple[list
     holder: list[Relay] = []
 
     def drain_then_crash(batch: Batch) -> None:
-        holder[0].drain()
+        holder[0].stop()
         raise Boom("while draining")
 
     relay = Relay(fast_settings(db_url, kafka_bootstrap), on_batch=drain_then_crash)

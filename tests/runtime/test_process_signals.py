@@ -3,7 +3,9 @@ only when asked, and removes them again when ``run`` returns, for both services.
 
 from __future__ import annotations
 
+import inspect
 import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from outboxkit.consumer import Consumer, ConsumerSettings, Message
 from outboxkit.relay import Relay, RelaySettings
 from outboxkit.runtime import EXIT_DEPENDENCY, Lifecycle
+from outboxkit.runtime.service import Service
 
 pytestmark = pytest.mark.unit
 
@@ -54,13 +57,21 @@ def _relay() -> Relay:
     )
 
 
-def test_relay_run_removes_the_handlers_the_cli_installed() -> None:
+def test_relay_run_removes_the_handlers_the_deprecated_call_installed() -> None:
     before = _handlers()
     relay = _relay()
-    relay.install_process_handlers()  # what `outboxkit relay` does
+    with pytest.warns(DeprecationWarning, match=r"run\(handle_signals=True\)"):
+        relay.install_process_handlers()  # what `outboxkit relay` did before
     assert _handlers() != before
-    assert relay.run() == EXIT_DEPENDENCY
+    assert relay.run(handle_signals=False) == EXIT_DEPENDENCY
     assert _handlers() == before, "the relay left its signal handlers installed"
+
+
+def test_relay_drain_still_stops_it_with_a_warning() -> None:
+    relay = _relay()
+    with pytest.warns(DeprecationWarning, match=r"Relay\.stop\(\)"):
+        relay.drain()
+    assert relay.lifecycle.draining.is_set()
 
 
 @pytest.mark.parametrize("handle_signals", [False, True])
@@ -92,4 +103,39 @@ def test_consumer_run_installs_handlers_only_when_asked(handle_signals: bool) ->
     consumer.lifecycle.on_drain(lambda: seen.append(_handlers()))
     assert consumer.run(handle_signals=handle_signals) == EXIT_DEPENDENCY
     assert (seen[0] != before) is handle_signals
+    assert _handlers() == before
+
+
+def _service(kind: str) -> Relay | Consumer:
+    if kind == "relay":
+        return _relay()
+    return _Nothing(
+        ConsumerSettings(kafka_bootstrap=_NOWHERE_KAFKA, connect_timeout=1.0, health_port=0)
+    )
+
+
+@pytest.mark.parametrize("kind", ["relay", "consumer"])
+def test_both_services_offer_one_lifecycle(kind: str) -> None:
+    service = _service(kind)
+    assert isinstance(service, Service)
+    # the same parameter, with the same default, on both
+    assert inspect.signature(service.run).parameters["handle_signals"].default is None
+
+
+@pytest.mark.parametrize("kind", ["relay", "consumer"])
+@pytest.mark.parametrize("where", ["main thread", "other thread"])
+def test_by_default_signals_are_handled_on_the_main_thread_only(kind: str, where: str) -> None:
+    service = _service(kind)
+    before = _handlers()
+    seen: list[tuple[object, object]] = []
+    service.lifecycle.on_drain(lambda: seen.append(_handlers()))
+    codes: list[int] = []
+    if where == "main thread":
+        codes.append(service.run())
+    else:  # embedded: no handlers, and no error for not being on the main thread
+        thread = threading.Thread(target=lambda: codes.append(service.run()))
+        thread.start()
+        thread.join(60)
+    assert codes == [EXIT_DEPENDENCY]
+    assert (seen[0] != before) is (where == "main thread")
     assert _handlers() == before

@@ -215,7 +215,7 @@ def _run_relay_until(relay: Relay, done: Callable[[], bool]) -> None:
     try:
         wait_for(done, timeout=30, what="deliveries")
     finally:
-        relay.drain()
+        relay.stop()
         thread.join(30)
     assert not thread.is_alive()
 
