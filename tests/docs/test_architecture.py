@@ -90,3 +90,36 @@ def test_row_names_an_existing_module_and_name(concern: str, path: str, name: st
     assert file.is_file(), f"{concern}: {path} does not exist"
     tree = ast.parse(file.read_text(), filename=str(file))
     assert defined(tree, name), f"{concern}: {path} defines no {name}"
+
+
+#: The size from which a module must be listed, with its size, in the page's
+#: "Modules over 500 lines" section; and the size no library module may reach.
+LISTED_FROM, LIMIT = 500, 700
+LISTED = re.compile(r"^- `(?P<path>[^`]+)` \(about (?P<lines>\d+) lines\)", re.MULTILINE)
+
+
+def library_sizes() -> dict[str, int]:
+    """Lines of every library module (the packages the distribution installs)."""
+    sizes = {}
+    for folder in ("relay", "consumer", "schema", "outboxkit"):
+        for path in (REPO / folder).rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                sizes[str(path.relative_to(REPO))] = len(path.read_text().splitlines())
+    return sizes
+
+
+def test_no_library_module_reaches_the_limit() -> None:
+    over = {p: n for p, n in library_sizes().items() if n > LIMIT}
+    assert not over, f"modules over {LIMIT} lines: {over}"
+
+
+def test_every_large_module_is_listed_with_its_real_size() -> None:
+    section = PAGE.read_text().split("## Modules over 500 lines", 1)[1]
+    listed = {m["path"]: int(m["lines"]) for m in LISTED.finditer(section)}
+    sizes = library_sizes()
+    large = {p for p, n in sizes.items() if n > LISTED_FROM}
+    assert large <= set(listed), f"not listed: {sorted(large - set(listed))}"
+    for path, said in listed.items():
+        assert path in sizes, f"{path} is listed but is no library module"
+        real = sizes[path]
+        assert abs(real - said) <= real / 10, f"{path}: the page says about {said}, it has {real}"
