@@ -47,6 +47,7 @@ from outboxkit.runtime.db import (
     lock_wait_bound,
     lock_wait_timed_out,
 )
+from outboxkit.runtime.identity import read_identity
 from outboxkit.runtime.lifecycle import Lifecycle
 from outboxkit.runtime.logs import log_event
 from outboxkit.runtime.metrics import ServiceMetrics
@@ -347,24 +348,28 @@ def _pause(seconds: float, stop: Callable[[], bool]) -> bool:
 
 @contextmanager
 def _retention_lock(engine: Engine, table: str) -> Iterator[bool]:
-    """Try a database-wide named lock per table; yields whether this process got it.
+    """Try a named lock per outbox; yields whether this process got it.
 
     MySQL/MariaDB: ``GET_LOCK``; PostgreSQL: a session advisory lock on the
     name's hash. Either is held by this connection while the purge runs on
-    others, and released by the server if the process dies."""
+    others, and released by the server if the process dies. The name is the
+    outbox's identity (database, schema, table: :mod:`outboxkit.runtime.identity`),
+    not the table name alone: MySQL's named locks are server-wide and
+    PostgreSQL's advisory locks span the schemas of a database, and two
+    services each with an ``outbox_events`` skipped each other's rounds."""
     with engine.connect() as conn:
         dialect = conn.dialect.name
-        name = f"outboxkit_retention_{table}"
-        if dialect in MYSQL_DIALECTS:
-            if len(name) > 64:  # MySQL's limit on lock names
-                name = f"outboxkit_retention_{zlib.crc32(table.encode()):08x}"
-            take, give = "SELECT GET_LOCK(:n, 0)", "SELECT RELEASE_LOCK(:n)"
-        elif dialect == "postgresql":
-            take = "SELECT CAST(pg_try_advisory_lock(hashtext(:n)) AS INTEGER)"
-            give = "SELECT pg_advisory_unlock(hashtext(:n))"
-        else:
+        if dialect not in MYSQL_DIALECTS and dialect != "postgresql":
             yield True
             return
+        name = f"outboxkit_retention_{read_identity(conn, table).key}"
+        if dialect in MYSQL_DIALECTS:
+            if len(name) > 64:  # MySQL's limit on lock names
+                name = f"outboxkit_retention_{zlib.crc32(name.encode()):08x}"
+            take, give = "SELECT GET_LOCK(:n, 0)", "SELECT RELEASE_LOCK(:n)"
+        else:
+            take = "SELECT CAST(pg_try_advisory_lock(hashtext(:n)) AS INTEGER)"
+            give = "SELECT pg_advisory_unlock(hashtext(:n))"
         got = conn.execute(sa.text(take), {"n": name}).scalar()
         conn.commit()
         try:

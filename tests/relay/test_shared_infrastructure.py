@@ -38,6 +38,7 @@ from support.databases import on_both_databases
 from outboxkit import Event
 from outboxkit.relay.conflicts import OwnershipConflicts
 from outboxkit.relay.ownership.redis_leases import LeaseSettings, RedisShardLeases
+from outboxkit.relay.retention import _retention_lock
 from outboxkit.schema import apply_schema
 
 pytestmark = pytest.mark.integration
@@ -594,3 +595,43 @@ def test_relays_of_two_outboxes_push_to_groups_of_their_own(
     ]
     groups = {m.group(1) for line in lines if (m := re.search(r'outbox="([^"]*)"', line))}
     assert groups == set(outboxes), f"pushed {lines}, outboxes {outboxes}"
+
+
+def test_two_outboxes_of_one_server_purge_at_once(db_url: str, second_db_url: str) -> None:
+    """Two services' databases on one MariaDB, each with ``outbox_events``: the
+    lock is named by the outbox (database and table), not the table alone, so
+    neither skips the other's rounds (MariaDB's named locks are server-wide)."""
+    one, two = sa.create_engine(db_url), sa.create_engine(second_db_url)
+    try:
+        with _retention_lock(one, "outbox_events") as first:
+            assert first
+            with _retention_lock(two, "outbox_events") as second:
+                assert second, "another database's outbox shares the lock"
+    finally:
+        one.dispose()
+        two.dispose()
+
+
+def test_two_schemas_of_one_postgresql_database_purge_at_once(pg_url: str) -> None:
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        for schema in ("svc_a", "svc_b"):
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+            conn.execute(sa.text(f"CREATE TABLE {schema}.outbox_events (id int)"))
+    admin.dispose()
+    engines = [
+        sa.create_engine(
+            sa.make_url(pg_url).update_query_dict({"options": f"-csearch_path={schema}"})
+        )
+        for schema in ("svc_a", "svc_b")
+    ]
+    try:
+        with _retention_lock(engines[0], "outbox_events") as first:
+            assert first
+            with _retention_lock(engines[1], "outbox_events") as second:
+                assert second, "another schema's outbox shares the lock"
+            with _retention_lock(engines[0], "outbox_events") as same:
+                assert not same
+    finally:
+        for e in engines:
+            e.dispose()
