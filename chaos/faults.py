@@ -160,7 +160,11 @@ class Injector:
 
     def _note_lease_ends(self, proc: Proc, why: str) -> None:
         """A killed or frozen relay renews nothing: its leases end at Redis's
-        ``TIME + PTTL``, which it cannot log itself.
+        ``TIME + PTTL``, which it cannot log itself. A killed relay whose lease
+        of a shard is already gone (given back in Redis an instant before the
+        kill, its ``shard-released`` line never written) held it until no later
+        than now. A frozen relay gets no such line: it may still act on a shard
+        it no longer holds once it resumes, which the check must see.
 
         Advisory locks: a killed relay's session ends with it, and the server
         drops its locks then (after the kill, before anyone else can take them),
@@ -190,7 +194,22 @@ class Injector:
             sec, usec = client.time()
             now_ms = sec * 1000 + usec // 1000
             for shard, (key, value) in enumerate(zip(keys, values, strict=True)):
-                if value is not None and value.decode().rsplit(":", 1)[0] == proc.node_id:
+                if value is None and why == "killed":
+                    # No lease at all: one this relay held had ended by now. It
+                    # may have been given back in Redis just before the kill,
+                    # with its shard-released line never written; the relay is
+                    # dead, so it holds nothing from here (only ended leases are
+                    # closed by this line: ownership_intervals skips the rest).
+                    self.lease_ends.append(
+                        {
+                            "event": "shard-lost",
+                            "node_id": proc.node_id,
+                            "shard": shard,
+                            "redis_ms": now_ms,
+                            "reason": "gone-killed",
+                        }
+                    )
+                elif value is not None and value.decode().rsplit(":", 1)[0] == proc.node_id:
                     pttl = client.pttl(key)
                     if pttl > 0:
                         self.lease_ends.append(
