@@ -15,8 +15,10 @@ exit record and ``outbox_shutdown_pending`` and comes back after its lease expir
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import random
 import time
@@ -56,7 +58,7 @@ from outboxkit.runtime import (
 from outboxkit.runtime.errors import database_unreachable, is_infrastructure_error
 from outboxkit.runtime.identity import OutboxIdentity, read_fingerprint, read_identity
 from outboxkit.runtime.metrics import push_job
-from outboxkit.runtime.service import freeze_heap, handles_signals
+from outboxkit.runtime.service import frozen_while_running, handles_signals
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
 from outboxkit.schema.apply import read_shard_count, require_claim_schema
 
@@ -138,6 +140,8 @@ class Relay:
         self._sampler: BacklogSampler | None = None
         self._jittered = False
         self._owns_process = False
+        #: What run() undoes when it returns (the heap freeze of a process owner).
+        self._heap = contextlib.ExitStack()
         self.metrics.track_shutdown_pending(self._shutdown_pending)
         self.lifecycle.on_drain(functools.partial(drain.on_drain, self._resources))
         self.lifecycle.on_hurry(functools.partial(drain.on_hurry, self._resources))
@@ -150,9 +154,10 @@ class Relay:
         With ``handle_signals`` (entry points that own the process):
         SIGTERM/SIGINT drain, a second one hurries, a watchdog forces the exit
         (code 4) once ``shutdown_timeout`` has passed, and once started the
-        relay freezes the heap (``runtime.service.freeze_heap``: no full
-        collection walks what lives as long as the process); the handlers are
-        removed again when ``run`` returns. Embedded, pass ``False`` and call
+        relay freezes the heap (``runtime.service.frozen_while_running``: no
+        full collection walks what lives as long as the process); the handlers
+        are removed and the freeze undone when ``run`` returns. Embedded, pass
+        ``False`` and call
         :meth:`stop`. The default, ``None``, is yes on the main thread and no
         elsewhere, as for the consumer (:class:`~outboxkit.runtime.service.Service`).
         """
@@ -160,8 +165,11 @@ class Relay:
         install = handles_signals(handle_signals)
         if install:
             self._owns_process = True
-        with self.lifecycle.process_signals(
-            install, cut=lambda: drain.cut(res), on_forced=lambda: drain.on_forced(res)
+        with (
+            self.lifecycle.process_signals(
+                install, cut=lambda: drain.cut(res), on_forced=lambda: drain.on_forced(res)
+            ),
+            contextlib.ExitStack() as self._heap,
         ):
             return self._run()
 
@@ -211,6 +219,12 @@ class Relay:
         self.lifecycle.start_watchdog(
             lambda: drain.cut(res), on_forced=lambda: drain.on_forced(res)
         )
+
+    def _freeze_heap(self) -> int:
+        """Freeze the heap until run() returns (left alone if someone else froze
+        it); returns the objects frozen."""
+        self._heap.enter_context(frozen_while_running(True))
+        return gc.get_freeze_count()
 
     @property
     def engine(self) -> Engine:
@@ -454,7 +468,7 @@ class Relay:
                     return drain.failed_start(res, "config", EXIT_CONFIG, failure)
             return drain.failed_start(res, "dependency", EXIT_DEPENDENCY, exc)
         warn_renamed(log, s)
-        frozen = {"heap_frozen": freeze_heap()} if self._owns_process else {}
+        frozen = {"heap_frozen": self._freeze_heap()} if self._owns_process else {}
         log_event(
             log,
             "relay-started",

@@ -60,10 +60,16 @@ for f in /etc/ssl/certs/ca-certificates.crt /etc/pip.conf; do
     [[ -f "$f" ]] && mounts+=(-v "$f:$f:ro")
 done
 
-log "image $IMAGE: buildah bud (log: $BUILD_DIR/image.log)"
+# The sources the wheel is built from, hashed: the install step's cache key
+# (see the Dockerfile; buildah's layer cache does not look into its mount).
+source_hash="$(cd "$REPO_ROOT" && find pyproject.toml outboxkit relay consumer schema \
+    -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z |
+    xargs -0 sha256sum | sha256sum | cut -c1-16)"
+log "image $IMAGE: buildah bud, sources $source_hash (log: $BUILD_DIR/image.log)"
 started=$(date +%s)
 (cd "$REPO_ROOT" && buildah bud --isolation chroot --layers --format docker \
-    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" "${mounts[@]}" \
+    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "OUTBOXKIT_SOURCE=$source_hash" \
+    "${mounts[@]}" \
     -f deploy/docker/Dockerfile -t "$IMAGE" .) >"$BUILD_DIR/image.log" 2>&1 \
     || die "buildah bud failed; see $BUILD_DIR/image.log"
 id="$(buildah inspect --type image --format '{{.FromImageID}}' "$IMAGE")"

@@ -423,7 +423,7 @@ def relay_and_consumer(
             kafka_config={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"},
         )
     )
-    running = [_Running(relay.run, relay.drain)]
+    running = [_Running(relay.run, relay.stop)]
     try:
         running.append(_Running(lambda: consumer.run(handle_signals=False), consumer.stop))
 
