@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
+import tenacity
 
 
 def log_bytes(engine: sa.Engine) -> int | None:
@@ -29,22 +30,44 @@ def log_bytes(engine: sa.Engine) -> int | None:
         return sum(int(row[1]) for row in conn.execute(sa.text("SHOW BINARY LOGS")))
 
 
-def purge_old_logs(engine: sa.Engine) -> None:
+def purge_old_logs(engine: sa.Engine, *, wait_s: float = 10.0) -> list[str]:
     """Drop the binary log files before the current one (MariaDB/MySQL with the
-    binary log on; nothing elsewhere: PostgreSQL recycles its WAL itself).
+    binary log on; nothing elsewhere: PostgreSQL recycles its WAL itself), and
+    return the files left.
 
     A benchmark run writes gigabytes of row images, and a bench instance has no
     replica to keep them for: run after run, they filled the disk. Called
     between scenarios, never inside one: a phase's log bytes are a difference
-    of :func:`log_bytes` read within its scenario."""
+    of :func:`log_bytes` read within its scenario.
+
+    MariaDB keeps a file until its binlog checkpoint has passed it, which its
+    background thread writes a moment after the commits in it are durable:
+    ``PURGE`` right after a burst of writes or a ``FLUSH BINARY LOGS`` silently
+    keeps the file (measured: most rounds on a busy machine). So the purge is
+    repeated until only the file being written is left, for up to ``wait_s``;
+    a file still kept then is left for the next call."""
     if engine.dialect.name == "postgresql":
-        return
+        return []
     with engine.connect() as conn:
         if not int(conn.execute(sa.text("SELECT @@log_bin")).scalar_one()):
-            return
-        files = [str(row[0]) for row in conn.execute(sa.text("SHOW BINARY LOGS"))]
-        if len(files) > 1:  # the last one is the file being written
-            conn.execute(sa.text("PURGE BINARY LOGS TO :current"), {"current": files[-1]})
+            return []
+
+    @tenacity.retry(
+        stop=tenacity.stop_after_delay(wait_s),
+        wait=tenacity.wait_exponential(multiplier=0.02, max=0.5),
+        retry=tenacity.retry_if_result(lambda files: len(files) > 1),
+        retry_error_callback=lambda state: state.outcome.result() if state.outcome else [],
+    )
+    def purge() -> list[str]:
+        with engine.connect() as conn:
+            files = [str(row[0]) for row in conn.execute(sa.text("SHOW BINARY LOGS"))]
+            if len(files) > 1:  # the last one is the file being written
+                conn.execute(sa.text("PURGE BINARY LOGS TO :current"), {"current": files[-1]})
+                files = [str(row[0]) for row in conn.execute(sa.text("SHOW BINARY LOGS"))]
+            return files
+
+    files: list[str] = purge()
+    return files
 
 
 def log_settings(engine: sa.Engine) -> dict[str, Any]:
