@@ -36,19 +36,20 @@ from confluent_kafka import KafkaException
 from sqlalchemy.engine import Engine
 
 from outboxkit.consumer import drain
-from outboxkit.consumer.asyncio_handler import AsyncHandlers, HandlerCancelled, is_async_handler
-from outboxkit.consumer.batching import InboxGroups, groupable
+from outboxkit.consumer.asyncio_handler import AsyncHandlers, is_async_handler
+from outboxkit.consumer.batching import InboxGroups
 from outboxkit.consumer.dlq import DeadLetters, producer_config
 from outboxkit.consumer.errors import Classification, classify
-from outboxkit.consumer.handling import Handling, Outcome, Result
+from outboxkit.consumer.handling import Handling
 from outboxkit.consumer.inbox import Inbox
 from outboxkit.consumer.loop import PollLoop
 from outboxkit.consumer.message import Message
-from outboxkit.consumer.metrics import ConsumerMetrics, HandleTimes
+from outboxkit.consumer.metrics import ConsumerMetrics
 from outboxkit.consumer.report import DrainReport
 from outboxkit.consumer.retry import RetryPolicy
 from outboxkit.consumer.settings import ConsumerSettings, dead_letter_problems, is_pattern
-from outboxkit.consumer.workers import Dispatcher, Run
+from outboxkit.consumer.worker import Worker
+from outboxkit.consumer.workers import Dispatcher
 from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.errors import (
     ConfigError,
@@ -326,11 +327,18 @@ class Consumer:
         except Exception as exc:
             lc.fatal("on_start failed", exc, exit_code=EXIT_FAILURE)
             return False
+        worker = Worker(
+            dispatcher=self._dispatcher,
+            handling=self._handling,
+            groups=self._groups,
+            metrics=self.metrics,
+            run_limit=self._run_limit,
+        )
         for n in range(self.workers):
             name = f"consumer-worker-{n}"
             # Daemon threads: a handler still running at the deadline must not hold the exit.
             threading.Thread(
-                target=self.supervisor.run, args=(name, self._work), name=name, daemon=True
+                target=self.supervisor.run, args=(name, worker.run), name=name, daemon=True
             ).start()
         assert self._loop is not None
         self._kafka.subscribe(
@@ -473,7 +481,7 @@ class Consumer:
         """The lane with several workers; with one, the poll loop uses the partition."""
         return (message.topic, message.partition, message.key)
 
-    # -- the two kinds of threads ----------------------------------------------------------
+    # -- the poll thread (the workers': consumer/worker.py) --------------------------------
 
     def _poll_until_draining(self) -> None:
         assert self._loop is not None
@@ -487,72 +495,6 @@ class Consumer:
                     self.lifecycle.fatal("kafka", exc, exit_code=EXIT_DEPENDENCY)
                     return
                 raise
-
-    def _work(self) -> None:
-        try:
-            self._work_until_stopped()
-        except HandlerCancelled:
-            pass  # an async handler cancelled at the drain deadline: already counted unknown
-        finally:
-            if self._handling.inbox is not None:
-                self._handling.inbox.release()
-
-    def _work_until_stopped(self) -> None:
-        dispatcher = self._dispatcher
-        times = HandleTimes(self.metrics.handle_seconds)
-        while True:
-            run = dispatcher.take(timeout=0.5, limit=self._run_limit)
-            if run is None:
-                if dispatcher.stopped:
-                    return
-                continue
-            try:
-                self._handle_run(run, times)
-            finally:
-                times.flush()
-
-    def _handle_run(self, run: Run, times: HandleTimes) -> None:
-        """Handle ``run``'s messages in order, each reported as it finishes.
-
-        A result that must wait (a retry, a dead-letter write to try again) ends
-        the run: the message keeps its lane and the rest go back to its queue.
-        With ``inbox_batch > 1`` groups of the run's messages share one
-        transaction and are reported together after its ``COMMIT``
-        (:mod:`outboxkit.consumer.batching`); after a rolled-back group, or at a
-        duplicate, the messages it names go one per transaction first.
-        """
-        next_item, process = self._dispatcher.next, self._handling.process
-        groups = self._groups
-        solo = 0  # messages to handle one per transaction before grouping again
-        item = next_item(run)
-        while item is not None:
-            if groups is not None and not solo and groupable(item):
-                item, solo = groups.handle(run, item, times)
-                times.flush(due_only=True)
-                continue
-            solo = max(0, solo - 1)
-            try:
-                result = process(item, times)
-            except BaseException:
-                # A bug outside the handler: keep the message (nothing is skipped) and
-                # let the supervisor log and restart this worker.
-                self._wait(run, Result(Outcome.RETRY, delay=1.0))
-                raise
-            if result.delay is not None:
-                self._wait(run, result)
-                return
-            times.flush(due_only=True)
-            item = next_item(run, result.outcome)
-
-    def _wait(self, run: Run, result: Result) -> None:
-        """The run's current message runs again after ``result.delay`` (the run ends)."""
-        outcome = result.outcome
-        assert result.delay is not None
-        report = None if outcome is Outcome.RETRY else (outcome, result.error)
-        if not self._dispatcher.defer(run, result.delay, report):
-            self._dispatcher.give_up(run, Outcome.RELEASED, result.error)
-        elif outcome is Outcome.RETRY:
-            self.metrics.messages.labels(result="retry").inc()
 
     # -- hooks and callbacks --------------------------------------------------------------
 
