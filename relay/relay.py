@@ -157,9 +157,9 @@ class Relay:
         relay freezes the heap (``runtime.service.frozen_while_running``: no
         full collection walks what lives as long as the process); the handlers
         are removed and the freeze undone when ``run`` returns. Embedded, pass
-        ``False`` and call
-        :meth:`stop`. The default, ``None``, is yes on the main thread and no
-        elsewhere, as for the consumer (:class:`~outboxkit.runtime.service.Service`).
+        ``False`` and call :meth:`stop`. The default, ``None``, is yes on the
+        main thread and no elsewhere, as for the consumer
+        (:class:`~outboxkit.runtime.service.Service`).
         """
         res = self._resources
         install = handles_signals(handle_signals)
