@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -24,7 +25,13 @@ from outboxkit.runtime.db import create_loop_engine
 from outboxkit.runtime.logs import log_event
 from outboxkit.schema.table import MYSQL_DIALECTS
 
-__all__ = ["PG_SESSION_SETTINGS", "check_session_settings", "create_engine", "statement_timeout_s"]
+__all__ = [
+    "PG_SESSION_SETTINGS",
+    "check_row_image",
+    "check_session_settings",
+    "create_engine",
+    "statement_timeout_s",
+]
 
 # The claim's logger, where ``engine-settings`` was logged before these moved
 # out of the claim: filters and alerts on the logger's name keep matching.
@@ -137,10 +144,68 @@ def create_engine(settings: RelaySettings) -> Engine:
             # Plans made for each run's values (see the docstring).
             "options": f"{options} -c statement_timeout={timeout}s {_PG_CUSTOM_PLANS}".strip(),
         }
-    return create_loop_engine(
+    engine = create_loop_engine(
         url,
         pool_size=2,
         max_overflow=2,
         isolation_level="READ COMMITTED",
         connect_args=connect_args,
+    )
+    if backend in MYSQL_DIALECTS and settings.binlog_row_image != "server":
+        sa.event.listen(engine, "connect", _RowImage(settings.binlog_row_image))
+    return engine
+
+
+#: MySQL and MariaDB's "Access denied; you need (at least one of) the ... privilege(s)".
+_ER_SPECIFIC_ACCESS_DENIED = 1227
+
+
+class _RowImage:
+    """Sets ``binlog_row_image`` on each new session of the relay's own engine
+    (``--binlog-row-image``). A server that refuses it (the relay's user lacks
+    the privilege) keeps its own image: the start says so (``engine-settings``,
+    :func:`check_row_image`), and the relay runs as it would without the setting."""
+
+    def __init__(self, image: str) -> None:
+        self.statement = f"SET SESSION binlog_row_image = '{image.upper()}'"
+
+    def __call__(self, dbapi_conn: Any, _record: object) -> None:
+        cursor = dbapi_conn.cursor()
+        try:
+            cursor.execute(self.statement)
+        except Exception as exc:
+            if getattr(exc, "args", (None,))[:1] != (_ER_SPECIFIC_ACCESS_DENIED,):
+                raise
+        finally:
+            cursor.close()
+
+
+def check_row_image(conn: Connection, *, wanted: str, own_engine: bool) -> None:
+    """Log ``engine-settings`` (a warning) when ``--binlog-row-image`` asks for an
+    image this session does not log: the server refused it to the relay's own
+    engine (a privilege), or an engine passed to ``Relay(..., engine=...)``,
+    which the relay does not change, does not set it. Nothing on PostgreSQL or
+    with ``server``."""
+    if wanted == "server" or conn.dialect.name not in MYSQL_DIALECTS:
+        return
+    current = str(conn.execute(sa.text("SELECT @@session.binlog_row_image")).scalar_one())
+    if current.lower() == wanted:
+        return
+    if own_engine:
+        advice = (
+            "grant the relay's database user BINLOG ADMIN (MariaDB) or "
+            "SESSION_VARIABLES_ADMIN (MySQL 8), or leave --binlog-row-image at server"
+        )
+    else:
+        statement = _RowImage(wanted).statement
+        advice = f'create the engine with connect_args={{"init_command": "{statement}"}}'
+    log_event(
+        log,
+        "engine-settings",
+        level=logging.WARNING,
+        differing={"binlog_row_image": current},
+        wanted={"binlog_row_image": wanted.upper()},
+        advice=advice,
+        effect="the relay runs; its status changes write the server's row images to "
+        "the binary log (payload included with FULL)",
     )

@@ -33,7 +33,7 @@ from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import drain
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.conflicts import OwnershipConflicts
-from outboxkit.relay.engine import check_session_settings, create_engine
+from outboxkit.relay.engine import check_row_image, check_session_settings, create_engine
 from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
 from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
@@ -502,6 +502,11 @@ class Relay:
                 self.conflicts.outbox = self._resources.outbox = self._identity.key
                 if not self._resources.own_engine:
                     check_session_settings(conn, lease_ttl=self.settings.lease_ttl)
+                check_row_image(
+                    conn,
+                    wanted=self.settings.binlog_row_image,
+                    own_engine=self._resources.own_engine,
+                )
                 return shard_count
 
         def sleep(seconds: float) -> None:

@@ -30,6 +30,10 @@ from outboxkit.runtime.settings import (
 )
 from outboxkit.schema.table import DEFAULT_TABLE, identifier_problem
 
+#: ``--binlog-row-image``: ``server`` changes nothing; the others are set on each
+#: of the relay's own MySQL/MariaDB sessions (relay/engine.py).
+ROW_IMAGES = ("server", "noblob", "minimal")
+
 __all__ = [
     "COMPRESSION_CODECS",
     "DEFAULT_BATCH_MAX_BYTES",
@@ -182,6 +186,15 @@ class RelaySettings(RuntimeSettings):
     delete_on_deliver: bool = setting(
         False, help="delete rows once Kafka acknowledged them instead of marking them delivered"
     )
+    binlog_row_image: str = setting(
+        "server",
+        help="MySQL/MariaDB: the row images the relay's own sessions write to the binary "
+        "log. server keeps the server's binlog_row_image; noblob leaves out the payload "
+        "and headers a status change does not touch; minimal logs the primary key and "
+        "the changed columns. Needs BINLOG ADMIN (MariaDB) or SESSION_VARIABLES_ADMIN "
+        "(MySQL 8) (docs/relay.md)",
+        choices=ROW_IMAGES,
+    )
     compression: str = setting(
         "lz4", help="Kafka compression codec (compression.type)", choices=COMPRESSION_CODECS
     )
@@ -316,6 +329,13 @@ class RelaySettings(RuntimeSettings):
         if not self.kafka_bootstrap and "bootstrap.servers" not in self.kafka_config:
             problems.append(missing("kafka_bootstrap", ": required by the relay"))
         problems.extend(self._ownership_problems())
+        if self.binlog_row_image != "server" and self.db_url and is_postgresql_url(self.db_url):
+            problems.append(
+                invalid(
+                    "binlog_row_image",
+                    "MySQL/MariaDB only: PostgreSQL has no binary log (leave it at server)",
+                )
+            )
         problems.extend(guarded_problems(self.kafka_config, RELAY_GUARDED))
         rejected = librdkafka_problem(self.kafka_config, "producer")
         if rejected:

@@ -22,7 +22,9 @@ log on, each status change logs the whole row twice); every relay figure has
 its "x floor" beside it. The floor is measured on four shapes of the table
 (``FLOOR_SHAPES``), each on its own copy: today's, and the candidates of a
 redesign (``rate_floor_delete``, ``rate_floor_presized``, ``rate_floor_split``),
-with the server's CPU and log bytes per event beside each.
+with the server's CPU and log bytes per event beside each; with the binary log
+on, also today's table with the floor's sessions logging ``NOBLOB`` row images
+(``rate_floor_noblob``), as ``--binlog-row-image noblob`` has the relay's.
 
 A third row runs the same claims and finalizes as the pipelined relay does
 (``--pipeline``): batch N+1 claimed while N is finalized on a second thread and
@@ -200,11 +202,16 @@ PRESIZED = "presized"
 #: The state columns in a narrow table of their own, the payload (written once)
 #: in another: a status change neither rewrites nor logs the payload.
 SPLIT = "split"
+#: Today's table, the relay's sessions logging row images without the payload
+#: and headers a status change leaves as they were (``binlog_row_image=NOBLOB``,
+#: MariaDB/MySQL with the binary log on; the server's default stays FULL).
+NOBLOB = "noblob"
 FLOOR_SHAPES: dict[str, str] = {
     TODAY: "today's table",
     DELETE: "delivered rows deleted",
     PRESIZED: "lease columns written at their claimed size",
     SPLIT: "state apart from the payload",
+    NOBLOB: "today's table, relay sessions log NOBLOB row images",
 }
 _FLOOR_OWNER = "bench-floor"
 _NO_TOKEN = "-" * 32
@@ -265,6 +272,19 @@ def floor(engine: sa.Engine, table: str, *, batch: int, shape: str = TODAY) -> d
         rows += len(got)
         batches += 1
     return _rates(rows, batches, time.perf_counter() - start)
+
+
+def _noblob_session(dbapi_conn: Any, _record: Any) -> None:
+    """The ``noblob`` floor's sessions (only made with the binary log on: MySQL/MariaDB)."""
+    with dbapi_conn.cursor() as cursor:
+        cursor.execute("SET SESSION binlog_row_image = 'NOBLOB'")
+
+
+def _binlog_on(engine: sa.Engine) -> bool:
+    if engine.dialect.name == "postgresql":
+        return False
+    with engine.connect() as conn:
+        return bool(int(conn.execute(sa.text("SELECT @@log_bin")).scalar_one()))
 
 
 def split_tables(table: str) -> tuple[str, str]:
@@ -399,15 +419,21 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         key = "rate_overlapped" if overlap else "rate_delete" if delete else "rate"
         res.figures[key] = out["rows/s"]
     engine = relay_engine(ctx)
+    noblob = relay_engine(ctx)
+    sa.event.listen(noblob, "connect", _noblob_session)
     floors: dict[str, dict[str, float]] = {}
     try:
         for shape, label in FLOOR_SHAPES.items():
+            if shape == NOBLOB and not _binlog_on(engine):
+                continue
             split = split_tables("bench_floor") if shape == SPLIT else ()
             out = floors[shape] = _on_a_copy(
                 ctx,
                 src,
                 "bench_floor",
-                functools.partial(floor, engine, batch=batch, shape=shape),
+                functools.partial(
+                    floor, noblob if shape == NOBLOB else engine, batch=batch, shape=shape
+                ),
                 expected_left={} if shape == DELETE else {"delivered": cfg.rows},
                 values=PRESIZED_VALUES if shape == PRESIZED else None,
                 prepare=functools.partial(prepare_floor, engine, shape=shape),
@@ -425,6 +451,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                     res.figures[figure + suffix] = out[column]
     finally:
         engine.dispose()
+        noblob.dispose()
     res.notes.append(
         f"claim beside the finalize vs one after the other: "
         f"{res.figures['rate_overlapped'] / res.figures['rate']:.2f}x"
@@ -433,7 +460,9 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         "the relay's claim + finalize vs the floor: "
         f"{res.figures['rate'] / floors[TODAY]['rows/s']:.2f}x"
     )
-    for shape in (DELETE, PRESIZED, SPLIT):
+    for shape in (DELETE, PRESIZED, SPLIT, NOBLOB):
+        if shape not in floors:
+            continue
         res.notes.append(
             f"floor, {FLOOR_SHAPES[shape]} vs {FLOOR_SHAPES[TODAY]}: "
             f"{floors[shape]['rows/s'] / floors[TODAY]['rows/s']:.2f}x"

@@ -131,8 +131,10 @@ def drain_backlog(
     delete_on_deliver: bool = False,
     batch: int | None = None,
     pipeline: bool | None = None,
+    extra: dict[str, str] | None = None,
 ) -> DrainRun:
-    """Copy ``rows`` rows of ``source`` and drain them with ``relays`` relay processes."""
+    """Copy ``rows`` rows of ``source`` and drain them with ``relays`` relay processes
+    (``extra``: more of the relays' environment, ``OUTBOXKIT_*`` settings)."""
     cfg = ctx.config
     topic = ctx.topic(label)
     table = table_for(label)
@@ -157,6 +159,7 @@ def drain_backlog(
                 redis_url=ctx.services.redis_url if relays > 1 and not ctx.postgresql else None,
                 redis_prefix=ctx.redis_prefix,
                 pipeline=pipeline,
+                extra=extra,
             )
             procs.append(Proc.start(f"relay-{i}", ["relay"], settings, log_dir))
         if ctx.profile:

@@ -6,7 +6,9 @@ One relay also drains it with each batch size (``batch_size`` and
 ``batch_sizes``) and the pipeline on and off (``pipeline_modes``), alternating,
 so the comparison shares the run's conditions; several relays with the pipeline
 on and off at ``batch_size``. ``rate_N`` is the drain of N relays with the
-relay's own defaults (or ``batch_size``).
+relay's own defaults (or ``batch_size``). On MySQL/MariaDB with the binary log
+on, one relay also drains it with ``--binlog-row-image noblob``
+(``rate_1_noblob``, with its database CPU and log bytes beside it).
 
 Rates count from just before the first message reached the topic to the moment
 the last row's message did, so process start-up is left out.  ``relay cpu`` is
@@ -20,6 +22,7 @@ own and anything else running), so the table shows which service tops out first.
 from __future__ import annotations
 
 from bench.context import BenchContext
+from bench.dblog import log_settings
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
 from bench.scenarios.common import batch_size, template
@@ -60,6 +63,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         logged = sum(f["log_bytes_per_event"] * f["rows"] for f in fills)
         res.figures["writer_log_bytes_per_event"] = logged / sum(f["rows"] for f in fills)
     one: float | None = None
+    binlog = log_settings(ctx.engine).get("log") == "binlog"
     for n in cfg.relay_counts:
         if n > 1:
             try:
@@ -67,13 +71,17 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
             except Unavailable as exc:
                 res.notes.append(f"{n} relays: skipped, {exc}")
                 continue
-        variants: list[tuple[int | None, bool | None]] = [(None, None)]
+        variants: list[tuple[int | None, bool | None, str]] = [(None, None, "server")]
         # One relay: every batch size, pipeline on and off. Several: the default
         # size, on and off (with several relays more rows are leased at once).
         sizes = dict.fromkeys([batch_size(cfg), *(cfg.batch_sizes if n == 1 else ())])
-        variants += [(b, bool(p)) for b in sizes for p in cfg.pipeline_modes]
-        for batch, pipeline in variants:
+        variants += [(b, bool(p), "server") for b in sizes for p in cfg.pipeline_modes]
+        if n == 1 and binlog:
+            variants.append((None, None, "noblob"))
+        for batch, pipeline, image in variants:
             label = f"relay{n}" if batch is None else f"relay{n}-b{batch}-p{int(bool(pipeline))}"
+            if image != "server":
+                label += f"-{image}"
             out = drain_backlog(
                 ctx,
                 source=source,
@@ -82,11 +90,20 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 label=label,
                 batch=batch,
                 pipeline=pipeline,
+                extra={"OUTBOXKIT_BINLOG_ROW_IMAGE": image} if image != "server" else None,
             )
-            if n == 1 and batch is None:
+            if n == 1 and batch is None and image == "server":
                 one = out.rate
-            _add_row(res, n, batch, pipeline, out, one, db_rate, producer_rate, floor_rate)
-            if batch is None:
+            _add_row(res, n, batch, pipeline, out, one, db_rate, producer_rate, floor_rate, image)
+            if image != "server":
+                res.figures[f"rate_{n}_{image}"] = out.rate
+                for figure, value in (
+                    ("db_cpu_per_100k", out.db_cpu_per_100k),
+                    ("log_bytes_per_event", out.log_bytes_per_event),
+                ):
+                    if value is not None:
+                        res.figures[f"{figure}_{n}_{image}"] = value
+            elif batch is None:
                 res.figures[f"rate_{n}"] = out.rate
                 if (per_1k := out.relay_cpu_per_1k) is not None:
                     res.figures[f"relay_cpu_per_1k_{n}"] = per_1k
@@ -115,12 +132,14 @@ def _add_row(
     db_rate: float | None,
     producer_rate: float | None,
     floor_rate: float | None = None,
+    image: str = "server",
 ) -> None:
     res.rows.append(
         {
             "relays": n,
             "batch": batch if batch is not None else "default",
             "pipeline": "default" if pipeline is None else ("on" if pipeline else "off"),
+            "row image": image,
             "rows": out.rows,
             "seconds": out.seconds,
             "events/s": out.rate,

@@ -1,0 +1,203 @@
+"""``--binlog-row-image``: what the relay's status changes write to the binary log.
+
+With the binary log on in row format and full row images (production's usual
+MySQL/MariaDB), each status change logs the whole row before and after it,
+payload included. ``noblob`` and ``minimal``, set on the relay's own sessions,
+leave the unchanged payload out; the writer's inserts are its own sessions and
+log as the server says.
+
+Real MariaDB (one instance with the binary log on, row format, full images),
+Kafka.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from relay_support import EmbeddedRelay, add_events, consume, fast_settings, status_counts, wait_for
+from support.services import MariaDBInstance, free_port
+
+from bench.dblog import LogMeter
+from outboxkit import Event
+from outboxkit.relay.engine import check_row_image, create_engine
+from outboxkit.relay.settings import RelaySettings
+from outboxkit.schema import apply_schema
+
+pytestmark = pytest.mark.integration
+
+ROWS = 120
+PAYLOAD = 2000  # random bytes per event (nothing compresses them): the row images' bulk
+
+
+@pytest.fixture(scope="module")
+def binlog_url() -> Iterator[str]:
+    db = MariaDBInstance(f"rowimg-{uuid.uuid4().hex[:6]}", free_port(), binlog=True)
+    db.start(fresh=True)
+    try:
+        yield db.url
+    finally:
+        db.stop()
+        shutil.rmtree(db.state_dir, ignore_errors=True)
+
+
+def _events(topic: str) -> list[Event]:
+    return [
+        Event(topic=topic, key=f"k{i % 7}", payload=secrets.token_bytes(PAYLOAD))
+        for i in range(ROWS)
+    ]
+
+
+@pytest.mark.parametrize("image", ["server", "noblob", "minimal"])
+def test_the_relay_logs_the_row_images_it_is_told_to(
+    binlog_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    image: str,
+) -> None:
+    engine = sa.create_engine(binlog_url)
+    table = f"outbox_{image}"
+    try:
+        apply_schema(engine, table=table, shards=4)
+        topic = kafka_topics(partitions=2)
+        events = _events(topic)
+        writer = LogMeter(engine).begin()
+        add_events(engine, table, events)
+        written = writer.bytes()
+        assert written is not None and written >= ROWS * PAYLOAD
+
+        relay_log = LogMeter(engine).begin()
+        settings = fast_settings(binlog_url, kafka_bootstrap, table=table, binlog_row_image=image)
+        relay = embedded(settings)
+        wait_for(
+            lambda: status_counts(engine, table) == {"delivered": ROWS},
+            timeout=30,
+            what="every row delivered",
+        )
+        assert relay.stop() == 0
+        logged = relay_log.bytes()
+        assert logged is not None
+
+        # Every event reached Kafka whole, whatever the log kept of the row.
+        got = consume(kafka_bootstrap, topic, expected=ROWS)
+        assert sorted(m.value for m in got) == sorted(e.payload for e in events)
+        if image == "server":
+            # Two status changes, each logging the row before and after: the
+            # payload four times over.
+            assert logged >= 2 * ROWS * PAYLOAD, (logged, written)
+        else:
+            # The payload is in the writer's insert alone: the relay's images
+            # together are smaller than half of one payload per row.
+            assert logged < ROWS * PAYLOAD // 2, (logged, written)
+    finally:
+        engine.dispose()
+
+
+def test_a_session_set_to_the_image_asked_for(binlog_url: str, kafka_bootstrap: str) -> None:
+    for image, expected in (("noblob", "NOBLOB"), ("minimal", "MINIMAL"), ("server", "FULL")):
+        engine = create_engine(
+            RelaySettings(
+                db_url=binlog_url, kafka_bootstrap=kafka_bootstrap, binlog_row_image=image
+            )
+        )
+        try:
+            with engine.connect() as conn:
+                got = conn.execute(sa.text("SELECT @@session.binlog_row_image")).scalar_one()
+            assert got == expected
+        finally:
+            engine.dispose()
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "outboxkit_event", None) == "engine-settings"]
+
+
+def test_a_user_without_the_privilege_runs_with_the_servers_image_and_is_told(
+    binlog_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The relay's user may not set the session's image (BINLOG ADMIN on
+    MariaDB): the relay starts and delivers as with ``server``, and says once,
+    at start, what it could not set and the grant that would."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    admin = sa.create_engine(binlog_url)
+    table = "outbox_plain_user"
+    user, password = f"relay_{uuid.uuid4().hex[:8]}", secrets.token_hex(8)
+    database = sa.make_url(binlog_url).database
+    try:
+        apply_schema(admin, table=table, shards=4)
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY '{password}'"))
+            conn.execute(
+                sa.text(
+                    f"GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.* TO '{user}'@'127.0.0.1'"
+                )
+            )
+        url = sa.make_url(binlog_url).set(username=user, password=password)
+        url_text = url.render_as_string(hide_password=False)
+        topic = kafka_topics(partitions=1)
+        add_events(admin, table, _events(topic)[:10])
+        relay = embedded(
+            fast_settings(url_text, kafka_bootstrap, table=table, binlog_row_image="noblob")
+        )
+        wait_for(
+            lambda: status_counts(admin, table) == {"delivered": 10},
+            timeout=30,
+            what="every row delivered",
+        )
+        assert relay.stop() == 0
+        warned = _warnings(caplog)
+        assert len(warned) == 1, warned
+        fields = warned[0].outboxkit_fields  # type: ignore[attr-defined]
+        assert fields["differing"] == {"binlog_row_image": "FULL"}
+        assert fields["wanted"] == {"binlog_row_image": "NOBLOB"}
+        assert "BINLOG ADMIN" in fields["advice"]
+        assert password not in warned[0].getMessage()
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP USER IF EXISTS '{user}'@'127.0.0.1'"))
+        admin.dispose()
+
+
+@pytest.mark.parametrize("init", [False, True])
+def test_an_engine_passed_in_is_checked_not_changed(
+    binlog_url: str, caplog: pytest.LogCaptureFixture, init: bool
+) -> None:
+    """An engine given to ``Relay(..., engine=...)`` is the caller's: the relay
+    does not set its sessions, it says at start how to (``init_command``)."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    args = {"init_command": "SET SESSION binlog_row_image='NOBLOB'"} if init else {}
+    given = sa.create_engine(binlog_url, connect_args=args)
+    try:
+        with given.connect() as conn:
+            check_row_image(conn, wanted="noblob", own_engine=False)
+    finally:
+        given.dispose()
+    warned = _warnings(caplog)
+    if init:
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        advice = warned[0].outboxkit_fields["advice"]  # type: ignore[attr-defined]
+        assert "init_command" in advice and "NOBLOB" in advice
+
+
+def test_postgresql_has_no_binary_log_to_set() -> None:
+    problems = RelaySettings(
+        db_url="postgresql+psycopg://relay@db/app",
+        kafka_bootstrap="127.0.0.1:9092",
+        binlog_row_image="noblob",
+    ).validate()
+    assert problems == [
+        "invalid --binlog-row-image / OUTBOXKIT_BINLOG_ROW_IMAGE: MySQL/MariaDB only: "
+        "PostgreSQL has no binary log (leave it at server)"
+    ]
