@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from confluent_kafka import KafkaError
+
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult
 from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
@@ -111,7 +113,11 @@ POSSIBLY_WRITTEN = frozenset(
 
 
 def _error_name(d: Decision) -> str:
-    return (d.error or "unknown").split(":", 1)[0].strip() or "unknown"
+    """librdkafka's name of the error behind ``d`` (``_MSG_TIMED_OUT``...), from
+    the report's code; ``unknown`` for an error no report gave."""
+    if d.error_code is None:
+        return "unknown"
+    return str(KafkaError(d.error_code).name())
 
 
 def report_possibly_written(decisions: Sequence[Decision]) -> None:

@@ -53,6 +53,9 @@ class Decision:
     row: ClaimedRow
     fate: Fate
     error: str | None = None
+    #: The Kafka error code of the delivery report behind ``error`` (None when
+    #: the row was acknowledged, or its error did not come from a report).
+    error_code: int | None = None
     partition: int | None = None
     offset: int | None = None
     #: Give the claim's attempt back (released/paused rows).
@@ -126,7 +129,9 @@ def decide(
         elif report.kind is ErrorKind.NOT_SENT:
             # Certainly not written (never handed over, or purged unsent): no
             # attempt was used, whatever happened to the batch.
-            d = Decision(row, Fate.RELEASED, error=report.error, refund=True)
+            d = Decision(
+                row, Fate.RELEASED, error=report.error, error_code=report.code, refund=True
+            )
         elif report.ok and held:
             assert row.key is not None
             d = Decision(
@@ -147,16 +152,26 @@ def decide(
                 acked_mono=report.mono,
             )
         elif report.kind is ErrorKind.ROW_FAULT:
-            d = Decision(row, Fate.FAILED, error=report.error)
+            d = Decision(row, Fate.FAILED, error=report.error, error_code=report.code)
         elif report.kind is ErrorKind.CONFIG_FAULT:
             reason = config_fault_reason(report.code or 0)
-            d = Decision(row, Fate.PAUSED, error=report.error, refund=True, pause_reason=reason)
+            d = Decision(
+                row,
+                Fate.PAUSED,
+                error=report.error,
+                error_code=report.code,
+                refund=True,
+                pause_reason=reason,
+            )
         elif row.attempts >= max_attempts:
             d = Decision(
-                row, Fate.FAILED, error=f"{report.error} (attempt {row.attempts}/{max_attempts})"
+                row,
+                Fate.FAILED,
+                error=f"{report.error} (attempt {row.attempts}/{max_attempts})",
+                error_code=report.code,
             )
         else:
-            d = Decision(row, Fate.RETRYABLE, error=report.error)
+            d = Decision(row, Fate.RETRYABLE, error=report.error, error_code=report.code)
         if row.key is not None and d.fate not in (Fate.DELIVERED, Fate.FAILED):
             failed_send = None
             if report is not None and not report.ok:

@@ -71,7 +71,7 @@ def test_later_row_of_a_key_is_not_delivered_before_its_predecessor() -> None:
     rows_ = [_row(1, b"a"), _row(2, b"a"), _row(3, b"b"), _row(4, None), _row(5, b"a")]
     reports = {1: _err(1, ErrorKind.RETRIABLE), 2: _ok(2), 3: _ok(3), 4: _ok(4)}
     fates = {d.row.id: d for d in decide(rows_, reports, max_attempts=10, refund_unknown=True)}
-    assert fates[1].fate is Fate.RETRYABLE
+    assert fates[1].fate is Fate.RETRYABLE and fates[1].error_code == -192
     assert fates[2].fate is Fate.RELEASED and fates[2].refund, "acked, but its key is open"
     assert fates[3].fate is Fate.DELIVERED and fates[4].fate is Fate.DELIVERED
     assert fates[5].fate is Fate.RELEASED and fates[5].refund, "no report: released"
@@ -176,6 +176,8 @@ def test_failed_row_does_not_hold_its_key_and_attempts_bound_retries() -> None:
     assert d1.fate is Fate.FAILED
     assert d2.fate is Fate.FAILED and "attempt 3/3" in (d2.error or "")
     assert d3.fate is Fate.PAUSED and d3.refund and d3.pause_reason == "unknown-topic"
+    # Each carries its report's code: metrics and logs name the error by it.
+    assert [d.error_code for d in (d1, d2, d3)] == [10, -192, 3]
 
 
 @pytest.mark.integration

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError
 from prometheus_client import CollectorRegistry
 
 from outboxkit.relay.accounting import RetryReporter
@@ -20,8 +21,12 @@ TIMEOUT = "_MSG_TIMED_OUT: Local: Message timed out"
 
 
 def decision(row_id: int, topic: str, fate: Fate, error: str | None = TIMEOUT) -> Decision:
+    """As ``finalize.decide`` makes it from a report: the text, and the code of
+    the error it names (none for a text no report gave)."""
     row = ClaimedRow(row_id, f"e{row_id}", topic, b"k", b"{}", None, 0, 1, 0.0, None)
-    return Decision(row, fate, error=error)
+    name = (error or "").split(":", 1)[0]
+    code = getattr(KafkaError, name, None) if name.isupper() or name.startswith("_") else None
+    return Decision(row, fate, error=error, error_code=code)
 
 
 def test_retryable_rows_count_per_topic_and_error_and_log_once_per_interval(
@@ -78,3 +83,22 @@ def test_every_batch_names_the_rows_a_broker_may_have_written_without_answering(
     assert [line["row_ids"] for line in lines] == [[1, 3, 5], [1]]
     assert lines[0]["rows"] == 3
     assert lines[0]["errors"] == {"_MSG_TIMED_OUT": 2, "_TRANSPORT": 1}
+
+
+def test_the_error_is_named_by_its_code_not_by_its_text() -> None:
+    """An error text that begins with another word (a broker's message quoted
+    first, a prefix added on the way) still counts under the report's code."""
+    registry = CollectorRegistry()
+    reporter = RetryReporter(RelayMetrics(registry), lambda _: None, background=False)
+    row = ClaimedRow(1, "e1", "orders", b"k", b"{}", None, 0, 1, 0.0, None)
+    reworded = Decision(
+        row,
+        Fate.RETRYABLE,
+        error="timed out: no reply from broker 2",
+        error_code=KafkaError._MSG_TIMED_OUT,
+    )
+    with capture_json_logs(level="INFO") as logs:
+        reporter.report([reworded], lost=set())
+    labels = {"topic": "orders", "error": "_MSG_TIMED_OUT"}
+    assert registry.get_sample_value("outbox_kafka_delivery_errors_total", labels) == 1.0
+    assert [line["row_ids"] for line in logs.events("possibly-written")] == [[1]]
