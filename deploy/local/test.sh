@@ -48,9 +48,14 @@ install_deps() {
 }
 
 services_up() {
-    local env
+    local env given
     env="$(deploy/local/up.sh)" || return 1
+    # An address the caller set wins over the local default (README: the tests
+    # on a MariaDB with the binary log on).
+    # (as "export ...": a "declare" evaluated in a function would be local to it)
+    given="$(export -p | sed -n 's/^declare -x \(OUTBOXKIT_TEST_[A-Z_]*=\)/export \1/p')"
     eval "$env"
+    eval "$given"
     export OUTBOXKIT_TEST_DB_URL OUTBOXKIT_TEST_PG_URL OUTBOXKIT_TEST_KAFKA_BOOTSTRAP \
         OUTBOXKIT_TEST_REDIS_URL OUTBOXKIT_TEST_PUSHGATEWAY_URL
 }
