@@ -148,9 +148,14 @@ class Cluster:
 
     @classmethod
     def plan(
-        cls, name: str, logs: Path, database: str = "mariadb", kafka_brokers: int = 1
+        cls,
+        name: str,
+        logs: Path,
+        database: str = "mariadb",
+        kafka_brokers: int = 1,
+        *,
+        binlog: bool = True,
     ) -> Cluster:
-        instance = PostgresInstance if database == "postgresql" else MariaDBInstance
         kafka: KafkaInstance | KafkaCluster
         if kafka_brokers == 1:
             (db, port, controller, proxied, rds, toxi, p_db, p_kafka, p_redis) = free_ports(9)
@@ -173,7 +178,11 @@ class Cluster:
                 f"kafka-{k}": (run + 3 * NODES + k - 1, run + 2 * NODES + k - 1)
                 for k in range(1, NODES + 1)
             }
-        db_instance = instance(f"{name}-db", db)
+        db_instance = (
+            PostgresInstance(f"{name}-db", db)
+            if database == "postgresql"
+            else MariaDBInstance(f"{name}-db", db, binlog=binlog)
+        )
         redis = RedisInstance(f"{name}-redis", rds)
         proxies = {
             "db": (p_db, db_instance.port),

@@ -93,6 +93,9 @@ class RunConfig:
     #: 1: one broker; 3: a three-node KRaft cluster (replication factor 3,
     #: min.insync.replicas 2) and the cluster fault kinds
     kafka_brokers: int = 1
+    #: MariaDB's binary log: on (row format, full images, as production runs
+    #: it) or off. PostgreSQL always logs its WAL.
+    binlog: bool = True
     keep: bool = False
     timings: Timings = field(default_factory=Timings)
 
@@ -255,6 +258,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         help="1: one broker (default); 3: a three-node KRaft cluster (replication factor 3, "
         "min.insync.replicas 2) with the cluster fault kinds: " + ", ".join(CLUSTER_KINDS),
     )
+    p.add_argument(
+        "--binlog",
+        choices=("on", "off"),
+        default="on",
+        help="MariaDB's binary log: on (default: row format, full row images, as production "
+        "runs it) or off",
+    )
     p.add_argument("--keep", action="store_true", help="keep the named instances' state")
     a = p.parse_args(argv)
     known = KINDS + (CLUSTER_KINDS if a.kafka_brokers == 3 else ())
@@ -291,5 +301,6 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         ownership=ownership,
         pipeline=a.pipeline,
         kafka_brokers=a.kafka_brokers,
+        binlog=a.binlog == "on",
     )
     return RunConfig(name=name, seed=seed, faults=faults, keep=a.keep, **values)  # type: ignore[arg-type]

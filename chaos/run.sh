@@ -17,6 +17,7 @@ export PYTHONPATH="$REPO_ROOT/chaos/.path${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$REPO_ROOT/chaos/.path"
 ln -sfn "$REPO_ROOT/chaos" "$REPO_ROOT/chaos/.path/chaos"
 ln -sfn "$REPO_ROOT/tests/support" "$REPO_ROOT/chaos/.path/support"
+ln -sfn "$REPO_ROOT/bench" "$REPO_ROOT/chaos/.path/bench"  # dblog: what the database logs
 # Not the checkout root: its outboxkit/ folder would shadow the installed package.
 cd "$REPO_ROOT/chaos/.path"
 exec "$PYTHON" -m chaos "$@"

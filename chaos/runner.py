@@ -28,6 +28,7 @@ import sqlalchemy as sa
 import tenacity
 from support.lifeline import HARNESS_ENV, mark_this_run, reap_orphans
 
+from bench.dblog import log_settings
 from chaos.checks import (
     Check,
     KafkaCopy,
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'' if cfg.name == 'full' else ' --' + cfg.name} --seed {cfg.seed}"
         f" --database {cfg.database} --ownership {cfg.ownership}"
         f"{'' if cfg.pipeline is None else ' --pipeline' if cfg.pipeline else ' --no-pipeline'}"
-        f"{'' if cfg.kafka_brokers == 1 else f' --kafka-brokers {cfg.kafka_brokers}'})"
+        f"{'' if cfg.kafka_brokers == 1 else f' --kafka-brokers {cfg.kafka_brokers}'}"
+        f"{'' if cfg.binlog or cfg.database != 'mariadb' else ' --binlog off'})"
     )
     say(
         f"{cfg.events} events, {cfg.keys} keys, {cfg.relays} relays, {cfg.consumers} consumers, "
@@ -88,10 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     # named instances: without this, they outlived it and kept loading the machine.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        database = "PostgreSQL" if cfg.database == "postgresql" else "MariaDB"
+        database = (
+            "PostgreSQL"
+            if cfg.database == "postgresql"
+            else f"MariaDB (binary log {'on' if cfg.binlog else 'off'})"
+        )
         brokers = "Kafka" if cfg.kafka_brokers == 1 else f"a {cfg.kafka_brokers}-node Kafka cluster"
         say(f"starting {database}, {brokers}, Redis and Toxiproxy (named instances)")
-        cluster = start_cluster(f"chaos{os.getpid()}", logs, cfg.database, cfg.kafka_brokers)
+        cluster = start_cluster(
+            f"chaos{os.getpid()}", logs, cfg.database, cfg.kafka_brokers, binlog=cfg.binlog
+        )
         cluster.prepare(TOPIC, cfg.partitions, cfg.shards)
         fleet = Fleet(cfg, cluster, TOPIC, logs)
         return Run(cfg, schedule, cluster, fleet, logs, run_id).go()
@@ -104,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_cluster(
-    name: str, logs: Path, database: str = "mariadb", kafka_brokers: int = 1
+    name: str,
+    logs: Path,
+    database: str = "mariadb",
+    kafka_brokers: int = 1,
+    *,
+    binlog: bool = True,
 ) -> Cluster:
     """Plan free ports and start the instances. A free port is only free until a
     service binds it: another process (another chaos run, a test) may take it
@@ -112,7 +125,7 @@ def start_cluster(
     started again on newly chosen ports, three times at most."""
 
     def attempt() -> Cluster:
-        cluster = Cluster.plan(name, logs, database, kafka_brokers)
+        cluster = Cluster.plan(name, logs, database, kafka_brokers, binlog=binlog)
         try:
             cluster.start()
         except BaseException as exc:
@@ -448,6 +461,8 @@ class Run:
             "settle_s": round(settled, 1),
             "writer": (writer.events("writer-done") or [{}])[-1],
             "versions": versions(self.engine),
+            # What the server really logged (the configuration asked is in "config").
+            "database_log": log_settings(self.engine),
             "finished": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
         text = json.dumps(summary, indent=2, default=str)
@@ -499,6 +514,13 @@ def _kafka_figure(brokers: int) -> str:
     return f"{brokers}-node KRaft cluster, replication factor {brokers}, min.insync.replicas 2"
 
 
+def _database_figure(cfg: dict[str, Any]) -> str:
+    if cfg.get("database", "mariadb") == "postgresql":
+        return "PostgreSQL"
+    # Runs before the setting existed ran with the binary log off.
+    return "MariaDB, binary log " + ("on (ROW, FULL images)" if cfg.get("binlog") else "off")
+
+
 def markdown_table(s: dict[str, Any]) -> str:
     """The figures of a run as the table in docs/reliability.md."""
     c = s["checks"]
@@ -511,6 +533,7 @@ def markdown_table(s: dict[str, Any]) -> str:
         ("run", f"{s['size']}, seed {s['seed']}, {s['finished']}, {s['wall_s']:.0f} s wall"),
         ("events / keys", f"{s['events']:,} / {cfg['keys']:,}"),
         ("relays / consumers", f"{cfg['relays']} / {cfg['consumers']}"),
+        ("database", _database_figure(cfg)),
         ("Kafka", _kafka_figure(cfg.get("kafka_brokers", 1))),
         ("faults", f"{s['faults_total']}: {kinds}"),
         ("lost (Kafka / effect)", f"{lost['lost_kafka']} / {lost['lost_effect']}"),

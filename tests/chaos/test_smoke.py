@@ -96,6 +96,14 @@ def test_smoke_run_passes_every_check(run: str) -> None:
     assert summary["config"]["database"] == database
     assert summary["config"]["ownership"] == ownership
     assert summary["config"]["kafka_brokers"] == brokers
+    if database == "mariadb":
+        # As production runs it: the faults and checks ran on a binary-log server.
+        assert summary["database_log"] == {
+            "log": "binlog",
+            "log_bin": "ON",
+            "binlog_format": "ROW",
+            "binlog_row_image": "FULL",
+        }
     failed = {k: v["summary"] for k, v in summary["checks"].items() if not v["ok"]}
     assert proc.returncode == 0, f"checks failed: {failed}\n{out[-4000:]}"
     assert set(summary["checks"]) == CHECKS
