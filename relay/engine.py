@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any
 
 import sqlalchemy as sa
@@ -159,46 +160,59 @@ def create_engine(settings: RelaySettings) -> Engine:
 #: MySQL and MariaDB's "Access denied; you need (at least one of) the ... privilege(s)".
 _ER_SPECIFIC_ACCESS_DENIED = 1227
 
+_GRANT_ADVICE = (
+    "grant the relay's database user BINLOG ADMIN (MariaDB) or "
+    "SESSION_VARIABLES_ADMIN (MySQL 8), or leave --binlog-row-image at server"
+)
+
 
 class _RowImage:
     """Sets ``binlog_row_image`` on each new session of the relay's own engine
     (``--binlog-row-image``). A server that refuses it (the relay's user lacks
-    the privilege) keeps its own image: the start says so (``engine-settings``,
-    :func:`check_row_image`), and the relay runs as it would without the setting."""
+    the privilege) keeps its own image for that session, and the relay runs as
+    it would without the setting. The first refusal logs ``engine-settings``
+    (at start, or later if the privilege is revoked and a session reconnects);
+    later ones do not repeat it."""
 
     def __init__(self, image: str) -> None:
+        self.wanted = image
         self.statement = f"SET SESSION binlog_row_image = '{image.upper()}'"
+        self._said = threading.Event()
 
     def __call__(self, dbapi_conn: Any, _record: object) -> None:
         cursor = dbapi_conn.cursor()
         try:
-            cursor.execute(self.statement)
-        except Exception as exc:
-            if getattr(exc, "args", (None,))[:1] != (_ER_SPECIFIC_ACCESS_DENIED,):
-                raise
+            try:
+                cursor.execute(self.statement)
+            except Exception as exc:
+                if getattr(exc, "args", (None,))[:1] != (_ER_SPECIFIC_ACCESS_DENIED,):
+                    raise
+                if self._said.is_set():
+                    return
+                self._said.set()
+                cursor.execute("SELECT @@session.binlog_row_image")
+                _say_row_image(str(cursor.fetchone()[0]), self.wanted, _GRANT_ADVICE)
         finally:
             cursor.close()
 
 
 def check_row_image(conn: Connection, *, wanted: str, own_engine: bool) -> None:
-    """Log ``engine-settings`` (a warning) when ``--binlog-row-image`` asks for an
-    image this session does not log: the server refused it to the relay's own
-    engine (a privilege), or an engine passed to ``Relay(..., engine=...)``,
-    which the relay does not change, does not set it. Nothing on PostgreSQL or
-    with ``server``."""
-    if wanted == "server" or conn.dialect.name not in MYSQL_DIALECTS:
+    """Log ``engine-settings`` (a warning) when an engine passed to
+    ``Relay(..., engine=...)``, which the relay does not change, does not log the
+    image ``--binlog-row-image`` asks for. The relay's own engine sets it on
+    every session and says itself when the server refuses (:class:`_RowImage`).
+    Nothing on PostgreSQL or with ``server``."""
+    if own_engine or wanted == "server" or conn.dialect.name not in MYSQL_DIALECTS:
         return
     current = str(conn.execute(sa.text("SELECT @@session.binlog_row_image")).scalar_one())
     if current.lower() == wanted:
         return
-    if own_engine:
-        advice = (
-            "grant the relay's database user BINLOG ADMIN (MariaDB) or "
-            "SESSION_VARIABLES_ADMIN (MySQL 8), or leave --binlog-row-image at server"
-        )
-    else:
-        statement = _RowImage(wanted).statement
-        advice = f'create the engine with connect_args={{"init_command": "{statement}"}}'
+    statement = _RowImage(wanted).statement
+    advice = f'create the engine with connect_args={{"init_command": "{statement}"}}'
+    _say_row_image(current, wanted, advice)
+
+
+def _say_row_image(current: str, wanted: str, advice: str) -> None:
     log_event(
         log,
         "engine-settings",

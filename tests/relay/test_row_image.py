@@ -17,6 +17,7 @@ import secrets
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 import sqlalchemy as sa
@@ -118,11 +119,66 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if getattr(r, "outboxkit_event", None) == "engine-settings"]
 
 
+@dataclass
+class RelayUser:
+    """A database user with DML grants on the instance's database (and, with
+    ``binlog_admin``, the privilege to set its sessions' row image)."""
+
+    url: str
+    password: str
+    grantee: str
+
+
+@pytest.fixture
+def relay_user(binlog_url: str) -> Iterator[Callable[[bool], RelayUser]]:
+    admin = sa.create_engine(binlog_url)
+    made: list[str] = []
+
+    def make(binlog_admin: bool) -> RelayUser:
+        user, password = f"relay_{uuid.uuid4().hex[:8]}", secrets.token_hex(8)
+        grantee = f"'{user}'@'127.0.0.1'"
+        database = sa.make_url(binlog_url).database
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"CREATE USER {grantee} IDENTIFIED BY '{password}'"))
+            made.append(grantee)
+            conn.execute(
+                sa.text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.* TO {grantee}")
+            )
+            if binlog_admin:
+                conn.execute(sa.text(f"GRANT BINLOG ADMIN ON *.* TO {grantee}"))
+        url = sa.make_url(binlog_url).set(username=user, password=password)
+        return RelayUser(url.render_as_string(hide_password=False), password, grantee)
+
+    yield make
+    with admin.begin() as conn:
+        for grantee in made:
+            conn.execute(sa.text(f"DROP USER IF EXISTS {grantee}"))
+    admin.dispose()
+
+
+def _deliver(engine: sa.Engine, table: str, events: list[Event], total: int) -> None:
+    add_events(engine, table, events)
+    wait_for(
+        lambda: status_counts(engine, table) == {"delivered": total},
+        timeout=30,
+        what="every row delivered",
+    )
+
+
+def _said_refused(warned: logging.LogRecord, password: str) -> None:
+    fields = warned.outboxkit_fields  # type: ignore[attr-defined]
+    assert fields["differing"] == {"binlog_row_image": "FULL"}
+    assert fields["wanted"] == {"binlog_row_image": "NOBLOB"}
+    assert "BINLOG ADMIN" in fields["advice"]
+    assert password not in warned.getMessage()
+
+
 def test_a_user_without_the_privilege_runs_with_the_servers_image_and_is_told(
     binlog_url: str,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     embedded: Callable[..., EmbeddedRelay],
+    relay_user: Callable[[bool], RelayUser],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The relay's user may not set the session's image (BINLOG ADMIN on
@@ -131,40 +187,56 @@ def test_a_user_without_the_privilege_runs_with_the_servers_image_and_is_told(
     caplog.set_level(logging.INFO, logger="outboxkit")
     admin = sa.create_engine(binlog_url)
     table = "outbox_plain_user"
-    user, password = f"relay_{uuid.uuid4().hex[:8]}", secrets.token_hex(8)
-    database = sa.make_url(binlog_url).database
     try:
         apply_schema(admin, table=table, shards=4)
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY '{password}'"))
-            conn.execute(
-                sa.text(
-                    f"GRANT SELECT, INSERT, UPDATE, DELETE ON {database}.* TO '{user}'@'127.0.0.1'"
-                )
-            )
-        url = sa.make_url(binlog_url).set(username=user, password=password)
-        url_text = url.render_as_string(hide_password=False)
+        user = relay_user(False)
         topic = kafka_topics(partitions=1)
-        add_events(admin, table, _events(topic)[:10])
         relay = embedded(
-            fast_settings(url_text, kafka_bootstrap, table=table, binlog_row_image="noblob")
+            fast_settings(user.url, kafka_bootstrap, table=table, binlog_row_image="noblob")
         )
-        wait_for(
-            lambda: status_counts(admin, table) == {"delivered": 10},
-            timeout=30,
-            what="every row delivered",
-        )
+        _deliver(admin, table, _events(topic)[:10], 10)
         assert relay.stop() == 0
         warned = _warnings(caplog)
         assert len(warned) == 1, warned
-        fields = warned[0].outboxkit_fields  # type: ignore[attr-defined]
-        assert fields["differing"] == {"binlog_row_image": "FULL"}
-        assert fields["wanted"] == {"binlog_row_image": "NOBLOB"}
-        assert "BINLOG ADMIN" in fields["advice"]
-        assert password not in warned[0].getMessage()
+        _said_refused(warned[0], user.password)
     finally:
+        admin.dispose()
+
+
+def test_a_privilege_revoked_while_the_relay_runs_is_said_when_a_session_reconnects(
+    binlog_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    embedded: Callable[..., EmbeddedRelay],
+    relay_user: Callable[[bool], RelayUser],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Started with the privilege, the relay says nothing; once it is revoked,
+    the next new session (here: after the pool was emptied, as after a
+    database restart) keeps the server's image, and the relay says so once and
+    goes on delivering."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+    admin = sa.create_engine(binlog_url)
+    table = "outbox_revoked"
+    try:
+        apply_schema(admin, table=table, shards=4)
+        user = relay_user(True)
+        topic = kafka_topics(partitions=1)
+        events = _events(topic)[:20]
+        relay = embedded(
+            fast_settings(user.url, kafka_bootstrap, table=table, binlog_row_image="noblob")
+        )
+        _deliver(admin, table, events[:10], 10)
+        assert _warnings(caplog) == []
         with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP USER IF EXISTS '{user}'@'127.0.0.1'"))
+            conn.execute(sa.text(f"REVOKE BINLOG ADMIN ON *.* FROM {user.grantee}"))
+        relay.relay.engine.dispose()  # every later statement opens a new session
+        _deliver(admin, table, events[10:], 20)
+        assert relay.stop() == 0
+        warned = _warnings(caplog)
+        assert len(warned) == 1, warned
+        _said_refused(warned[0], user.password)
+    finally:
         admin.dispose()
 
 
