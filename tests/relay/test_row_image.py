@@ -130,8 +130,15 @@ class RelayUser:
 
 
 @pytest.fixture
-def relay_user(binlog_url: str) -> Iterator[Callable[[bool], RelayUser]]:
-    admin = sa.create_engine(binlog_url)
+def admin(binlog_url: str) -> Iterator[sa.Engine]:
+    """The instance's administrator (all privileges): schema, users, grants, rows."""
+    engine = sa.create_engine(binlog_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def relay_user(binlog_url: str, admin: sa.Engine) -> Iterator[Callable[[bool], RelayUser]]:
     made: list[str] = []
 
     def make(binlog_admin: bool) -> RelayUser:
@@ -153,7 +160,25 @@ def relay_user(binlog_url: str) -> Iterator[Callable[[bool], RelayUser]]:
     with admin.begin() as conn:
         for grantee in made:
             conn.execute(sa.text(f"DROP USER IF EXISTS {grantee}"))
-    admin.dispose()
+
+
+@pytest.fixture
+def noblob_relay(
+    admin: sa.Engine,
+    kafka_bootstrap: str,
+    embedded: Callable[..., EmbeddedRelay],
+    caplog: pytest.LogCaptureFixture,
+) -> Callable[[str, RelayUser], EmbeddedRelay]:
+    """Start a relay as ``user`` on a new outbox ``table``, asking for NOBLOB images."""
+    caplog.set_level(logging.INFO, logger="outboxkit")
+
+    def start(table: str, user: RelayUser) -> EmbeddedRelay:
+        apply_schema(admin, table=table, shards=4)
+        return embedded(
+            fast_settings(user.url, kafka_bootstrap, table=table, binlog_row_image="noblob")
+        )
+
+    return start
 
 
 def _deliver(engine: sa.Engine, table: str, events: list[Event], total: int) -> None:
@@ -174,70 +199,48 @@ def _said_refused(warned: logging.LogRecord, password: str) -> None:
 
 
 def test_a_user_without_the_privilege_runs_with_the_servers_image_and_is_told(
-    binlog_url: str,
-    kafka_bootstrap: str,
+    admin: sa.Engine,
     kafka_topics: Callable[..., str],
-    embedded: Callable[..., EmbeddedRelay],
     relay_user: Callable[[bool], RelayUser],
+    noblob_relay: Callable[[str, RelayUser], EmbeddedRelay],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The relay's user may not set the session's image (BINLOG ADMIN on
     MariaDB): the relay starts and delivers as with ``server``, and says once,
     at start, what it could not set and the grant that would."""
-    caplog.set_level(logging.INFO, logger="outboxkit")
-    admin = sa.create_engine(binlog_url)
-    table = "outbox_plain_user"
-    try:
-        apply_schema(admin, table=table, shards=4)
-        user = relay_user(False)
-        topic = kafka_topics(partitions=1)
-        relay = embedded(
-            fast_settings(user.url, kafka_bootstrap, table=table, binlog_row_image="noblob")
-        )
-        _deliver(admin, table, _events(topic)[:10], 10)
-        assert relay.stop() == 0
-        warned = _warnings(caplog)
-        assert len(warned) == 1, warned
-        _said_refused(warned[0], user.password)
-    finally:
-        admin.dispose()
+    table, user = "outbox_plain_user", relay_user(False)
+    relay = noblob_relay(table, user)
+    _deliver(admin, table, _events(kafka_topics(partitions=1))[:10], 10)
+    assert relay.stop() == 0
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    _said_refused(warned[0], user.password)
 
 
 def test_a_privilege_revoked_while_the_relay_runs_is_said_when_a_session_reconnects(
-    binlog_url: str,
-    kafka_bootstrap: str,
+    admin: sa.Engine,
     kafka_topics: Callable[..., str],
-    embedded: Callable[..., EmbeddedRelay],
     relay_user: Callable[[bool], RelayUser],
+    noblob_relay: Callable[[str, RelayUser], EmbeddedRelay],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Started with the privilege, the relay says nothing; once it is revoked,
     the next new session (here: after the pool was emptied, as after a
     database restart) keeps the server's image, and the relay says so once and
     goes on delivering."""
-    caplog.set_level(logging.INFO, logger="outboxkit")
-    admin = sa.create_engine(binlog_url)
-    table = "outbox_revoked"
-    try:
-        apply_schema(admin, table=table, shards=4)
-        user = relay_user(True)
-        topic = kafka_topics(partitions=1)
-        events = _events(topic)[:20]
-        relay = embedded(
-            fast_settings(user.url, kafka_bootstrap, table=table, binlog_row_image="noblob")
-        )
-        _deliver(admin, table, events[:10], 10)
-        assert _warnings(caplog) == []
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"REVOKE BINLOG ADMIN ON *.* FROM {user.grantee}"))
-        relay.relay.engine.dispose()  # every later statement opens a new session
-        _deliver(admin, table, events[10:], 20)
-        assert relay.stop() == 0
-        warned = _warnings(caplog)
-        assert len(warned) == 1, warned
-        _said_refused(warned[0], user.password)
-    finally:
-        admin.dispose()
+    table, user = "outbox_revoked", relay_user(True)
+    events = _events(kafka_topics(partitions=1))[:20]
+    relay = noblob_relay(table, user)
+    _deliver(admin, table, events[:10], 10)
+    assert _warnings(caplog) == []
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"REVOKE BINLOG ADMIN ON *.* FROM {user.grantee}"))
+    relay.relay.engine.dispose()  # every later statement opens a new session
+    _deliver(admin, table, events[10:], 20)
+    assert relay.stop() == 0
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    _said_refused(warned[0], user.password)
 
 
 @pytest.mark.parametrize("init", [False, True])
