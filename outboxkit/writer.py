@@ -24,7 +24,6 @@ caller commits.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -36,7 +35,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -50,9 +48,10 @@ from outboxkit.errors import (
     PayloadTooLargeError,
     UnserializablePayloadError,
 )
-from outboxkit.notify import NOTIFY_DIALECTS, channel_sql, notify_at_commit
+from outboxkit.inserts import ROW_COLUMNS, insert_notifying, insert_rows
+from outboxkit.notify import NOTIFY_DIALECTS, notify_at_commit
 from outboxkit.runtime.tracing import trace_headers, with_trace_headers
-from outboxkit.schema.apply import read_shard_count
+from outboxkit.schema.apply import read_table_meta
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
 from outboxkit.schema.table import (
     DEFAULT_TABLE,
@@ -60,9 +59,7 @@ from outboxkit.schema.table import (
     MAX_KEY_BYTES,
     MAX_TOPIC_LENGTH,
     MYSQL_DIALECTS,
-    Status,
-    db_now,
-    outbox_table,
+    PAYLOAD_ASIDE_VERSION,
     validate_identifier,
 )
 from outboxkit.wakeup import mark_enqueued
@@ -96,15 +93,6 @@ RESERVED_HEADERS = frozenset({"event_id"})
 
 _TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
 _EVENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
-#: Rows per INSERT statement, and a byte budget so one statement stays well under
-#: the server's max_allowed_packet.
-_CHUNK_ROWS = 1000
-_CHUNK_BYTES = 4 * 1024 * 1024
-#: The budget of one multi-row INSERT (MySQL/MariaDB), whose escaped binary
-#: payloads may take up to twice their size on the wire: under MySQL 5.7's
-#: default max_allowed_packet of 4 MiB, as PyMySQL keeps its own multi-row
-#: statements under 1,024,000 bytes.
-_STATEMENT_BYTES = 1024 * 1024
 
 Payload = bytes | bytearray | memoryview | str | object
 Target = Connection | Session
@@ -262,116 +250,20 @@ def _prepare(
 
 def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
     conn = target.connection() if isinstance(target, Session) else target
-    shard_count = _shard_count(conn, table)
+    shard_count, aside = _table_layout(conn, table)
     for row in rows:
         row["shard"] = shard_for(row["message_key"], row["event_id"], shard_count)
     if len(rows) == 1 and conn.dialect.name in NOTIFY_DIALECTS:
-        # One event (``enqueue``): the INSERT and its NOTIFY in one statement, a
-        # round trip less per transaction; the NOTIFY is still sent at commit.
-        params = {f"{col}_0": rows[0][col] for col in _ROW_COLUMNS}
-        conn.execute(_insert_notifying(conn.dialect, table), params)
+        # One event (``enqueue``): the INSERT (payload aside too) and its NOTIFY
+        # in one statement, a round trip less per transaction; the NOTIFY is
+        # still sent at commit.
+        params = {f"{col}_0": rows[0][col] for col in ROW_COLUMNS}
+        conn.execute(insert_notifying(conn.dialect, table, aside), params)
     else:
-        _insert(conn, table, rows)
+        insert_rows(conn, table, rows, aside)
         # PostgreSQL: NOTIFY in the caller's transaction, so sent exactly at its commit.
         notify_at_commit(conn, table, (row["shard"] for row in rows))
     mark_enqueued(target, conn, table)  # for Redis wake-up hints after commit, when enabled
-
-
-def _insert(conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
-    # On MySQL/MariaDB an executemany goes row by row (PyMySQL, when VALUES holds
-    # SQL functions), so enqueue_many sends multi-row INSERTs instead. psycopg 3
-    # pipelines an executemany, which measured faster than one long statement.
-    multi_row = conn.dialect.name in MYSQL_DIALECTS
-    for chunk in _chunks(rows, _STATEMENT_BYTES if multi_row else _CHUNK_BYTES):
-        if not multi_row:
-            conn.execute(_insert_row(table), chunk)
-            continue
-        start = 0
-        for size in _insert_sizes(len(chunk)):
-            part = chunk[start : start + size]
-            start += size
-            conn.execute(
-                _insert_rows(conn.dialect, table, size),
-                {f"{col}_{n}": row[col] for n, row in enumerate(part) for col in _ROW_COLUMNS},
-            )
-
-
-#: The columns an event fills; the rest are set by the database (id) or fixed.
-_ROW_COLUMNS = ("topic", "payload", "message_key", "headers", "event_id", "shard")
-
-
-def _fixed_values(t: sa.Table) -> dict[str, sa.ColumnElement[Any]]:
-    """What every new row of ``t`` holds besides the event's columns
-    (``_ROW_COLUMNS``): pending, no attempt yet, due now by the database's clock."""
-    return {
-        "status": sa.literal(Status.PENDING.value, t.c.status.type),
-        "attempts": sa.literal(0, t.c.attempts.type),
-        "next_attempt_at": db_now(),
-        "created_at": db_now(),
-        "updated_at": db_now(),
-    }
-
-
-@functools.lru_cache(maxsize=32)
-def _insert_row(table: str) -> sa.Insert:
-    """The one-row INSERT an executemany repeats (cached by SQLAlchemy)."""
-    t = outbox_table(table)
-    return t.insert().values(**_fixed_values(t))
-
-
-def _insert_sizes(count: int) -> list[int]:
-    """``count`` as a sum of powers of two, largest first (13 -> 8, 4, 1).
-
-    One multi-row INSERT per part: a few statements per chunk instead of one
-    per row (an executemany whose VALUES hold SQL functions is sent row by row
-    by PyMySQL), and at most one statement text per power of two to compile."""
-    return [1 << bit for bit in range(count.bit_length() - 1, -1, -1) if count >> bit & 1]
-
-
-@functools.lru_cache(maxsize=64)
-def _insert_rows(dialect: sa.Dialect, table: str, count: int) -> sa.TextClause:
-    """``INSERT ... VALUES (...), (...)`` of ``count`` pending rows, parameters
-    ``<column>_<n>`` for the n-th row; the rows get their ids in this order.
-
-    Text, compiled for ``dialect`` once: SQLAlchemy caches no multi-VALUES
-    INSERT, and compiling one for every call cost more than the round trips it
-    saved."""
-    sql, binds = _insert_sql(dialect, table, count)
-    return sa.text(sql).bindparams(*binds)
-
-
-@functools.lru_cache(maxsize=32)
-def _insert_notifying(dialect: sa.Dialect, table: str) -> sa.TextClause:
-    """PostgreSQL: one pending row (parameters ``<column>_0``) and the ``NOTIFY``
-    of its shard (as :func:`outboxkit.notify.notify_at_commit`), in one statement."""
-    sql, binds = _insert_sql(dialect, table, 1)
-    return sa.text(
-        f"WITH ins AS ({sql} RETURNING shard) "
-        f"SELECT pg_notify({channel_sql(table)}, CAST(shard AS text)) FROM ins"
-    ).bindparams(*binds)
-
-
-def _insert_sql(
-    dialect: sa.Dialect, table: str, count: int
-) -> tuple[str, list[sa.BindParameter[Any]]]:
-    t = outbox_table(table)
-    quote = dialect.identifier_preparer.quote
-    fixed = {
-        col: str(value.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
-        for col, value in _fixed_values(t).items()
-    }
-    columns = ", ".join(quote(col) for col in (*_ROW_COLUMNS, *fixed))
-    rows = ", ".join(
-        "(" + ", ".join([*(f":{col}_{n}" for col in _ROW_COLUMNS), *fixed.values()]) + ")"
-        for n in range(count)
-    )
-    sql = f"INSERT INTO {dialect.identifier_preparer.format_table(t)} ({columns}) VALUES {rows}"
-    binds = [
-        sa.bindparam(f"{col}_{n}", type_=t.c[col].type)
-        for n in range(count)
-        for col in _ROW_COLUMNS
-    ]
-    return sql, binds
 
 
 def _refuse_repeated_ids(rows: list[dict[str, Any]]) -> None:
@@ -593,28 +485,22 @@ def uuid7() -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
-_shard_cache: dict[tuple[str, str], int] = {}
+#: Per database and table: its shard count, and whether payloads go aside.
+_layout_cache: dict[tuple[str, str], tuple[int, bool]] = {}
+#: Where the payload table is written (SQLite keeps payloads in the outbox
+#: table: it has no relay to speed up, and cannot loosen the column's NOT NULL).
+_ASIDE_DIALECTS = (*MYSQL_DIALECTS, "postgresql")
 
 
-def _shard_count(conn: Connection, table: str) -> int:
-    # The shard count is fixed when the table is created, so one read per process.
+def _table_layout(conn: Connection, table: str) -> tuple[int, bool]:
+    """The table's shard count, and whether its payloads go to the payload table
+    (schema version 3 and later). Read once per process: the shard count is fixed
+    when the table is created, and a process that read an older version keeps
+    writing payloads into the outbox table, which every relay reads too."""
     cache_key = (conn.engine.url.render_as_string(hide_password=True), table)
-    count = _shard_cache.get(cache_key)
-    if count is None:
-        count = read_shard_count(conn, table)
-        _shard_cache[cache_key] = count
-    return count
-
-
-def _chunks(rows: list[dict[str, Any]], max_bytes: int) -> Iterable[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    size = 0
-    for row in rows:
-        row_size = len(row["payload"]) + len(row["headers"] or "") + 200
-        if chunk and (len(chunk) >= _CHUNK_ROWS or size + row_size > max_bytes):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(row)
-        size += row_size
-    if chunk:
-        yield chunk
+    layout = _layout_cache.get(cache_key)
+    if layout is None:
+        count, version = read_table_meta(conn, table)
+        aside = version >= PAYLOAD_ASIDE_VERSION and conn.dialect.name in _ASIDE_DIALECTS
+        layout = _layout_cache[cache_key] = (count, aside)
+    return layout

@@ -61,6 +61,12 @@ row of a key holds the key back, expired or not, so nothing overtakes a row
 left for the next claim that looks (the relay looks at least once per
 ``poll_interval``, and whenever nothing of its own is in flight).
 
+Payloads: the lock statement reads each row's payload and headers from the
+row, or, where its ``payload`` is NULL, from its payload row (the payload table,
+outer-joined on ``event_id``; ``schema.table.payload_table``), with their sizes
+for the byte budget. A row with neither is failed unsent (``_missing_payloads``).
+Only the outbox row is leased; its payload row never changes.
+
 Everything runs in one short READ COMMITTED transaction (no gap locks that
 would block writers' inserts), on MySQL/MariaDB and PostgreSQL alike.
 
@@ -96,7 +102,14 @@ from outboxkit.relay.claim_sql import candidates, id_in, lease_over
 from outboxkit.relay.rows import Batch, ByteBudget, ClaimedRow, ClaimFence
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import Status, db_now, outbox_table
+from outboxkit.schema.table import (
+    Status,
+    db_now,
+    outbox_table,
+    payload_table,
+    payload_table_name,
+    stored_payload,
+)
 
 __all__ = [
     # Moved to outboxkit.relay.rows; still exported here, as outboxkit.relay
@@ -187,9 +200,10 @@ def claim_batch(
                 lock, {"ids": [i for i, _ in found], "inline_max": inline_max}
             ).all()
             locked = _keep_key_order(found, locked_rows)
-            unsendable: dict[int, str] = {}
+            unsendable = _missing_payloads(locked, table)
             if budget is not None:
-                locked, unsendable = _within_budget(locked, budget)
+                locked, over = _within_budget(locked, budget)
+                unsendable.update(over)
             if not locked:
                 return None
             claimed_mono = time.monotonic()
@@ -300,21 +314,30 @@ def _claim_statements(table: str, dialect: str) -> tuple[sa.Select[Any], sa.Upda
     # The row's age at the claim, computed by the server as an integer: cheaper to
     # read than the two timestamps it comes from, and on the database clock.
     columns["age_us"] = sa.cast(micros_between(t.c.created_at, now), sa.BigInteger).label("age_us")
+    # Payload and headers from the outbox row, or from its payload row when the
+    # row's own are NULL (schema.table.payload_table); NULL sizes when neither
+    # has them (a foreign row: see _missing_payloads).
+    p = payload_table(table)
+    payload, headers = stored_payload(t, p)
     # Payload and headers only for rows up to ``inline_max`` bytes (see ByteBudget);
     # the sizes of every row, which the server knows without sending the bytes.
-    payload_bytes = sa.func.octet_length(t.c.payload)
-    headers_bytes = sa.func.coalesce(sa.func.octet_length(t.c.headers), 0)
+    payload_bytes = sa.func.octet_length(payload)
+    headers_bytes = sa.func.coalesce(sa.func.octet_length(headers), 0)
     inline = payload_bytes + headers_bytes <= sa.bindparam(
         "inline_max", _ALL_INLINE, type_=sa.BigInteger()
     )
-    columns["payload"] = sa.case((inline, t.c.payload), else_=sa.null()).label("payload")
-    columns["headers"] = sa.case((inline, t.c.headers), else_=sa.null()).label("headers")
+    columns["payload"] = sa.case((inline, payload), else_=sa.null()).label("payload")
+    columns["headers"] = sa.case((inline, headers), else_=sa.null()).label("headers")
     sizes = (payload_bytes.label("payload_bytes"), headers_bytes.label("headers_bytes"))
+    # Only the outbox row is locked where the server can say so (PostgreSQL,
+    # MySQL 8: ``FOR UPDATE OF``); MariaDB locks the payload row with it, which
+    # nothing else locks while the outbox row is due.
     lock = (
         sa.select(*(columns[name] for name in _LOCKED_COLUMNS), *sizes)
+        .select_from(t.outerjoin(p, p.c.event_id == t.c.event_id))
         .where(id_in(t.c.id, dialect), eligible)
         .order_by(t.c.id)
-        .with_for_update(skip_locked=True)
+        .with_for_update(skip_locked=True, of=t)
     )
     lease = (
         t.update()
@@ -411,6 +434,9 @@ def _within_budget(
         row_id, key = row[0], row[3]  # _LOCKED_COLUMNS: id, event_id, topic, message_key
         if key is not None and key in blocked:
             continue
+        if row[_SIZES_AT] is None:  # no payload (_missing_payloads): nothing to load
+            kept.append(row)
+            continue
         payload_bytes, headers_bytes = int(row[_SIZES_AT]), int(row[_SIZES_AT + 1])
         if payload_bytes + len(key or b"") > budget.max_message_bytes:
             unsendable[row_id] = (
@@ -430,6 +456,20 @@ def _within_budget(
         used += size
         kept.append(row)
     return kept, unsendable
+
+
+def _missing_payloads(locked: Sequence[Sequence[Any]], table: str) -> dict[int, str]:
+    """Why each locked row with no payload cannot be sent, by row id: its
+    ``payload`` is NULL and the payload table has no row for its event id (a
+    writer stored neither). Such a row fails; it is never sent without one."""
+    return {
+        row[0]: (
+            f"no payload: its payload column is NULL and {payload_table_name(table)} has no "
+            "row for its event id; store the payload there (or in the row), then requeue it"
+        )
+        for row in locked
+        if row[_SIZES_AT] is None
+    }
 
 
 def _load_deferred(
@@ -465,9 +505,15 @@ def _pg_binary_rows(conn: Connection, table: str, ids: list[int]) -> dict[int, S
     the claim's transaction. In text, the default, a ``bytea`` travels as hex: the
     driver held twice each payload's size before decoding it."""
     driver = conn.connection.driver_connection
-    # Quoted as SQLAlchemy quotes it (a mixed-case name is not folded).
+    # Quoted as SQLAlchemy quotes them (a mixed-case name is not folded).
     name = conn.dialect.identifier_preparer.quote(table)
-    query = f"SELECT id, payload, headers FROM {name} WHERE id = ANY(%s)"
+    aside = conn.dialect.identifier_preparer.quote(payload_table_name(table))
+    query = (
+        "SELECT o.id, COALESCE(o.payload, p.payload),"
+        " CASE WHEN o.payload IS NULL THEN p.headers ELSE o.headers END"
+        f" FROM {name} o LEFT JOIN {aside} p ON p.event_id = o.event_id"
+        " WHERE o.id = ANY(%s)"
+    )
     with driver.cursor(binary=True) as cursor:  # type: ignore[union-attr]
         cursor.execute(query, [ids])
         return {r[0]: r for r in cursor.fetchall()}
@@ -476,7 +522,12 @@ def _pg_binary_rows(conn: Connection, table: str, ids: list[int]) -> dict[int, S
 @functools.lru_cache(maxsize=32)
 def _payloads_statement(table: str, dialect: str) -> sa.Select[Any]:
     t = outbox_table(table)
-    return sa.select(t.c.id, t.c.payload, t.c.headers).where(id_in(t.c.id, dialect))
+    p = payload_table(table)
+    return (
+        sa.select(t.c.id, *stored_payload(t, p))
+        .select_from(t.outerjoin(p, p.c.event_id == t.c.event_id))
+        .where(id_in(t.c.id, dialect))
+    )
 
 
 def _record_reclaims(

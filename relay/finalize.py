@@ -29,7 +29,7 @@ from outboxkit.relay.delivery import ErrorKind, Report, config_fault_reason
 from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, outbox_table
+from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, delete_payloads, outbox_table
 
 __all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finalize"]
 
@@ -340,7 +340,9 @@ def _write(
 ) -> int:
     """Write one group of at most ``_CHUNK`` rows; the number of rows matched."""
     if fate is Fate.DELIVERED and delete_on_deliver:
-        return conn.execute(t.delete().where(_guarded(t, group)), _who(batch)).rowcount
+        deleted = conn.execute(t.delete().where(_guarded(t, group)), _who(batch)).rowcount
+        delete_payloads(conn, t.name, [d.row.event_id for d in group])
+        return deleted
     if fate is Fate.DELIVERED:
         per_row = [(d.row.id, d.partition, d.offset) for d in group]
     elif fate is Fate.RETRYABLE:

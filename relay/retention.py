@@ -57,6 +57,7 @@ from outboxkit.schema.table import (
     MYSQL_DIALECTS,
     Status,
     db_now,
+    delete_payloads,
     outbox_table,
     validate_identifier,
 )
@@ -137,25 +138,22 @@ def purge(
             if stop():
                 stopped = True
                 break
-            ids = (
-                conn.execute(
-                    sa.select(t.c.id)
-                    .where(
-                        t.c.status == Status.DELIVERED.value,
-                        t.c.delivered_at < cutoff,
-                        t.c.id > last_id,
-                    )
-                    .order_by(t.c.id)
-                    .limit(batch_size)
+            rows = conn.execute(
+                sa.select(t.c.id, t.c.event_id)
+                .where(
+                    t.c.status == Status.DELIVERED.value,
+                    t.c.delivered_at < cutoff,
+                    t.c.id > last_id,
                 )
-                .scalars()
-                .all()
-            )
+                .order_by(t.c.id)
+                .limit(batch_size)
+            ).all()
             conn.commit()  # end the read's snapshot; the DELETE is its own transaction
-            if not ids:
+            if not rows:
                 break
+            ids = [r[0] for r in rows]
             last_id = ids[-1]
-            n = _delete_batch(conn, t, list(ids), cutoff, stop)
+            n = _delete_batch(conn, t, ids, [r[1] for r in rows], cutoff, stop)
             if n is None:
                 stopped = True
                 break
@@ -305,10 +303,16 @@ class _Stopping(tenacity.stop.stop_base):
 
 
 def _delete_batch(
-    conn: Connection, t: sa.Table, ids: list[int], cutoff: dt.datetime, stop: Callable[[], bool]
+    conn: Connection,
+    t: sa.Table,
+    ids: list[int],
+    event_ids: list[str],
+    cutoff: dt.datetime,
+    stop: Callable[[], bool],
 ) -> int | None:
-    """Delete one batch; None when ``stop()`` came true while it waited for a lock
-    (rolled back, left for the next run), so a drain does not wait for retries."""
+    """Delete one batch, and the payload rows of those deleted (``event_ids``: of
+    ``ids``); None when ``stop()`` came true while it waited for a lock (rolled
+    back, left for the next run), so a drain does not wait for retries."""
     stmt = t.delete().where(
         t.c.id.in_(ids),
         t.c.status == Status.DELIVERED.value,
@@ -318,6 +322,7 @@ def _delete_batch(
     def attempt() -> int:
         try:
             n = conn.execute(stmt).rowcount
+            delete_payloads(conn, t.name, event_ids)
             conn.commit()
         except sa.exc.OperationalError:
             conn.rollback()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,8 +29,11 @@ MAX_SHARDS = 4096
 #: SQLAlchemy's dialect names for MySQL and MariaDB: one SQL family here (types,
 #: index hints, multi-row INSERTs, DDL), told apart only where the servers differ.
 MYSQL_DIALECTS = ("mysql", "mariadb")
-#: 2: identifiers compare byte for byte (``Identifier``); ``schema apply`` upgrades.
-SCHEMA_VERSION = 2
+#: 2: identifiers compare byte for byte (``Identifier``); 3: payloads aside
+#: (:func:`payload_table`). ``schema apply`` upgrades.
+SCHEMA_VERSION = 3
+#: From this version on, ``enqueue`` writes each payload aside (:func:`payload_table`).
+PAYLOAD_ASIDE_VERSION = 3
 
 #: Kafka's own limit on topic names.
 MAX_TOPIC_LENGTH = 249
@@ -238,7 +242,8 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
             ),
             nullable=True,
         ),
-        sa.Column("payload", _blob(), nullable=False),
+        # NULL: the payload and headers are in the payload table (payload_table).
+        sa.Column("payload", _blob(), nullable=True),
         sa.Column("headers", sa.Text(), nullable=True),
         sa.Column("shard", sa.SmallInteger(), nullable=False),
         sa.Column("status", _status(), nullable=False),
@@ -268,6 +273,81 @@ def outbox_table(name: str = DEFAULT_TABLE) -> sa.Table:
         postgresql_where=undelivered(t),
     )
     return t
+
+
+def payload_table_name(table: str) -> str:
+    """The name of the payload table of the outbox table ``table``."""
+    return f"{validate_identifier(table)}_payload"
+
+
+@functools.cache
+def payload_table(table: str = DEFAULT_TABLE) -> sa.Table:
+    """The payloads and headers of the outbox table ``table``'s rows, by event id.
+
+    ``enqueue`` writes an event's row with ``payload`` and ``headers`` NULL and
+    puts them here, in the same transaction. A status change then rewrites and
+    logs only the narrow state row, never the payload: with the binary log on in
+    row format and full images, each status change logged the whole row, payload
+    included, before and after (docs/performance.md). Nothing here changes
+    after the insert; the row goes when its event's row is deleted (delete on
+    deliver, the retention purge, ``admin discard``), in the same transaction.
+
+    Rows written before this table existed, or by another writer, keep their
+    payload in the outbox table's own columns: a row whose ``payload`` is not
+    NULL is read from there. Keyed by ``event_id`` (the writer knows it before
+    the insert; the row's ``id`` only after it)."""
+    t = outbox_table(table)
+    md = sa.MetaData()
+    return sa.Table(
+        payload_table_name(table),
+        md,
+        sa.Column("event_id", Identifier(MAX_EVENT_ID_LENGTH), primary_key=True),
+        sa.Column("payload", t.c.payload.type, nullable=False),
+        sa.Column("headers", sa.Text(), nullable=True),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+def stored_payload(
+    t: sa.FromClause, p: sa.FromClause
+) -> tuple[sa.ColumnElement[Any], sa.ColumnElement[Any]]:
+    """An outbox row's payload and headers, of ``t`` outer-joined to its payload
+    table ``p`` on ``event_id``: the row's own when its ``payload`` is not NULL,
+    else its payload row's (NULL when it has none)."""
+    in_row = t.c.payload.is_not(None)
+    return (
+        sa.func.coalesce(t.c.payload, p.c.payload),
+        sa.case((in_row, t.c.headers), else_=p.c.headers),
+    )
+
+
+def outbox_rows_query(table: str = DEFAULT_TABLE) -> sa.Select[Any]:
+    """Every column of the outbox table ``table`` (in its order), each row's
+    ``payload`` and ``headers`` read wherever it keeps them (see
+    :func:`stored_payload`): what a query of the table showed before the payload
+    table existed. Add ``where``/``order_by`` as needed."""
+    t = outbox_table(table)
+    p = payload_table(table)
+    payload, headers = stored_payload(t, p)
+    resolved = {"payload": payload.label("payload"), "headers": headers.label("headers")}
+    return sa.select(*(resolved.get(c.name, c) for c in t.columns)).select_from(
+        t.outerjoin(p, p.c.event_id == t.c.event_id)
+    )
+
+
+def delete_payloads(conn: sa.Connection, table: str, event_ids: Sequence[str]) -> int:
+    """Delete the payload rows of ``event_ids`` whose outbox row is gone; call it in
+    the transaction that deleted those outbox rows, after the DELETE. A payload
+    row whose event's row is still there (a DELETE that did not match it) stays.
+    Returns the number deleted."""
+    if not event_ids:
+        return 0
+    t = outbox_table(table)
+    p = payload_table(table)
+    gone = ~sa.exists().where(t.c.event_id == p.c.event_id)
+    stmt = p.delete().where(p.c.event_id.in_(sa.bindparam("event_ids", expanding=True)), gone)
+    return int(conn.execute(stmt, {"event_ids": list(event_ids)}).rowcount)
 
 
 @functools.cache

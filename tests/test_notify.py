@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from outboxkit import Event, enqueue, enqueue_async, enqueue_many
 from outboxkit.notify import notify_channel
-from outboxkit.schema import apply_schema, outbox_table, shard_for
+from outboxkit.schema import apply_schema, outbox_rows_query, outbox_table, shard_for
 from outboxkit.schema.table import validate_identifier
 
 pytestmark = pytest.mark.integration
@@ -168,8 +168,8 @@ def test_one_event_is_one_statement_with_its_notification(
     assert len(sent) == 2 and all("pg_notify" in text for text in sent), sent
     assert listener.until_marker(pg_engine) == [str(shard_for(b"k", "", 8))]  # not the rollback
     with pg_engine.connect() as conn:
-        payloads = conn.execute(sa.text(f"SELECT payload FROM {TABLE} ORDER BY id")).scalars()
-        assert [bytes(p) for p in payloads] == [b"warm-up", b"x"]
+        stored = conn.execute(outbox_rows_query(TABLE).order_by(outbox_table(TABLE).c.id))
+        assert [bytes(r.payload) for r in stored] == [b"warm-up", b"x"]
 
 
 @settings(

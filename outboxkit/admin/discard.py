@@ -39,7 +39,7 @@ from outboxkit.admin.rows import printable_bytes
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.parse import format_ts
 from outboxkit.schema.recovery import record_recovery
-from outboxkit.schema.table import Status, outbox_table, validate_identifier
+from outboxkit.schema.table import Status, delete_payloads, outbox_table, validate_identifier
 
 __all__ = ["DiscardResult", "discard"]
 
@@ -109,6 +109,7 @@ def discard(
                 ),
                 [{"row_id": row.id} for row in locked],
             )
+            delete_payloads(conn, table, [row.event_id for row in locked])
             record_recovery(
                 conn,
                 kind="discard",

@@ -18,7 +18,14 @@ from sqlalchemy.engine import Engine
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.parse import format_ts
 from outboxkit.schema.codec import decode_headers
-from outboxkit.schema.table import Status, outbox_table, recovery_table, validate_identifier
+from outboxkit.schema.table import (
+    Status,
+    outbox_table,
+    payload_table,
+    recovery_table,
+    stored_payload,
+    validate_identifier,
+)
 
 __all__ = [
     "FailedRow",
@@ -82,12 +89,22 @@ def list_failed(
 ) -> list[FailedRow]:
     """One page of ``failed`` rows in id order, starting after ``after_id``."""
     t = outbox_table(validate_identifier(table))
-    cols = [t.c.id, t.c.event_id, t.c.topic, t.c.message_key, t.c.attempts, t.c.last_error]
+    cols: list[sa.ColumnElement[Any]] = [
+        t.c.id,
+        t.c.event_id,
+        t.c.topic,
+        t.c.message_key,
+        t.c.attempts,
+        t.c.last_error,
+    ]
     cols.append(t.c.updated_at)
+    source: sa.FromClause = t
     if show_payload:
-        cols.append(t.c.payload)
+        source, payload, _ = _with_payload(table)
+        cols.append(payload)
     query = (
         sa.select(*cols)
+        .select_from(source)
         .where(t.c.status == Status.FAILED.value, t.c.id > after_id)
         .order_by(t.c.id)
         .limit(limit)
@@ -111,14 +128,37 @@ def list_failed(
     ]
 
 
+def _with_payload(
+    table: str,
+) -> tuple[sa.FromClause, sa.ColumnElement[Any], sa.ColumnElement[Any]]:
+    """The outbox table joined to its payload table, and the rows' payload and
+    headers (labelled so) wherever each row keeps them."""
+    t = outbox_table(table)
+    p = payload_table(table)
+    payload, headers = stored_payload(t, p)
+    source = t.outerjoin(p, p.c.event_id == t.c.event_id)
+    return source, payload.label("payload"), headers.label("headers")
+
+
 def show_row(
     engine: Engine, *, table: str, event_id: str, show_payload: bool = False
 ) -> dict[str, Any]:
     """Every column of one row, for display; raises UnknownEventError if absent."""
     t = outbox_table(validate_identifier(table))
-    cols = [c for c in t.columns if show_payload or c.name != "payload"]
+    source, payload, headers = _with_payload(table)
+    cols: list[sa.ColumnElement[Any]] = []
+    for c in t.columns:
+        if c.name == "payload":
+            if show_payload:
+                cols.append(payload)
+        else:
+            cols.append(headers if c.name == "headers" else c)
     with engine.connect() as conn:
-        row = conn.execute(sa.select(*cols).where(t.c.event_id == event_id)).mappings().first()
+        row = (
+            conn.execute(sa.select(*cols).select_from(source).where(t.c.event_id == event_id))
+            .mappings()
+            .first()
+        )
     if row is None:
         raise UnknownEventError(f"no event with event_id {event_id!r} in table {table}")
     out: dict[str, Any] = {}

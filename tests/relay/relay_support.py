@@ -29,7 +29,7 @@ from outboxkit import Event, enqueue_many
 from outboxkit.relay import PUSH_JOB, Relay, RelaySettings
 from outboxkit.relay._dbtime import db_now_plus
 from outboxkit.runtime.identity import read_identity
-from outboxkit.schema import outbox_table
+from outboxkit.schema import outbox_rows_query, outbox_table
 
 REPO = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -142,9 +142,10 @@ def outbox_key(engine: sa.Engine, table: str = "outbox_events") -> str:
 
 
 def rows(engine: sa.Engine, table: str) -> list[sa.Row[Any]]:
+    """Every row of the outbox ``table``, payload and headers wherever kept."""
     t = outbox_table(table)
     with engine.connect() as conn:
-        return list(conn.execute(sa.select(t).order_by(t.c.id)))
+        return list(conn.execute(outbox_rows_query(table).order_by(t.c.id)))
 
 
 def status_counts(engine: sa.Engine, table: str) -> dict[str, int]:

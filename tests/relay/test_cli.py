@@ -147,6 +147,35 @@ def test_a_postgresql_schema_without_the_crc32_function_exits_3_saying_apply(
 
 
 @pytest.mark.integration
+@on_both_databases
+def test_a_release_2_table_without_its_payload_table_exits_3_saying_apply(
+    db_url: str, kafka_bootstrap: str
+) -> None:
+    """Release 2's tables have no payload table, which this release's claim reads:
+    the relay says to run ``schema apply`` (which adds it) instead of failing
+    every claim."""
+    engine = sa.create_engine(db_url)
+    try:
+        apply_schema(engine, shards=8)
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE outbox_events_payload"))
+        result = _cli(
+            "--health-port", "0", "--connect-timeout", "2",
+            env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
+        )  # fmt: skip
+        assert result.returncode == EXIT_DEPENDENCY, result.stderr
+        assert (
+            "the payload table outbox_events_payload of table 'outbox_events' is missing: "
+            "run `outboxkit schema apply`"
+        ) in result.stderr
+        assert [a for a in apply_schema(engine, shards=8).actions if "payload" in a] == [
+            "created table outbox_events_payload"
+        ]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.integration
 def test_a_mysql_table_without_the_key_index_exits_3_saying_apply(
     engine: sa.Engine, db_url: str, outbox: str, kafka_bootstrap: str
 ) -> None:

@@ -1,8 +1,10 @@
 """``--binlog-row-image``: what the relay's status changes write to the binary log.
 
 With the binary log on in row format and full row images (production's usual
-MySQL/MariaDB), each status change logs the whole row before and after it,
-payload included. ``noblob`` and ``minimal``, set on the relay's own sessions,
+MySQL/MariaDB), each status change logs the whole row before and after it. A
+row as ``enqueue`` writes it keeps its payload in the payload table, so that is
+small; a row with the payload in it (release 2's, or another writer's) logs the
+payload each time. ``noblob`` and ``minimal``, set on the relay's own sessions,
 leave the unchanged payload out; the writer's inserts are its own sessions and
 log as the server says.
 
@@ -28,7 +30,7 @@ from bench.dblog import LogMeter
 from outboxkit import Event
 from outboxkit.relay.engine import check_row_image, create_engine
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.schema import apply_schema
+from outboxkit.schema import apply_schema, payload_table
 
 pytestmark = pytest.mark.integration
 
@@ -54,6 +56,21 @@ def _events(topic: str) -> list[Event]:
     ]
 
 
+def _into_the_rows(engine: sa.Engine, table: str) -> None:
+    """Move every payload (and headers) from the payload table into its row, as
+    release 2's writer stored them."""
+    aside = payload_table(table).name
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"UPDATE {table} o JOIN {aside} p ON p.event_id = o.event_id"
+                " SET o.payload = p.payload, o.headers = p.headers"
+            )
+        )
+        conn.execute(sa.text(f"DELETE FROM {aside}"))
+
+
+@pytest.mark.parametrize("layout", ["aside", "in-row"])
 @pytest.mark.parametrize("image", ["server", "noblob", "minimal"])
 def test_the_relay_logs_the_row_images_it_is_told_to(
     binlog_url: str,
@@ -61,9 +78,10 @@ def test_the_relay_logs_the_row_images_it_is_told_to(
     kafka_topics: Callable[..., str],
     embedded: Callable[..., EmbeddedRelay],
     image: str,
+    layout: str,
 ) -> None:
     engine = sa.create_engine(binlog_url)
-    table = f"outbox_{image}"
+    table = f"outbox_{image}_{layout.replace('-', '_')}"
     try:
         apply_schema(engine, table=table, shards=4)
         topic = kafka_topics(partitions=2)
@@ -72,6 +90,8 @@ def test_the_relay_logs_the_row_images_it_is_told_to(
         add_events(engine, table, events)
         written = writer.bytes()
         assert written is not None and written >= ROWS * PAYLOAD
+        if layout == "in-row":
+            _into_the_rows(engine, table)
 
         relay_log = LogMeter(engine).begin()
         settings = fast_settings(binlog_url, kafka_bootstrap, table=table, binlog_row_image=image)
@@ -88,13 +108,14 @@ def test_the_relay_logs_the_row_images_it_is_told_to(
         # Every event reached Kafka whole, whatever the log kept of the row.
         got = consume(kafka_bootstrap, topic, expected=ROWS)
         assert sorted(m.value for m in got) == sorted(e.payload for e in events)
-        if image == "server":
+        if image == "server" and layout == "in-row":
             # Two status changes, each logging the row before and after: the
             # payload four times over.
             assert logged >= 2 * ROWS * PAYLOAD, (logged, written)
         else:
-            # The payload is in the writer's insert alone: the relay's images
-            # together are smaller than half of one payload per row.
+            # The payload is in the writer's insert alone (the payload row, or
+            # the row as inserted): the relay's images together are smaller
+            # than half of one payload per row.
             assert logged < ROWS * PAYLOAD // 2, (logged, written)
     finally:
         engine.dispose()

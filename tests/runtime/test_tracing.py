@@ -35,7 +35,7 @@ from outboxkit.consumer import Consumer, ConsumerSettings, Message
 from outboxkit.errors import PayloadTooLargeError
 from outboxkit.relay import Relay, RelaySettings
 from outboxkit.runtime import tracing
-from outboxkit.schema import decode_headers, outbox_table
+from outboxkit.schema import decode_headers, outbox_rows_query, outbox_table
 from outboxkit.writer import kafka_record_size
 
 pytestmark = pytest.mark.integration
@@ -82,7 +82,8 @@ def app_tracer() -> trace.Tracer:
 def _stored_headers(engine: sa.Engine, table: str) -> list[dict[str, Any]]:
     t = outbox_table(table)
     with engine.connect() as conn:
-        return [decode_headers(h) for (h,) in conn.execute(sa.select(t.c.headers).order_by(t.c.id))]
+        stored = conn.execute(outbox_rows_query(table).order_by(t.c.id))
+        return [decode_headers(r.headers) for r in stored]
 
 
 # -- the writer -------------------------------------------------------------------------

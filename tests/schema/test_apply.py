@@ -483,7 +483,9 @@ def test_apply_upgrades_release_1_tables_to_byte_exact_identifiers(
         for t, columns in expected.items()
         for c in columns
     ), first.stdout
-    assert "schema version of outbox_events -> 2" in first.stdout
+    assert "schema version of outbox_events -> 3" in first.stdout
+    assert "column outbox_events.payload takes NULL" in first.stdout
+    assert "created table outbox_events_payload" in first.stdout
     now = _collations(engine)
     for t, columns in expected.items():
         for c in columns:
