@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from outboxkit import Event, enqueue_many
 from outboxkit.schema import apply_schema, outbox_table
+from outboxkit.schema.table import payload_table_name
 
 _POOL_SIZE = 1 << 16
 _pool = "".join(random.Random(7).choices("abcdefghijklmnopqrstuvwxyz", k=_POOL_SIZE * 2))
@@ -117,26 +118,49 @@ def copy_backlog(
     rows: int,
     shards: int,
     values: Mapping[str, str] | None = None,
+    inline: bool = False,
 ) -> FillResult:
     """A fresh pending backlog in ``dst``: the first ``rows`` rows of ``src``, for ``topic``.
 
     Copying inside the server is several times faster than writing the rows again,
     and gives every run the very same rows. ``values``: SQL expressions some
     columns are copied as instead (as another writer would have stored them).
+    The rows are laid out as ``enqueue`` writes them, the payload and headers in
+    the payload table; ``inline``: in the row, as release 2 kept them (and as
+    another writer may).
     """
     apply_schema(engine, table=dst, shards=shards, inbox=None)
     cols = [c.name for c in outbox_table(dst).columns]
-    given = {"topic": ":topic", **(values or {})}
-    select_cols = [given.get(c, c) for c in cols]
+    stored = "COALESCE(o.payload, p.payload)", _HEADERS_SQL
+    given = {
+        "topic": ":topic",
+        "payload": stored[0] if inline else "NULL",
+        "headers": stored[1] if inline else "NULL",
+        **(values or {}),
+    }
+    select_cols = [given.get(c, f"o.{c}") for c in cols]
+    source = (
+        f"{src} o LEFT JOIN {payload_table_name(src)} p ON p.event_id = o.event_id"
+        " ORDER BY o.id LIMIT :rows"
+    )
     start = time.perf_counter()
     with engine.begin() as conn:
+        params = {"topic": topic, "rows": rows}
         conn.execute(
             sa.text(
-                f"INSERT INTO {dst} ({', '.join(cols)}) "
-                f"SELECT {', '.join(select_cols)} FROM {src} ORDER BY id LIMIT :rows"
+                f"INSERT INTO {dst} ({', '.join(cols)})"
+                f" SELECT {', '.join(select_cols)} FROM {source}"
             ),
-            {"topic": topic, "rows": rows},
+            params,
         )
+        if not inline:
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO {payload_table_name(dst)} (event_id, payload, headers)"
+                    f" SELECT o.event_id, {', '.join(stored)} FROM {source}"
+                ),
+                params,
+            )
         if engine.dialect.name == "postgresql":
             # Rows copied with their ids: move the id sequence past them, so rows
             # a writer adds later get new ids.
@@ -147,7 +171,13 @@ def copy_backlog(
                 )
             )
     analyze(engine, dst, vacuum=True)
+    if not inline:
+        analyze(engine, payload_table_name(dst), vacuum=True)
     return FillResult(rows, time.perf_counter() - start)
+
+
+#: A row's headers wherever it keeps them (``schema.table.stored_payload``).
+_HEADERS_SQL = "CASE WHEN o.payload IS NULL THEN p.headers ELSE o.headers END"
 
 
 def analyze(engine: sa.Engine, table: str, *, vacuum: bool = False) -> None:
@@ -168,8 +198,10 @@ def analyze(engine: sa.Engine, table: str, *, vacuum: bool = False) -> None:
 
 
 def drop_table(engine: sa.Engine, table: str) -> None:
+    """Drop the outbox ``table``, its payload table and its meta row."""
     with engine.begin() as conn:
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {payload_table_name(table)}"))
         conn.execute(sa.text("DELETE FROM outboxkit_meta WHERE table_name = :t"), {"t": table})
 
 

@@ -20,8 +20,10 @@ same for the whole batch (no per-row partition and offset). Its rows/s (``rate_f
 set by the table's shape and the database's configuration (with the binary
 log on, each status change logs the whole row twice); every relay figure has
 its "x floor" beside it. The floor is measured on four shapes of the table
-(``FLOOR_SHAPES``), each on its own copy: today's, and the candidates of a
-redesign (``rate_floor_delete``, ``rate_floor_presized``, ``rate_floor_split``),
+(``FLOOR_SHAPES``), each on its own copy: today's (payloads aside, in the
+payload table), and beside it delivered rows deleted, lease columns presized
+and release 2's table with the payload in the row (``rate_floor_delete``,
+``rate_floor_presized``, ``rate_floor_inline``),
 with the server's CPU and log bytes per event beside each; with the binary log
 on, also today's table with the floor's sessions logging ``NOBLOB`` row images
 (``rate_floor_noblob``), as ``--binlog-row-image noblob`` has the relay's.
@@ -54,7 +56,7 @@ from bench.procs import ServiceCpu
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
 from bench.scenarios.common import batch_size, relay_default, template
-from outboxkit.schema.table import outbox_table
+from outboxkit.schema.table import payload_table_name
 
 
 def relay_modules() -> tuple[Any, Any]:
@@ -190,27 +192,28 @@ def _drain(
 
 
 #: The table shapes the floor is measured on (``FLOOR_SHAPES``): today's table,
-#: and the candidates of a redesign, each on a copy of the same backlog.
+#: and others beside it, each on a copy of the same backlog.
+#: Today's table: the payloads in the payload table, as ``enqueue`` writes them.
 TODAY = "today"
-#: Delivered rows deleted instead of marked (the relay's delete-on-deliver).
+#: Delivered rows deleted, their payload rows with them (the relay's delete-on-deliver).
 DELETE = "delete"
 #: The lease columns written by the writer at the size a claim gives them
 #: (owner, a 32-character token, an expiry in the past), and put back to that
 #: size instead of NULL when the lease ends: InnoDB then updates the claimed
 #: row in place, where a column growing from NULL makes it rebuild the record.
 PRESIZED = "presized"
-#: The state columns in a narrow table of their own, the payload (written once)
-#: in another: a status change neither rewrites nor logs the payload.
-SPLIT = "split"
+#: Release 2's table: the payload and headers in the row itself, so every status
+#: change rewrites (and, with full row images, logs) them too.
+INLINE = "inline"
 #: Today's table, the relay's sessions logging row images without the payload
 #: and headers a status change leaves as they were (``binlog_row_image=NOBLOB``,
 #: MariaDB/MySQL with the binary log on; the server's default stays FULL).
 NOBLOB = "noblob"
 FLOOR_SHAPES: dict[str, str] = {
-    TODAY: "today's table",
+    TODAY: "today's table (payload aside)",
     DELETE: "delivered rows deleted",
     PRESIZED: "lease columns written at their claimed size",
-    SPLIT: "state apart from the payload",
+    INLINE: "release 2's table (payload in the row)",
     NOBLOB: "today's table, relay sessions log NOBLOB row images",
 }
 _FLOOR_OWNER = "bench-floor"
@@ -220,37 +223,47 @@ _PAST = datetime.datetime(1970, 1, 2)
 
 def floor(engine: sa.Engine, table: str, *, batch: int, shape: str = TODAY) -> dict[str, float]:
     """The floor loop (see the module): three set-based statements per batch, on
-    ``table`` prepared as ``shape`` (one of ``FLOOR_SHAPES``) by :func:`prepare_floor`."""
-    state, payload = split_tables(table) if shape == SPLIT else (table, None)
+    ``table`` copied as ``shape`` (one of ``FLOOR_SHAPES``: see ``_on_a_copy``)."""
     with engine.connect() as conn:
-        lo, hi = conn.execute(sa.text(f"SELECT MIN(id), MAX(id) FROM {state}")).one()
+        lo, hi = conn.execute(sa.text(f"SELECT MIN(id), MAX(id) FROM {table}")).one()
     if shape == PRESIZED:
         ended = "lease_token = :no_token, lease_expires_at = :past"  # owner stays, as delivered
     else:
         ended = "lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL"
     in_range = "id >= :lo AND id < :hi"
     claim = sa.text(
-        f"UPDATE {state} SET status = 'delivering', attempts = attempts + 1,"
+        f"UPDATE {table} SET status = 'delivering', attempts = attempts + 1,"
         " lease_owner = :owner, lease_token = :token, lease_expires_at = :expires,"
         f" updated_at = :now WHERE {in_range} AND status = 'pending'"
     )
-    if payload is None:
+    aside = payload_table_name(table)
+    if shape == INLINE:
         read = sa.text(
-            f"SELECT id, topic, message_key, payload, headers FROM {state}"
+            f"SELECT id, topic, message_key, payload, headers FROM {table}"
             f" WHERE {in_range} AND status = 'delivering'"
         )
-    else:
+    else:  # as the relay reads them: from the row, else from its payload row
         read = sa.text(
-            f"SELECT s.id, p.topic, p.message_key, p.payload, p.headers FROM {state} s"
-            f" JOIN {payload} p ON p.id = s.id"
-            f" WHERE s.id >= :lo AND s.id < :hi AND s.status = 'delivering'"
+            "SELECT o.id, o.topic, o.message_key, COALESCE(o.payload, p.payload),"
+            " CASE WHEN o.payload IS NULL THEN p.headers ELSE o.headers END"
+            f" FROM {table} o LEFT JOIN {aside} p ON p.event_id = o.event_id"
+            " WHERE o.id >= :lo AND o.id < :hi AND o.status = 'delivering'"
         )
-    if shape == DELETE:
-        done = sa.text(f"DELETE FROM {state} WHERE {in_range} AND status = 'delivering'")
+    done: list[sa.TextClause] = []
+    if shape == DELETE:  # the payload rows first, found through the rows they belong to
+        done.append(
+            sa.text(
+                f"DELETE FROM {aside} WHERE event_id IN (SELECT event_id FROM {table}"
+                f" WHERE {in_range} AND status = 'delivering')"
+            )
+        )
+        done.append(sa.text(f"DELETE FROM {table} WHERE {in_range} AND status = 'delivering'"))
     else:
-        done = sa.text(
-            f"UPDATE {state} SET status = 'delivered', {ended}, delivered_at = :now,"
-            f" updated_at = :now WHERE {in_range} AND status = 'delivering'"
+        done.append(
+            sa.text(
+                f"UPDATE {table} SET status = 'delivered', {ended}, delivered_at = :now,"
+                f" updated_at = :now WHERE {in_range} AND status = 'delivering'"
+            )
         )
     rows = batches = 0
     start = time.perf_counter()
@@ -268,7 +281,10 @@ def floor(engine: sa.Engine, table: str, *, batch: int, shape: str = TODAY) -> d
         with engine.begin() as conn:
             got = conn.execute(read, bounds).all()
         with engine.begin() as conn:
-            conn.execute(done, {**bounds, "now": now, "no_token": _NO_TOKEN, "past": _PAST})
+            for statement in done:
+                conn.execute(
+                    statement, {**bounds, "now": now, "no_token": _NO_TOKEN, "past": _PAST}
+                )
         rows += len(got)
         batches += 1
     return _rates(rows, batches, time.perf_counter() - start)
@@ -287,11 +303,6 @@ def _binlog_on(engine: sa.Engine) -> bool:
         return bool(int(conn.execute(sa.text("SELECT @@log_bin")).scalar_one()))
 
 
-def split_tables(table: str) -> tuple[str, str]:
-    """The state and payload tables of the ``split`` shape made from ``table``."""
-    return f"{table}_state", f"{table}_payload"
-
-
 #: How the ``presized`` shape's rows are copied: as a writer would insert them,
 #: with the lease columns at the size a claim gives them (an UPDATE of the copy
 #: instead left the server purging 200,000 old row versions during the drain).
@@ -302,30 +313,6 @@ PRESIZED_VALUES = {
 }
 
 
-def prepare_floor(engine: sa.Engine, table: str, shape: str) -> None:
-    """Make the copy ``table`` the ``shape`` the floor then drains (not measured;
-    the ``presized`` rows were copied so, see ``PRESIZED_VALUES``)."""
-    if shape != SPLIT:
-        return
-    state, payload = split_tables(table)
-    kept = [c.name for c in outbox_table(table).columns if c.name not in ("payload", "headers")]
-    with engine.begin() as conn:
-        for name, columns in (
-            (state, kept),
-            (payload, ["id", "event_id", "topic", "message_key", "payload", "headers"]),
-        ):
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
-            conn.execute(
-                sa.text(f"CREATE TABLE {name} AS SELECT {', '.join(columns)} FROM {table}")
-            )
-            conn.execute(sa.text(f"ALTER TABLE {name} ADD PRIMARY KEY (id)"))
-        # The same secondary indexes a status change touches today.
-        conn.execute(sa.text(f"CREATE INDEX ix_{state}_status_id ON {state} (status, id)"))
-        conn.execute(sa.text(f"CREATE INDEX ix_{state}_key ON {state} (message_key, status, id)"))
-    data.analyze(engine, state, vacuum=True)
-    data.analyze(engine, payload, vacuum=True)
-
-
 def _on_a_copy(
     ctx: BenchContext,
     src: str,
@@ -334,26 +321,25 @@ def _on_a_copy(
     *,
     expected_left: dict[str, int],
     values: dict[str, str] | None = None,
-    prepare: Callable[[str], None] | None = None,
-    counted: str | None = None,
-    extra_tables: tuple[str, ...] = (),
+    inline: bool = False,
 ) -> dict[str, float]:
-    """Copy the backlog into ``table`` (``values``: see ``data.copy_backlog``),
-    ``prepare`` it, ``drain`` it, check what is left (in ``counted``, default
-    ``table``), drop it and ``extra_tables``; the drain's figures and what the
-    drain alone cost the database server per row."""
+    """Copy the backlog into ``table`` (``values``, ``inline``: see
+    ``data.copy_backlog``), ``drain`` it, check what is left, drop it; the
+    drain's figures and what the drain alone cost the database server per row."""
     rows = ctx.config.rows
     data.copy_backlog(
-        ctx.engine, src, table, topic="unused", rows=rows, shards=ctx.config.shards, values=values
+        ctx.engine,
+        src,
+        table,
+        topic="unused",
+        rows=rows,
+        shards=ctx.config.shards,
+        values=values,
+        inline=inline,
     )
-    if prepare is not None:
-        prepare(table)
     server = DatabaseCost(ctx.engine).begin()
     out = {**drain(table), **server.per_row(rows)}
-    left = data.count_by_status(ctx.engine, counted or table)
-    for name in extra_tables:
-        with ctx.engine.begin() as conn:
-            conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
+    left = data.count_by_status(ctx.engine, table)
     data.drop_table(ctx.engine, table)
     if out["rows"] != rows or left != expected_left:
         raise RuntimeError(f"{table}: drained {out['rows']} of {rows} rows; table now {left}")
@@ -426,7 +412,6 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         for shape, label in FLOOR_SHAPES.items():
             if shape == NOBLOB and not _binlog_on(engine):
                 continue
-            split = split_tables("bench_floor") if shape == SPLIT else ()
             out = floors[shape] = _on_a_copy(
                 ctx,
                 src,
@@ -436,9 +421,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
                 ),
                 expected_left={} if shape == DELETE else {"delivered": cfg.rows},
                 values=PRESIZED_VALUES if shape == PRESIZED else None,
-                prepare=functools.partial(prepare_floor, engine, shape=shape),
-                counted=split[0] if split else None,
-                extra_tables=split,
+                inline=shape == INLINE,
             )
             res.rows.append({"finalize": f"floor, {label}: 3 set-based statements", **out})
             suffix = "" if shape == TODAY else f"_{shape}"
@@ -460,7 +443,7 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
         "the relay's claim + finalize vs the floor: "
         f"{res.figures['rate'] / floors[TODAY]['rows/s']:.2f}x"
     )
-    for shape in (DELETE, PRESIZED, SPLIT, NOBLOB):
+    for shape in (DELETE, PRESIZED, INLINE, NOBLOB):
         if shape not in floors:
             continue
         res.notes.append(
