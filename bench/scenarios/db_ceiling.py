@@ -239,25 +239,24 @@ def floor(engine: sa.Engine, table: str, *, batch: int, shape: str = TODAY) -> d
     aside = payload_table_name(table)
     if shape == INLINE:
         read = sa.text(
-            f"SELECT id, topic, message_key, payload, headers FROM {table}"
+            f"SELECT id, event_id, topic, message_key, payload, headers FROM {table}"
             f" WHERE {in_range} AND status = 'delivering'"
         )
     else:  # as the relay reads them: from the row, else from its payload row
         read = sa.text(
-            "SELECT o.id, o.topic, o.message_key, COALESCE(o.payload, p.payload),"
+            "SELECT o.id, o.event_id, o.topic, o.message_key, COALESCE(o.payload, p.payload),"
             " CASE WHEN o.payload IS NULL THEN p.headers ELSE o.headers END"
             f" FROM {table} o LEFT JOIN {aside} p ON p.event_id = o.event_id"
             " WHERE o.id >= :lo AND o.id < :hi AND o.status = 'delivering'"
         )
     done: list[sa.TextClause] = []
-    if shape == DELETE:  # the payload rows first, found through the rows they belong to
+    if shape == DELETE:  # the rows, then their payload rows by the event ids read
+        done.append(sa.text(f"DELETE FROM {table} WHERE {in_range} AND status = 'delivering'"))
         done.append(
-            sa.text(
-                f"DELETE FROM {aside} WHERE event_id IN (SELECT event_id FROM {table}"
-                f" WHERE {in_range} AND status = 'delivering')"
+            sa.text(f"DELETE FROM {aside} WHERE event_id IN :event_ids").bindparams(
+                sa.bindparam("event_ids", expanding=True)
             )
         )
-        done.append(sa.text(f"DELETE FROM {table} WHERE {in_range} AND status = 'delivering'"))
     else:
         done.append(
             sa.text(
@@ -280,11 +279,12 @@ def floor(engine: sa.Engine, table: str, *, batch: int, shape: str = TODAY) -> d
             conn.execute(claim, {**bounds, **lease})
         with engine.begin() as conn:
             got = conn.execute(read, bounds).all()
+        values = {**bounds, "now": now, "no_token": _NO_TOKEN, "past": _PAST}
+        if shape == DELETE:
+            values["event_ids"] = [r[1] for r in got] or [""]
         with engine.begin() as conn:
             for statement in done:
-                conn.execute(
-                    statement, {**bounds, "now": now, "no_token": _NO_TOKEN, "past": _PAST}
-                )
+                conn.execute(statement, values)
         rows += len(got)
         batches += 1
     return _rates(rows, batches, time.perf_counter() - start)
