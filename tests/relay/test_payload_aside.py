@@ -222,3 +222,30 @@ def test_a_payload_row_left_by_a_manual_delete_is_replaced_by_the_next_enqueue(
     assert payload_rows(engine, outbox) == {"ev-1": (b"new", None), "ev-2": (b"other", None)}
     [one, two] = rows(engine, outbox)
     assert (one.payload, two.payload) == (b"new", b"other")
+
+
+def test_the_documented_manual_delete_takes_the_payload_row_too(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """docs/schema.md: to delete a row by hand, its payload row first (the
+    statement for MySQL/MariaDB or PostgreSQL), then the row."""
+    with engine.begin() as conn:
+        gone, kept = enqueue_many(
+            conn, [Event(topic="orders", payload="a"), Event(topic="orders", payload="b")]
+        )
+    [row_id] = [r.id for r in rows(engine, outbox) if r.event_id == gone]
+    if engine.dialect.name == "postgresql":
+        first = (
+            "DELETE FROM outbox_events_payload WHERE event_id IN (SELECT event_id FROM "
+            f"outbox_events WHERE id = {row_id})"
+        )
+    else:
+        first = (
+            "DELETE p FROM outbox_events_payload p JOIN outbox_events o ON "
+            f"o.event_id = p.event_id WHERE o.id = {row_id}"
+        )
+    with engine.begin() as conn:
+        conn.execute(sa.text(first))
+        conn.execute(sa.text(f"DELETE FROM outbox_events WHERE id = {row_id}"))
+    assert list(payload_rows(engine, outbox)) == [kept]
+    assert [r.event_id for r in rows(engine, outbox)] == [kept]
