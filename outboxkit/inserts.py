@@ -175,6 +175,8 @@ def _insert_payload_sql(
     same event id was inserted just before, so none can own it any more."""
     sql, binds = _values_sql(dialect, payload_table(table), _PAYLOAD_COLUMNS, count, {})
     if dialect.name in MYSQL_DIALECTS:
+        # VALUES(col) is the form MariaDB knows; MySQL 8.0.20+ keeps it, deprecated
+        # (a note on the session, not an error) in favour of a row alias MariaDB lacks.
         sql += " ON DUPLICATE KEY UPDATE payload = VALUES(payload), headers = VALUES(headers)"
     else:
         sql += (
