@@ -36,7 +36,9 @@ candidate whose key is among the keys held in flight, read once per claim
 (``_leased_keys``): planned from statistics taken before any row was leased,
 PostgreSQL had compared every candidate with every leased row instead. The
 ``retryable`` probe runs only while some retry holds a key back
-(``_any_holding``). The candidates are then locked by primary key with
+(``_any_holding``). On MySQL/MariaDB the probes of a status run only while
+some row is in that status at all (``_none_in_status``, one seek per claim).
+The candidates are then locked by primary key with
 ``FOR UPDATE SKIP LOCKED`` and re-checked, so two relays racing for a row
 cannot both get it: the loser either skips the locked row or, once the winner
 committed, sees it ``delivering`` with a live lease.

@@ -237,6 +237,8 @@ def candidates_query(
             unheld = sa.or_(t.c.message_key.not_in(_leased_keys(earlier, hold)), unheld)
         elif dialect == "postgresql" and status is Status.RETRYABLE:
             unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
+        elif dialect in MYSQL_DIALECTS and status is not Status.PENDING:
+            unheld = sa.or_(_none_in_status(t, status), unheld)
         common.append(unheld)
     if dialect in MYSQL_DIALECTS:
         common.append(_unheld_by_invalid_status(t, table, dialect))
@@ -298,6 +300,32 @@ def _unheld_by_invalid_status(t: sa.Table, table: str, dialect: str) -> sa.Colum
         .exists()
     )
     return sa.or_(none_at_all, none_earlier)
+
+
+def _none_in_status(t: sa.Table, status: Status) -> sa.ColumnElement[bool]:
+    """MySQL/MariaDB: no row of the table is in ``status``, asked once per claim
+    (an uncorrelated ``NOT EXISTS``, one seek of ``(status, id)``, which the
+    server evaluates once and keeps): while none is, as in a healthy drain with
+    no retry waiting and nothing in flight, no candidate pays for its per-key
+    probe in that status. Any row in it, held or not, and every candidate
+    probes as before (a gate that read the rows to find one that holds its key
+    could read every retryable row of an outage on each claim).
+
+    On a binary-log MariaDB the two probes took 1.7 ms of the candidates' 3 ms
+    per 500 (ANALYZE); with the gate, an unpipelined claim-and-finalize loop
+    without Kafka spent about 0.3 database CPU seconds less per 100k rows and
+    its claims 2-3 ms less. Beside a leased batch (the pipeline) the
+    ``delivering`` probes still run: that batch is in ``delivering``. A
+    ``NOT IN`` of the leased keys, as on PostgreSQL (:func:`_leased_keys`),
+    was read by MariaDB through a temporary table built on every claim and
+    showed no gain there."""
+    anywhere = t.alias(f"{status.value}_anywhere")
+    return (
+        ~sa.select(sql_int(1))
+        .select_from(anywhere)
+        .where(anywhere.c.status == sql_status(status))
+        .exists()
+    )
 
 
 def _leased_keys(

@@ -110,6 +110,75 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
         assert reads < 1_000, reads
 
 
+def _probe_loops(conn: sa.Connection, sql: str) -> dict[str, int]:
+    """MariaDB's ``ANALYZE FORMAT=JSON`` of ``sql``: how many times each table alias
+    of the claim's per-key probes (``earlier``) was read, by the index it used."""
+    (text,) = conn.execute(sa.text("ANALYZE FORMAT=JSON " + sql.replace(":", r"\:"))).one()
+    loops: dict[str, int] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            table = node.get("table")
+            if isinstance(table, dict) and table.get("table_name") == "earlier":
+                key = str(table.get("key"))
+                loops[key] = loops.get(key, 0) + int(table.get("r_loops") or 0)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(text))
+    return loops
+
+
+def test_no_candidate_probes_its_key_in_a_status_no_row_is_in(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """MariaDB: the per-key probe of a status runs only while some row is in that
+    status. In a healthy drain (nothing retryable, nothing leased) no candidate
+    pays for one; one retryable row anywhere, and every candidate probes its key
+    for retries again, which still holds back the key it holds."""
+    add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i % 50}", payload=b"x") for i in range(150)]
+    )
+    t = outbox_table(outbox)
+    key_index = f"ix_{outbox}_key_status"
+    query = candidates_query(outbox, ALL, 100, dialect=engine.dialect.name)
+    with engine.connect() as conn:
+        healthy = _probe_loops(conn, _literal_sql(engine, query))
+        found = candidates(conn, outbox, shards=ALL, limit=100)
+    assert sum(healthy.values()) == 0, healthy
+    assert len(found) == 100
+    ids = [r.id for r in rows(engine, outbox)]
+    with engine.begin() as conn:  # the last row of key k49 waits for its retry
+        conn.execute(
+            t.update()
+            .where(t.c.id == ids[-1])
+            .values(status="retryable", attempts=1, next_attempt_at=db_time(600))
+        )
+        # and k0's first row is leased to another relay
+        conn.execute(
+            t.update()
+            .where(t.c.id == ids[0])
+            .values(
+                status="delivering",
+                attempts=1,
+                lease_owner="other",
+                lease_token="t" * 32,
+                lease_expires_at=db_time(600),
+            )
+        )
+    with engine.connect() as conn:
+        busy = _probe_loops(conn, _literal_sql(engine, query))
+        found = candidates(conn, outbox, shards=ALL, limit=100)
+    # Both statuses probed, by the key index, once for each candidate at least.
+    assert busy.get(key_index, 0) >= 2 * 100, busy
+    keys = {k for _, k in found}
+    assert b"k0" not in keys, "k0's later rows wait for its leased row"
+    assert len(found) == 100
+
+
 @on_both_databases
 def test_a_claim_beside_many_leased_rows_reads_only_their_keys(
     engine: sa.Engine, outbox: str
