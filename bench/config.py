@@ -60,6 +60,10 @@ class BenchConfig:
     #: SIGTERM -> exit runs per component, and the load each run drains under.
     drain_runs: int = 20
     drain_rows: int = 20_000
+    #: Before each measured drain of a copied backlog, wait up to this many
+    #: seconds for the database server to go quiet (``procs.wait_database_quiet``);
+    #: 0: no wait.
+    quiet_timeout: float = 30.0
     #: Give up on any single drain/consume after this long.
     timeout_seconds: float = 600.0
 
@@ -86,6 +90,7 @@ class BenchConfig:
             "drain_runs": 2,
             "drain_rows": 2_000,
             "timeout_seconds": 120.0,
+            "quiet_timeout": 0.0,  # figures meaningless anyway; keeps the smoke run short
         }
         small.update(overrides)
         return cls(**small)  # type: ignore[arg-type]

@@ -52,7 +52,7 @@ import sqlalchemy as sa
 from bench import data
 from bench.context import BenchContext
 from bench.dblog import LogMeter
-from bench.procs import ServiceCpu
+from bench.procs import ServiceCpu, wait_database_quiet
 from bench.report import ScenarioResult
 from bench.scenarios import Results, Unavailable
 from bench.scenarios.common import batch_size, relay_default, template
@@ -337,6 +337,8 @@ def _on_a_copy(
         values=values,
         inline=inline,
     )
+    # Nothing left over from before runs beside the drain.
+    wait_database_quiet(ctx.engine, timeout=ctx.config.quiet_timeout)
     server = DatabaseCost(ctx.engine).begin()
     out = {**drain(table), **server.per_row(rows)}
     left = data.count_by_status(ctx.engine, table)

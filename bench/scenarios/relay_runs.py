@@ -18,7 +18,13 @@ from bench import data, profile
 from bench.context import BenchContext
 from bench.dblog import LogMeter
 from bench.kafka import Progress
-from bench.procs import Proc, ServiceCpu, cpu_share, relay_settings
+from bench.procs import (
+    Proc,
+    ServiceCpu,
+    cpu_share,
+    relay_settings,
+    wait_database_quiet,
+)
 from bench.scenarios import Unavailable
 from bench.scenarios.common import batch_size
 
@@ -139,6 +145,8 @@ def drain_backlog(
     topic = ctx.topic(label)
     table = table_for(label)
     data.copy_backlog(ctx.engine, source, table, topic=topic, rows=rows, shards=cfg.shards)
+    # Nothing left over from before runs beside the drain.
+    waited = wait_database_quiet(ctx.engine, timeout=cfg.quiet_timeout)
     progress = Progress(ctx.services.kafka_bootstrap, topic, cfg.partitions).start()
     services = ServiceCpu.find(ctx.engine, ctx.services.kafka_bootstrap, ctx.services.redis_url)
     procs: list[Proc] = []
@@ -216,6 +224,11 @@ def drain_backlog(
         raise RuntimeError(f"{label}: table holds {after} after the drain, expected {expected}")
     if any(codes):
         run.notes.append(f"{label}: relay exit codes {codes}")
+    if waited >= cfg.quiet_timeout > 0:
+        run.notes.append(
+            f"{label}: the database server was still busy {waited:.0f} s after the copy; "
+            "measured anyway"
+        )
     if run.relay_cpu_per_1k is None:
         run.notes.append(
             f"{label}: relay CPU per 1,000 events not measured: {run.counted_rows:,} of "
