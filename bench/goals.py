@@ -96,7 +96,7 @@ GOALS = [
         ),
         lambda v: v >= 0.9,
         # The relay's own claim and finalize with no Kafka, one after the other or
-        # overlapped as the pipelined relay runs them (its default),
+        # overlapped as the pipelined relay runs them (its default on PostgreSQL),
         # whichever is faster, against the floor.
         lambda r: _ratio(
             _largest(_fig(r, "db-ceiling", "rate"), _fig(r, "db-ceiling", "rate_overlapped")),

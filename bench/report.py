@@ -158,15 +158,14 @@ HEADLINE_NOTE = (
     "seconds and replication-log megabytes (binary log or WAL) per 100,000 events "
     "of that drain, beside what the writer's own inserts logged; _p99_: "
     "commit->ack with wake-ups at a steady 1,000 and 5,000 events/s, the relay's "
-    "default pipeline setting (on; runs before schema version 3: off with "
-    "MySQL/MariaDB) (latency)."
+    "default pipeline setting (on with PostgreSQL, off with MySQL/MariaDB) (latency)."
 )
 
 
 def default_latency(figures: dict[str, float], name: str) -> float | None:
     """A latency figure (``name`` such as ``p99_ms_1000``) of the relay with
     wake-ups and its default pipeline setting; a run saved before that figure
-    existed has only the unpipelined one, MySQL/MariaDB's default then."""
+    existed has only the unpipelined one, MySQL/MariaDB's default."""
     found = figures.get(f"{name}_wakeups_default", figures.get(f"{name}_wakeups"))
     return None if found is None else float(found)
 

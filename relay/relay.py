@@ -404,7 +404,7 @@ class Relay:
                         f"(got {self.engine.dialect.name})",
                     )
                 )
-            pipelined = s.effective_pipeline()
+            pipelined = s.effective_pipeline(self.engine.dialect.name)
             shard_count = self._read_shard_count()
             publisher = res.publisher = Publisher(s)
             res.opened.append("kafka-producer")

@@ -159,7 +159,7 @@ class RelaySettings(RuntimeSettings):
         help="overlap the round trips of two batches: claim the next batch while the "
         "current one's delivery reports are awaited and its outcomes written on a "
         "second connection (docs/relay.md)",
-        default_help="on",
+        default_help="on with PostgreSQL, off with MySQL/MariaDB",
     )
     max_attempts: int = setting(
         10, help="claims of a row before a retriable error marks it failed", validate=at_least_one
@@ -280,14 +280,15 @@ class RelaySettings(RuntimeSettings):
             return "redis"
         return "advisory" if self.db_url and is_postgresql_url(self.db_url) else "all"
 
-    def effective_pipeline(self) -> bool:
-        """Whether the relay overlaps two batches. Unset means on, on every
-        database: on PostgreSQL it moved 1.3-1.7 x the rows of one relay for the
-        same database CPU; on MySQL/MariaDB, since the payloads moved to the
-        payload table (schema version 3), 1.22-1.28 x with one relay and
-        1.02-1.05 x with two to four, with a lower p99 at 5,000 events/s
-        (docs/relay.md, "the pipeline")."""
-        return True if self.pipeline is None else self.pipeline
+    def effective_pipeline(self, dialect: str) -> bool:
+        """Whether the relay overlaps two batches on a database of ``dialect``
+        (SQLAlchemy's dialect name). Unset means on with PostgreSQL, where the
+        pipeline moved 1.3-1.7 x the rows of one relay for the same database CPU,
+        and off with MySQL/MariaDB, where it gained 1.04-1.26 x with one relay and
+        lost a little with several (docs/relay.md, "the pipeline")."""
+        if self.pipeline is not None:
+            return self.pipeline
+        return dialect == "postgresql"
 
     def wakeup_source(self) -> str:
         """``notify`` (PostgreSQL, even with --redis-url: sent at commit, never for a

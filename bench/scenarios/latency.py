@@ -425,9 +425,9 @@ def run(ctx: BenchContext, results: Results) -> ScenarioResult:
     runs = [(False, False)]
     if len(variants) > 1:
         runs += [(True, bool(mode)) for mode in cfg.latency_pipeline_modes]
-    # The relay's own default: the pipeline on, on both databases
+    # The relay's own default: the pipeline on PostgreSQL, not on MySQL/MariaDB
     # (RelaySettings.effective_pipeline). The goals judge that configuration.
-    default_pipeline = True
+    default_pipeline = ctx.postgresql
     for wakeups, pipeline in runs:
         for rate in cfg.latency_rates:
             row = latency_run(ctx, rate, wakeups=wakeups, pipeline=pipeline)

@@ -336,8 +336,8 @@ def test_k8s_config_maps_hold_no_secrets(k8s_docs: list[Doc]) -> None:
 #: OUTBOXKIT_BATCH_SIZE=100 and rows of 990,000 bytes, docs/operations.md,
 #: "Memory") with the settings the manifests ship: rows as large as the
 #: producer's default message.max.bytes filling the default claim budget
-#: (--batch-max-bytes, 16 MiB), pipelined (the default): 133 MiB on PostgreSQL
-#: (116 MiB on MariaDB), of which about 83 MiB before any row. Rows over message.max.bytes
+#: (--batch-max-bytes, 16 MiB), pipelined on PostgreSQL: 133 MiB (113 MiB on
+#: MariaDB), of which about 83 MiB before any row. Rows over message.max.bytes
 #: are never loaded, so no row raises it.
 RELAY_PEAK_MIB = 133
 #: Room above the measured peak for what one run does not show (a heap

@@ -3,8 +3,8 @@
 ``--shard-ownership auto`` keeps MySQL/MariaDB as it was (Redis leases with
 ``--redis-url``, else every shard) and picks advisory locks on PostgreSQL
 without Redis. Wake-ups on PostgreSQL are ``NOTIFY``, with or without Redis.
-The pipeline is on by default on both databases; a given ``--pipeline`` /
-``--no-pipeline`` wins on either.
+The pipeline is on by default on PostgreSQL and off on MySQL/MariaDB; a given
+``--pipeline`` / ``--no-pipeline`` wins on either.
 """
 
 from __future__ import annotations
@@ -110,19 +110,19 @@ def test_advisory_on_mysql_exits_2_naming_the_setting() -> None:
     ("given", "dialect", "expected"),
     [
         (None, "postgresql", True),
-        (None, "mysql", True),
+        (None, "mysql", False),
         (True, "mysql", True),
         (False, "postgresql", False),
         (True, "postgresql", True),
         (False, "mysql", False),
     ],
 )
-def test_the_pipeline_defaults_to_on_on_both_databases(
+def test_the_pipeline_defaults_to_on_with_postgresql_only(
     given: bool | None, dialect: str, expected: bool
 ) -> None:
     s = RelaySettings(db_url=URLS[dialect], kafka_bootstrap="127.0.0.1:1", pipeline=given)
     assert s.validate() == []
-    assert s.effective_pipeline() is expected
+    assert s.effective_pipeline(dialect) is expected
 
 
 @pytest.mark.parametrize(
