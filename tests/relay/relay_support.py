@@ -56,11 +56,15 @@ FAST: dict[str, Any] = {
     "connect_timeout": 5.0,
     "metrics_interval": 0.5,
 }
-#: ``OUTBOXKIT_TEST_RELAY_PIPELINE=1``: every relay built from these helpers runs
-#: with the pipeline on (tests that set ``pipeline`` themselves keep their
-#: choice), so the relay suite can be run against the pipelined loop as a whole.
-if os.environ.get("OUTBOXKIT_TEST_RELAY_PIPELINE", "").lower() in ("1", "true", "yes"):
+#: ``OUTBOXKIT_TEST_RELAY_PIPELINE=1`` (``=0``): every relay built from these
+#: helpers runs with the pipeline on (off); tests that set ``pipeline``
+#: themselves keep their choice. Unset, the relay's default (on). So the relay
+#: suite can be run against either loop as a whole.
+_PIPELINE = os.environ.get("OUTBOXKIT_TEST_RELAY_PIPELINE", "").lower()
+if _PIPELINE in ("1", "true", "yes"):
     FAST["pipeline"] = True
+elif _PIPELINE in ("0", "false", "no"):
+    FAST["pipeline"] = False
 
 
 def fast_settings(db_url: str, bootstrap: str, **overrides: Any) -> RelaySettings:
