@@ -507,18 +507,16 @@ def _pg_binary_rows(conn: Connection, table: str, ids: list[int]) -> dict[int, S
     the claim's transaction. In text, the default, a ``bytea`` travels as hex: the
     driver held twice each payload's size before decoding it."""
     driver = conn.connection.driver_connection
-    # Quoted as SQLAlchemy quotes them (a mixed-case name is not folded).
-    name = conn.dialect.identifier_preparer.quote(table)
-    aside = conn.dialect.identifier_preparer.quote(payload_table_name(table))
-    query = (
-        "SELECT o.id, COALESCE(o.payload, p.payload),"
-        " CASE WHEN o.payload IS NULL THEN p.headers ELSE o.headers END"
-        f" FROM {name} o LEFT JOIN {aside} p ON p.event_id = o.event_id"
-        " WHERE o.id = ANY(%s)"
-    )
     with driver.cursor(binary=True) as cursor:  # type: ignore[union-attr]
-        cursor.execute(query, [ids])
+        cursor.execute(_pg_payloads_sql(table, conn.dialect), {"ids": ids})
         return {r[0]: r for r in cursor.fetchall()}
+
+
+@functools.lru_cache(maxsize=32)
+def _pg_payloads_sql(table: str, dialect: sa.Dialect) -> str:
+    """:func:`_payloads_statement` as the text psycopg's cursor takes (``%(ids)s``):
+    the same SQL as the other databases', compiled once per table."""
+    return str(_payloads_statement(table, "postgresql").compile(dialect=dialect))
 
 
 @functools.lru_cache(maxsize=32)
