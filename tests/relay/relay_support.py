@@ -58,8 +58,9 @@ FAST: dict[str, Any] = {
 }
 #: ``OUTBOXKIT_TEST_RELAY_PIPELINE=1`` (``=0``): every relay built from these
 #: helpers runs with the pipeline on (off); tests that set ``pipeline``
-#: themselves keep their choice. Unset, the relay's default (on). So the relay
-#: suite can be run against either loop as a whole.
+#: themselves keep their choice. Unset, each relay's own default (on with
+#: PostgreSQL, off with MySQL/MariaDB). So the relay suite can be run against
+#: either loop as a whole.
 _PIPELINE = os.environ.get("OUTBOXKIT_TEST_RELAY_PIPELINE", "").lower()
 if _PIPELINE in ("1", "true", "yes"):
     FAST["pipeline"] = True

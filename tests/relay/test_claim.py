@@ -137,8 +137,9 @@ def test_no_candidate_probes_its_key_in_a_status_no_row_is_in(
 ) -> None:
     """MariaDB: the per-key probe of a status runs only while some row is in that
     status. In a healthy drain (nothing retryable, nothing leased) no candidate
-    pays for one; one retryable row anywhere, and every candidate probes its key
-    for retries again, which still holds back the key it holds."""
+    pays for one; with one retryable and one leased row anywhere, every
+    candidate probes its key in both statuses again, and the leased row still
+    holds its key's later rows back."""
     add_events(
         engine, outbox, [Event(topic="t", key=f"k{i % 50}", payload=b"x") for i in range(150)]
     )
