@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,23 @@ def test_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None:
     )
     [wheel] = wheels.glob("outboxkit-*.whl")
     venv = tmp_path / "venv"
-    # System site-packages provide the dependencies; the wheel itself goes into the venv.
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120
-    )
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
+    # The dependencies come from this test's own environment, appended to the new
+    # one's path (a plain path line: that environment's .pth files, its editable
+    # outboxkit among them, are not read), so the wheel installed into the new
+    # environment is the only outboxkit there. ``--system-site-packages`` gave
+    # the base interpreter's packages instead, which a fresh machine's lack.
+    own = sysconfig.get_paths()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    lines = dict.fromkeys([own["purelib"], own["platlib"]])
+    (Path(site) / "outboxkit_test_dependencies.pth").write_text("\n".join(lines) + "\n")
     subprocess.run(
         [str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
         check=True,
@@ -53,8 +66,14 @@ def test_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None:
         "print(outboxkit.__version__)\n"
     )
     out = subprocess.run(
-        [str(py), "-c", probe], cwd=tmp_path, check=True, timeout=60, capture_output=True, text=True
+        [str(py), "-c", probe],
+        cwd=tmp_path,
+        check=False,
+        timeout=60,
+        capture_output=True,
+        text=True,
     )
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0.1.0"
     cli = subprocess.run(
         [str(venv / "bin" / "outboxkit"), "--help"],
