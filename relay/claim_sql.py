@@ -287,9 +287,7 @@ def _unheld_by_invalid_status(t: sa.Table, table: str, dialect: str) -> sa.Colum
     after a strict writer, no candidate pays for the per-key probe."""
     anywhere = t.alias("invalid_anywhere")
     invalid = t.alias("invalid_earlier")
-    none_at_all = (
-        ~sa.select(sql_int(1)).select_from(anywhere).where(invalid_status(anywhere)).exists()
-    )
+    none_at_all = _no_row_where(anywhere, invalid_status(anywhere))
     none_earlier = (
         ~key_probe(sql_int(1), invalid, table, dialect)
         .where(
@@ -320,12 +318,16 @@ def _none_in_status(t: sa.Table, status: Status) -> sa.ColumnElement[bool]:
     was read by MariaDB through a temporary table built on every claim and
     showed no gain there."""
     anywhere = t.alias(f"{status.value}_anywhere")
-    return (
-        ~sa.select(sql_int(1))
-        .select_from(anywhere)
-        .where(anywhere.c.status == sql_status(status))
-        .exists()
-    )
+    return _no_row_where(anywhere, anywhere.c.status == sql_status(status))
+
+
+def _no_row_where(
+    anywhere: sa.FromClause, condition: sa.ColumnElement[bool]
+) -> sa.ColumnElement[bool]:
+    """``NOT EXISTS`` a row of ``anywhere`` (an alias of its own, so the subquery
+    correlates with nothing) meeting ``condition``: a gate the server asks once
+    per claim (see :func:`_none_in_status`)."""
+    return ~sa.select(sql_int(1)).select_from(anywhere).where(condition).exists()
 
 
 def _leased_keys(
