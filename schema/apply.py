@@ -369,6 +369,17 @@ def _upgrade_collations(conn: Connection, table: sa.Table, report: ApplyReport) 
         report.actions.extend(done)  # only once the ALTER went through
 
 
+def _meta_row(table: str, shards: int) -> dict[str, object]:
+    """The ``outboxkit_meta`` row of a new outbox table (``apply_schema`` inserts it,
+    ``schema_sql`` prints its INSERT): the writer and the relay refuse a table without it."""
+    return {
+        "table_name": table,
+        "shard_count": shards,
+        "schema_version": SCHEMA_VERSION,
+        "created_at": db_now(),
+    }
+
+
 def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyReport) -> int:
     row = conn.execute(
         sa.select(meta_table.c.shard_count, meta_table.c.schema_version).where(
@@ -376,14 +387,7 @@ def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyRep
         )
     ).first()
     if row is None:
-        conn.execute(
-            meta_table.insert().values(
-                table_name=table,
-                shard_count=shards,
-                schema_version=SCHEMA_VERSION,
-                created_at=db_now(),
-            )
-        )
+        conn.execute(meta_table.insert().values(**_meta_row(table, shards)))
         conn.commit()
         report.actions.append(f"recorded {table}: {shards} shards")
         return shards
@@ -465,16 +469,39 @@ def _schema_lock(conn: Connection) -> Iterator[None]:
         yield
 
 
+#: First statement of the ``mysql`` script: a no-op on MySQL, and on MariaDB (which
+#: runs ``/*M!...*/`` and MySQL does not) an error that names the right dialect, before
+#: the first CREATE TABLE fails on MySQL's collation name (``utf8mb4_0900_bin``).
+MARIADB_GUARD = (
+    "DO 1 /*M!100000 + `This script is for MySQL 8. For MariaDB print it with: "
+    "outboxkit schema sql --dialect mariadb` */"
+)
+
+
 def schema_sql(
     dialect_name: str = "mysql",
     *,
     table: str = DEFAULT_TABLE,
     inbox: str | None = DEFAULT_INBOX_TABLE,
+    shards: int = DEFAULT_SHARDS,
 ) -> str:
-    """The DDL ``apply_schema`` would run on an empty database, as text."""
+    """What ``apply_schema`` does on an empty database, as one SQL script.
+
+    The types and functions, the tables and their indexes, then the table's
+    ``outboxkit_meta`` row (shard count, schema version): run by hand or by a
+    migration tool on an empty database, it leaves what ``schema apply`` leaves,
+    and ``enqueue`` and the relay accept the table. Statements end with ``;`` and
+    a blank line. The meta row is inserted unless one is there, so the
+    PostgreSQL, MariaDB and SQLite scripts run twice without error (MySQL 8 has no
+    ``CREATE INDEX IF NOT EXISTS``). It creates; it does not upgrade tables made
+    by an earlier version: ``apply_schema`` does (docs/schema.md).
+    """
     dialect = _dialect(dialect_name)
+    validate_shards(shards)
     tables = _tables(validate_identifier(table), inbox)
     parts: list[str] = []
+    if dialect_name == "mysql":
+        parts.append(MARIADB_GUARD)
     if dialect_name == "postgresql":
         from sqlalchemy.dialects.postgresql import CreateEnumType
 
@@ -491,7 +518,26 @@ def schema_sql(
             str(CreateIndex(i, if_not_exists=guard).compile(dialect=dialect)).strip()
             for i in sorted(t.indexes, key=lambda i: str(i.name))
         )
+    parts.append(_meta_insert_sql(dialect, table, shards))
     return ";\n\n".join(parts) + ";\n"
+
+
+def _meta_insert_sql(dialect: sa.engine.Dialect, table: str, shards: int) -> str:
+    """The meta row's INSERT, skipped where the table already has one (as
+    ``apply_schema`` keeps a stored row: the shard count is fixed at creation)."""
+    statement: sa.Insert
+    if dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        statement = pg_insert(meta_table).on_conflict_do_nothing()
+    elif dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        statement = sqlite_insert(meta_table).on_conflict_do_nothing()
+    else:
+        statement = meta_table.insert().prefix_with("IGNORE")
+    statement = statement.values(**_meta_row(table, shards))
+    return str(statement.compile(dialect=dialect, compile_kwargs={"literal_binds": True})).strip()
 
 
 def _dialect(name: str) -> sa.engine.Dialect:

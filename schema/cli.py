@@ -1,5 +1,7 @@
 """``outboxkit schema apply|sql``.
 
+``sql`` prints what ``apply`` does on an empty database, meta row included.
+
 Settings are flags or ``OUTBOXKIT_*`` variables (``--shards`` /
 ``OUTBOXKIT_SHARDS``), parsed and validated when the command runs, never when the
 parser is built: a bad variable exits 2 naming it and cannot break ``--help``.
@@ -57,7 +59,18 @@ class SchemaSqlSettings:
         help="consumer inbox table name (empty: no inbox table)",
         validate=_optional_identifier,
     )
-    dialect: str = setting("mysql", help="SQL dialect", choices=DIALECTS)
+    dialect: str = setting(
+        "mysql",
+        help="SQL dialect of the server that runs the script: mysql = MySQL 8, "
+        "mariadb = MariaDB (its collation names differ: a mysql script stops on "
+        "MariaDB saying so), postgresql, sqlite",
+        choices=DIALECTS,
+    )
+    shards: int = setting(
+        DEFAULT_SHARDS,
+        help="shard count recorded for the table (fixed at creation)",
+        validate=_shard_count,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +106,11 @@ def register(sub: Any) -> None:
     apply_p.add_argument("--db", dest="db_url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     apply_p.set_defaults(func=_apply)
 
-    sql_p = ssub.add_parser("sql", help="print the DDL")
+    sql_p = ssub.add_parser(
+        "sql",
+        help="print the script that creates the schema on an empty database "
+        "(tables, indexes and the outboxkit_meta row), for a DBA or a migration tool",
+    )
     add_arguments(sql_p, SchemaSqlSettings)
     sql_p.set_defaults(func=_sql)
 
@@ -134,5 +151,12 @@ def _apply(args: argparse.Namespace) -> int:
 
 def _sql(args: argparse.Namespace) -> int:
     settings = load(SchemaSqlSettings, args=args)
-    sys.stdout.write(schema_sql(settings.dialect, table=settings.table, inbox=settings.inbox_table))
+    sys.stdout.write(
+        schema_sql(
+            settings.dialect,
+            table=settings.table,
+            inbox=settings.inbox_table,
+            shards=settings.shards,
+        )
+    )
     return EXIT_OK
