@@ -20,6 +20,7 @@ from outboxkit.runtime.exitcodes import EXIT_CONFIG
 #: Modules that contribute a subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
     "outboxkit.schema.cli",
+    "outboxkit.topics",
     "outboxkit.relay.cli",
     "outboxkit.consumer.cli",
     "outboxkit.admin.cli",
