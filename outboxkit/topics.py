@@ -63,7 +63,9 @@ class TopicSettings:
     kafka_bootstrap: str | None = setting(None, help="Kafka bootstrap servers, host:port,...")
     kafka_config: dict[str, str] = setting(
         default_factory=dict,
-        help="extra librdkafka property, repeatable: --kafka-config security.protocol=SASL_SSL",
+        help="extra librdkafka property, one per flag, repeat it: --kafka-config "
+        "security.protocol=SASL_SSL --kafka-config sasl.mechanism=PLAIN (the variable "
+        "takes a comma list: security.protocol=SASL_SSL,sasl.mechanism=PLAIN)",
     )
     partitions: int = setting(
         6,

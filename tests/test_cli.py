@@ -429,3 +429,24 @@ def test_extreme_accepted_values_run_without_a_crash_loop(
     events = [json.loads(line).get("event") for line in lines if line.startswith("{")]
     assert "worker-crashed" not in events, "\n".join(lines)
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_a_comma_list_given_to_kafka_config_exits_2_saying_to_repeat_the_flag() -> None:
+    """As a user types it: ``--kafka-config`` like ``OUTBOXKIT_KAFKA_CONFIG``. Refused at
+    settings validation, before anything connects, without echoing a value."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    given = "security.protocol=SASL_PLAINTEXT,sasl.mechanism=PLAIN,sasl.password=hunter2"
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "outboxkit", "relay", "--db-url",
+         "mysql+pymysql://u:p@127.0.0.1:1/db", "--kafka-bootstrap", "127.0.0.1:1",
+         "--kafka-config", given],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert (
+        "invalid --kafka-config / OUTBOXKIT_KAFKA_CONFIG: --kafka-config takes one property "
+        "per use, this one holds 3 (security.protocol, sasl.mechanism, sasl.password): repeat "
+        "the flag (--kafka-config security.protocol=... --kafka-config sasl.mechanism=... "
+        "--kafka-config sasl.password=...)"
+    ) in " ".join(result.stderr.split())
+    assert "hunter2" not in result.stderr

@@ -18,7 +18,13 @@ from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.logs import MASK, is_secret_key, log_event, redact, register_secret
 from outboxkit.runtime.settingfields import SettingField, setting_fields
 from outboxkit.runtime.settingsecrets import register_secrets, shown_value
-from outboxkit.runtime.settingvalues import env_name, flag_name, parse_pair, parse_pairs_env
+from outboxkit.runtime.settingvalues import (
+    env_name,
+    flag_name,
+    parse_pair,
+    parse_pairs_env,
+    several_pairs_problem,
+)
 
 S = TypeVar("S")
 
@@ -125,6 +131,11 @@ def _load_field(
             texts += [flag_raw] if isinstance(flag_raw, str) else [str(x) for x in flag_raw]  # type: ignore[attr-defined]
         if not all(_is_utf8(t) for t in texts):
             errors.append(f"invalid {where}: not valid UTF-8 text")
+            return
+        flag_items = texts[1:] if env_raw is not None else texts
+        several = [several_pairs_problem(f.flag, f.env, item) for item in flag_items]
+        if any(several):
+            errors.extend(p for p in several if p)
             return
         merged: dict[str, str] = dict(f.default() or {})
         raw: object = env_raw

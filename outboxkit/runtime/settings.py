@@ -207,7 +207,9 @@ class RuntimeSettings:
     # RUF009 cannot know that setting() returns a dataclasses.field.
     kafka_config: dict[str, str] = setting(
         default_factory=dict,
-        help="extra librdkafka property, repeatable: --kafka-config security.protocol=SASL_SSL",
+        help="extra librdkafka property, one per flag, repeat it: --kafka-config "
+        "security.protocol=SASL_SSL --kafka-config sasl.mechanism=PLAIN (the variable "
+        "takes a comma list: security.protocol=SASL_SSL,sasl.mechanism=PLAIN)",
     )
     db_url: str | None = setting(
         None,

@@ -121,6 +121,36 @@ def parse_pair(item: str) -> tuple[str, str]:
     return key, value.strip()
 
 
+#: ``name=`` at the start of a piece: a librdkafka property name (lower case, dotted).
+_PROPERTY_START = re.compile(r"\s*([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)\s*=")
+#: Properties whose value is itself a comma list of ``k=v`` pairs.
+_PAIR_LIST_VALUES = frozenset({"sasl.oauthbearer.config", "sasl.oauthbearer.extensions"})
+
+
+def several_pairs_problem(flag: str, env: str, item: str) -> str | None:
+    """A flag value that holds several ``k=v`` (``acks=all,linger.ms=5``), as the
+    variable takes them: the flag takes one per use, and librdkafka would get
+    ``all,linger.ms=5`` for ``acks``. Names the properties, never their values
+    (one may be a password)."""
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or key in _PAIR_LIST_VALUES:
+        return None
+    names = [key]
+    for piece in value.split(",")[1:]:
+        found = _PROPERTY_START.match(piece)
+        if found:
+            names.append(found.group(1))
+    if len(names) < 2:
+        return None
+    repeated = " ".join(f"{flag} {n}=..." for n in names)
+    return (
+        f"invalid {flag} / {env}: {flag} takes one property per use, this one holds "
+        f"{len(names)} ({', '.join(names)}): repeat the flag ({repeated}); the "
+        f"variable {env} is the one that takes a comma list"
+    )
+
+
 def parse_pairs_env(text: str) -> dict[str, str]:
     """``"k=v,k2=v2"``. A piece without ``=`` continues the previous value, so
     ``bootstrap.servers=a:9092,b:9092,acks=all`` keeps both brokers.

@@ -365,3 +365,38 @@ def test_relay_settings_take_the_former_keywords() -> None:
     assert (s.retry_backoff_base, s.retry_backoff_cap) == (0.25, 9.0)
     assert dataclasses.replace(s, batch_size=7).retry_backoff_cap == 9.0
     assert RelaySettings().retry_backoff_cap == 300.0
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ("acks=all,linger.ms=5", "2 (acks, linger.ms)"),
+        (
+            "security.protocol=SASL_SSL, sasl.password=hunter2,x",
+            "2 (security.protocol, sasl.password)",
+        ),
+    ],
+)
+def test_a_comma_list_given_to_the_kafka_config_flag_is_refused(given: str, named: str) -> None:
+    """The variable takes ``k=v,k2=v2``, the flag one ``k=v`` per use: a comma list
+    given to the flag once reached librdkafka as one property's value."""
+    with pytest.raises(ConfigError) as raised:
+        load(RuntimeSettings, args=parse(RuntimeSettings, ["--kafka-config", given]), environ={})
+    text = str(raised.value)
+    assert f"--kafka-config takes one property per use, this one holds {named}" in text
+    assert "the variable OUTBOXKIT_KAFKA_CONFIG is the one that takes a comma list" in text
+    assert "hunter2" not in text
+
+
+@pytest.mark.parametrize(
+    "one",
+    [
+        "bootstrap.servers=a:9092,b:9092",
+        "sasl.oauthbearer.extensions=logicalCluster=lkc-1,identityPoolId=pool-2",
+        "client.id=a,b",
+    ],
+)
+def test_one_property_with_commas_in_its_value_is_accepted_from_the_flag(one: str) -> None:
+    s = load(RuntimeSettings, args=parse(RuntimeSettings, ["--kafka-config", one]), environ={})
+    key, _, value = one.partition("=")
+    assert s.kafka_config == {key: value}
