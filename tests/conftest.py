@@ -50,6 +50,11 @@ def pytest_configure(config: pytest.Config) -> None:
     mark_this_run()
 
 
+#: What sets the services' addresses in the shell that runs the tests (``up.sh``
+#: alone only prints them).
+UP_COMMAND = 'eval "$(deploy/local/up.sh)"'
+
+
 def missing_service(reason: str) -> NoReturn:
     """Fail under CI, skip elsewhere."""
     if IN_CI:
@@ -118,7 +123,7 @@ def _service_url(env: str, kind: str, containers: dict[str, Any]) -> str:
     if url:
         return url
     if not _docker_answers():
-        missing_service(f"{env} is not set and no Docker engine answers (run deploy/local/up.sh)")
+        missing_service(f"{env} is not set and no Docker engine answers (run: {UP_COMMAND})")
     if kind not in containers:
         if kind == "db":
             from testcontainers.mysql import MySqlContainer

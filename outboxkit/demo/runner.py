@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -500,10 +501,44 @@ class _Demo:
                 f"  {s.written - s.delivered} events are still in the outbox, not lost: "
                 "the next relay run delivers them"
             )
-        self.say(
-            f"  inspect   outboxkit admin status --db-url {redact_url(db_url)} "
-            "(with the real password)"
-        )
+        command = _outboxkit_command()
+        if self.o.db_url:
+            # The operator's own URL: its password stays out of the terminal.
+            self.say(
+                f"  inspect   {command} admin status --db-url '{redact_url(db_url)}' "
+                "(with the password of your --db-url in place of ***)"
+            )
+        else:
+            # The local stack's account (deploy/local), the same on every machine:
+            # printed in full, so the line can be pasted as it is.
+            self.say(f"  inspect   {command} admin status --db-url '{db_url}'")
+            self.say("            (the local stack's own account: its password is no secret)")
+        if command != "outboxkit":
+            self.say(
+                "            (plain `outboxkit` once the virtual environment is active: "
+                f". {_relative(Path(sys.executable).parent / 'activate')})"
+            )
+
+
+def _relative(path: Path) -> str:
+    """``path`` from the current directory when under it (``.venv/bin/outboxkit``)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _outboxkit_command() -> str:
+    """How to run ``outboxkit`` from this terminal: the bare name when PATH finds
+    this installation's script, else the script's path (``.venv/bin/outboxkit``:
+    demo.sh installs into ``.venv/`` without activating it)."""
+    script = Path(sys.executable).parent / "outboxkit"
+    if not script.is_file():
+        return f"{sys.executable} -m outboxkit"
+    found = shutil.which("outboxkit")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "outboxkit"
+    return _relative(script)
 
 
 def _with_database(url: str) -> str:

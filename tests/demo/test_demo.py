@@ -137,6 +137,61 @@ def test_console_log_format_gives_the_children_readable_logs(
         topics_cleanup(kafka_bootstrap, proc.stdout)
 
 
+def run_the_docs_afterwards_block(db_server_url: str, env: dict[str, str]) -> None:
+    """docs/demo.md's last ```sh block (status, purge), line by line as written,
+    with the test's server in place of the local stack's address."""
+    text = (REPO / "docs" / "demo.md").read_text()
+    block = re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)[-1]
+    local = "mysql+pymysql://outboxkit:outboxkit@127.0.0.1:3306/"
+    assert local in block, block
+    server = sa.make_url(db_server_url).set(database="").render_as_string(hide_password=False)
+    script = block.replace(local, server.rstrip("/") + "/")
+    if not (REPO / ".venv" / "bin" / "activate").is_file():  # a run outside the clone's .venv
+        script = script.replace(". .venv/bin/activate", f". {Path(sys.executable).parent}/activate")
+    assert "admin purge --older-than 1m" in script and "--db-url" not in script
+    ran = subprocess.run(
+        ["bash", "-e", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=env,
+    )  # fmt: skip
+    assert ran.returncode == 0, f"{script}\n{ran.stdout}{ran.stderr}"
+    assert "outbox_events" in ran.stdout and "delivered rows from outbox_events" in ran.stdout, (
+        ran.stdout
+    )
+
+
+def test_the_inspect_line_of_the_local_stack_runs_as_printed(
+    kafka_bootstrap: str, redis_url: str, db_server_url: str, tmp_path: Path
+) -> None:
+    """``demo.sh`` with the local stack's own database (no --db-url): the summary's
+    ``inspect`` line is pasted as printed into a shell whose PATH has no ``.venv``,
+    as a newcomer's has after demo.sh, and works. On main it printed ``***`` for
+    the password and a bare ``outboxkit`` that such a shell does not find."""
+    cmd = demo_command("", kafka_bootstrap, redis_url, tmp_path, "--duration", "1",
+                       "--rate", "20", "--relays", "1")  # fmt: skip
+    cmd[cmd.index("--db-url") : cmd.index("--db-url") + 2] = []  # up.sh's database
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXKIT_")}
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin
+    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith("  inspect ")]
+        pasted = line.removeprefix("  inspect").strip()
+        assert "***" not in pasted, line
+        assert "plain `outboxkit` once the virtual environment is active: . " in proc.stdout
+        shown = subprocess.run(
+            ["bash", "-c", pasted], capture_output=True, text=True, timeout=120,
+            cwd=tmp_path, env=env,
+        )  # fmt: skip
+        assert shown.returncode == 0, f"{pasted}\n{shown.stdout}{shown.stderr}"
+        assert "outbox_events" in shown.stdout, shown.stdout
+        run_the_docs_afterwards_block(db_server_url, env)
+    finally:
+        topics_cleanup(kafka_bootstrap, proc.stdout)
+
+
 REPO = Path(__file__).resolve().parents[2]
 DEBIAN_PYTHON = Path("/usr/bin/python3")
 

@@ -54,7 +54,7 @@ def promtool() -> str:
 def pushgateway_url() -> str:
     url = os.environ.get("OUTBOXKIT_TEST_PUSHGATEWAY_URL")
     if not url:
-        _missing("OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set (run deploy/local/up.sh)")
+        _missing('OUTBOXKIT_TEST_PUSHGATEWAY_URL is not set (run: eval "$(deploy/local/up.sh)")')
     return str(url)
 
 
