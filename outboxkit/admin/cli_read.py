@@ -18,7 +18,7 @@ from outboxkit.admin.cli_common import (
     run,
     safe,
 )
-from outboxkit.admin.rows import list_failed, read_recovery, show_row
+from outboxkit.admin.rows import bytes_text, list_failed, read_recovery, show_row
 from outboxkit.admin.settings import AdminSettings
 from outboxkit.runtime.exitcodes import EXIT_OK
 
@@ -33,7 +33,11 @@ def add_failed_parser(actions: Any, common: argparse.ArgumentParser) -> None:
         "--after-id", type=non_negative_int, default=0, help="start after this row id (paging)"
     )
     p.add_argument("--topic", action="append", default=[], help="only this topic (repeatable)")
-    p.add_argument("--show-payload", action="store_true", help="include the payloads")
+    p.add_argument(
+        "--show-payload",
+        action="store_true",
+        help="include the payloads (as show --show-payload shows them)",
+    )
     p.set_defaults(func=_failed)
 
 
@@ -64,7 +68,7 @@ def _failed(args: argparse.Namespace) -> int:
         if args.show_payload:
             print()
             for r in rows:
-                print(f"payload of {r.id}: {safe(json.dumps(r.payload, ensure_ascii=False))}")
+                print(f"payload of {r.id}: {safe(bytes_text(r.payload))}")
         if next_after is not None:
             print(f"\nmore may follow: --after-id {next_after}")
         return EXIT_OK
@@ -82,7 +86,8 @@ def add_show_parser(actions: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--show-payload",
         action="store_true",
-        help="include the payload (as text when UTF-8, else base64)",
+        help="include the payload: text output shows it as text when it is UTF-8, else "
+        'as base64:<base64>; --json as {"text": ...} or {"base64": ...}',
     )
     p.set_defaults(func=_show)
 
@@ -97,7 +102,10 @@ def _show(args: argparse.Namespace) -> int:
             return EXIT_OK
         width = max(len(k) for k in row)
         for key, value in row.items():
-            shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
+            if key == "payload":
+                shown = bytes_text(value)  # the text itself, or base64:... (as the key)
+            else:
+                shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
             print(f"{key.ljust(width)}  {safe(shown)}")
         return EXIT_OK
 

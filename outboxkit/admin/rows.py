@@ -53,11 +53,16 @@ def printable_bytes(data: bytes | None) -> dict[str, str] | None:
         return {"base64": base64.b64encode(data).decode("ascii")}
 
 
-def _key_text(data: bytes | None) -> str | None:
-    shown = printable_bytes(data)
+def bytes_text(shown: dict[str, str] | None) -> str | None:
+    """What :func:`printable_bytes` gave, as one line of text output: the text
+    itself, or ``base64:`` and the base64 (``--json`` keeps the two apart)."""
     if shown is None:
         return None
-    return shown.get("text") if "text" in shown else "base64:" + shown["base64"]
+    return shown["text"] if "text" in shown else "base64:" + shown["base64"]
+
+
+def _key_text(data: bytes | None) -> str | None:
+    return bytes_text(printable_bytes(data))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
