@@ -9,7 +9,9 @@ local services instead of the cluster's, and only when the artefact sets them:
 * ``OUTBOXKIT_DB_URL`` (a Secret / the git-ignored secrets file): a fresh test database;
 * ``OUTBOXKIT_KAFKA_BOOTSTRAP``, ``OUTBOXKIT_REDIS_URL``, ``OUTBOXKIT_PUSHGATEWAY_URL``:
   the local Kafka, Redis and Pushgateway;
-* ``OUTBOXKIT_HEALTH_PORT``: a free port (8080 is shared on a test machine);
+* ``OUTBOXKIT_HEALTH_PORT``: a free port, set whether or not the artefact sets it
+  (the artefacts leave each process its default, 8080 or 8081, which other
+  processes on a shared test machine may hold);
 * ``OUTBOXKIT_KAFKA_CONFIG`` (an optional Secret with SASL properties): left unset;
 * ``OUTBOXKIT_NODE_ID`` from the downward API (``metadata.name``): a pod-like name.
 
@@ -204,11 +206,11 @@ def local_overrides(env: dict[str, str], db_url: str) -> dict[str, str]:
         "OUTBOXKIT_KAFKA_BOOTSTRAP": lambda: _service("OUTBOXKIT_TEST_KAFKA_BOOTSTRAP"),
         "OUTBOXKIT_REDIS_URL": lambda: _service("OUTBOXKIT_TEST_REDIS_URL"),
         "OUTBOXKIT_PUSHGATEWAY_URL": lambda: _service("OUTBOXKIT_TEST_PUSHGATEWAY_URL"),
-        "OUTBOXKIT_HEALTH_PORT": lambda: str(free_port()),
     }
     for key, value in addresses.items():
         if key in out:
             out[key] = value()
+    out["OUTBOXKIT_HEALTH_PORT"] = str(free_port())
     # The optional Secret with SASL properties does not exist locally.
     if out.get("OUTBOXKIT_KAFKA_CONFIG", "").startswith("<secret:"):
         del out["OUTBOXKIT_KAFKA_CONFIG"]
