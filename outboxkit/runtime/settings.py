@@ -211,6 +211,13 @@ class RuntimeSettings:
         help="Prometheus Pushgateway that receives the final metrics at exit",
         validate=valid_http_url,
     )
+    pushgateway_prune_after: float = setting(
+        3600.0,
+        help="once running, delete this job's Pushgateway groups pushed longer ago than "
+        "this that alert on nothing (processes gone: one group per pod would pile up); "
+        "0 = never",
+        validate=non_negative,
+    )
     kafka_bootstrap: str | None = setting(None, help="Kafka bootstrap servers, host:port,...")
     # RUF009 cannot know that setting() returns a dataclasses.field.
     kafka_config: dict[str, str] = setting(
