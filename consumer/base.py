@@ -213,11 +213,23 @@ class Consumer:
         ):
             if self._start():
                 lc.set_running()
+                self._prune_pushed_groups()
                 with frozen_while_running(self.settings.gc_freeze):
                     self.supervisor.run("consumer-poll", self._poll_until_draining)
             lc.drain("stopped")
             code = drain.shutdown(self._drain_parts())
         return code
+
+    def _prune_pushed_groups(self) -> None:
+        """Delete old exit groups of consumers that alert on nothing, in the
+        background (runtime/pushgroups.py): pod-named groups would pile up."""
+        from outboxkit.runtime.pushgroups import start_pruning
+
+        start_pruning(
+            self.settings.pushgateway_url,
+            job=PUSH_JOB,
+            older_than=self.settings.pushgateway_prune_after,
+        )
 
     def stop(self) -> None:
         """Start the drain (thread-safe); :meth:`run` returns once it is done."""

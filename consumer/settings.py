@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from outboxkit.runtime.kafkaconf import CONSUMER_GUARDED, guarded_problems, librdkafka_problem
 from outboxkit.runtime.settings import (
+    CONSUMER_HEALTH_PORT,
     RuntimeSettings,
     at_least_one,
     at_most,
@@ -21,6 +22,7 @@ from outboxkit.runtime.settings import (
     database_backend,
     invalid,
     non_negative,
+    port_number,
     positive,
     retry_backoff_problem,
     setting,
@@ -155,6 +157,12 @@ class ConsumerSettings(RuntimeSettings):
         help="seconds from the first signal to a forced exit (exit code 4); must exceed "
         "worker-drain-timeout + close-timeout",
         validate=positive,
+    )
+    # Not the relay's (8080): a relay and a consumer run side by side on one machine.
+    health_port: int = setting(
+        CONSUMER_HEALTH_PORT,
+        help="port of the health/metrics HTTP server (0 = any free port)",
+        validate=port_number,
     )
     group_id: str | None = setting(None, help="consumer group (default: the class's group_id)")
     topics: tuple[str, ...] = setting((), help="topics to consume (default: the class's topics)")

@@ -179,6 +179,7 @@ class Relay:
             return code
         self.lifecycle.set_running()
         res = self._resources
+        self._prune_pushed_groups(res.outbox)
         res.retention = start_retention(
             self.engine, self.settings, self.lifecycle, self.service_metrics
         )
@@ -189,6 +190,18 @@ class Relay:
             drain.stop(res)
             raise
         return drain.stop(res)
+
+    def _prune_pushed_groups(self, outbox: str) -> None:
+        """Delete old exit groups of this outbox's relays that alert on nothing, in the
+        background (runtime/pushgroups.py): pod-named groups would pile up."""
+        from outboxkit.runtime.pushgroups import start_pruning
+
+        start_pruning(
+            self.settings.pushgateway_url,
+            job=PUSH_JOB,
+            match={"outbox": outbox},
+            older_than=self.settings.pushgateway_prune_after,
+        )
 
     def stop(self) -> None:
         """Start the drain (thread-safe; what the first SIGTERM does); :meth:`run`

@@ -61,6 +61,9 @@ rc=0
 "$LOCAL_DIR/pushgateway.sh" start >&2 || rc=1
 wait "$kafka_pid" || rc=1
 command -v promtool >/dev/null || { log "promtool missing after install"; rc=1; }
+# The manifest tests render deploy/k8s with it; a failed install is reported
+# here and fails those tests under CI, but leaves the services usable.
+"$LOCAL_DIR/kustomize.sh" >&2 || log "kustomize could not be installed (deploy/local/kustomize.sh)"
 
 if [[ $rc -ne 0 ]]; then
     die "some services failed to start (see above); logs are under $STATE_DIR"

@@ -41,6 +41,8 @@ __all__ = [
     "shard_key",
 ]
 
+#: The rows "oldest pending" looks at, one definition for the gauge, this and the alert.
+_WAITING = (Status.PENDING.value, Status.RETRYABLE.value)
 _UNDELIVERED = (Status.PENDING.value, Status.RETRYABLE.value, Status.DELIVERING.value)
 #: Seconds a relay's readiness answer may take in total: connect, headers and body.
 RELAY_DEADLINE_S = 5.0
@@ -133,8 +135,10 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         # Ages computed by the server, skipping a created_at that is not a time
         # (a zero date, an infinity: another writer's), which has no age.
         age_us = micros_between(t.c.created_at, db_now())
+        # "Pending" as the relay's gauge (outbox_oldest_pending_age_seconds) and the
+        # OutboxBacklogOld alert count it: waiting to be delivered, pending or retryable.
         oldest_pending = conn.execute(
-            sa.select(sa.func.max(age_us)).where(t.c.status == Status.PENDING.value)
+            sa.select(sa.func.max(age_us)).where(t.c.status.in_(_WAITING))
         ).scalar()
         oldest_undelivered = conn.execute(
             sa.select(sa.func.max(age_us)).where(t.c.status.in_(_UNDELIVERED))

@@ -10,7 +10,9 @@ The push convention, the same for every process (the alert rules in
 * job ``outboxkit_<component>`` (``outboxkit_relay``, ``outboxkit_consumer``):
   the underscore keeps pushed series apart from the scrape jobs
   (``outboxkit-relay``, ``outboxkit-consumer``) the live-value rules select;
-* one group per process, keyed ``instance=<node id>`` only;
+* one group per process, keyed ``instance=<node id>`` (the relay adds
+  ``outbox=<identity>``); old groups that alert on nothing are pruned by the
+  processes that come after (:mod:`outboxkit.runtime.pushgroups`);
 * only *exit* metrics (:func:`push_exit_metrics`): values that describe how the
   process ended. Never a gauge of live state (lag, backlog, paused topics): the
   Pushgateway keeps a group forever, so a pushed live gauge would report the

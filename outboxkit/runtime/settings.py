@@ -95,11 +95,13 @@ from outboxkit.runtime.settingvalues import where as where
 # The names imported ``as`` themselves above are public too (the relay, the consumer
 # and the CLIs import them from here) but stay out of ``from ... import *``.
 __all__ = [
+    "CONSUMER_HEALTH_PORT",
     "ENV_PREFIX",
     "MAX_DURATION_S",
     "MAX_INT",
     "MIN_CONNECT_TIMEOUT_S",
     "MISSING",
+    "RELAY_HEALTH_PORT",
     "RuntimeSettings",
     "SettingSpec",
     "add_arguments",
@@ -167,6 +169,12 @@ def log_format_setting() -> Any:
     )
 
 
+#: Default health/metrics ports: the relay's and the consumer's differ, so the two
+#: run side by side on one machine (a laptop, one pod) without a setting.
+RELAY_HEALTH_PORT = 8080
+CONSUMER_HEALTH_PORT = 8081
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RuntimeSettings:
     """Settings every outboxkit process has; components inherit and add their own.
@@ -187,7 +195,7 @@ class RuntimeSettings:
     )
     health_host: str = setting("127.0.0.1", help="address of the health/metrics HTTP server")
     health_port: int = setting(
-        8080,
+        RELAY_HEALTH_PORT,
         help="port of the health/metrics HTTP server (0 = any free port)",
         validate=port_number,
     )
@@ -202,6 +210,13 @@ class RuntimeSettings:
         None,
         help="Prometheus Pushgateway that receives the final metrics at exit",
         validate=valid_http_url,
+    )
+    pushgateway_prune_after: float = setting(
+        3600.0,
+        help="once running, delete this job's Pushgateway groups pushed longer ago than "
+        "this that alert on nothing (processes gone: one group per pod would pile up); "
+        "0 = never",
+        validate=non_negative,
     )
     kafka_bootstrap: str | None = setting(None, help="Kafka bootstrap servers, host:port,...")
     # RUF009 cannot know that setting() returns a dataclasses.field.

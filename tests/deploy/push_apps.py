@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from outboxkit.consumer import Consumer, Message
@@ -23,3 +24,14 @@ class Idle(Consumer):
 
     def handle(self, message: Message) -> None:
         pass
+
+
+class IdleAsync(Consumer):
+    """:class:`Idle` as an ``async def handle``: the async consumer's start and drain
+    (the event loop thread, the cancellation grace) under shipped settings."""
+
+    topics = ("orders",)
+    group_id = "outboxkit-shipped-async"
+
+    async def handle(self, message: Message) -> None:
+        await asyncio.sleep(0)

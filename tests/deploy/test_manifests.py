@@ -43,7 +43,9 @@ DEFAULT_BATCH_DEADLINE = 32.0  # message.timeout.ms (30 s) + 2 s
 DEFAULT_K8S_GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 DEFAULT_COMPOSE_GRACE = 10.0  # Docker's default stop timeout
 MARGIN = 10.0
-HEALTH_PORT = 8080
+# Each process's default health port (outboxkit/runtime/settings.py): they differ
+# so a relay and a consumer run side by side on one machine or in one pod.
+HEALTH_PORT = {"relay": 8080, "consume": 8081}
 # In a container the health server must listen beyond loopback for probes.
 ALL_INTERFACES = "0.0.0.0"  # noqa: S104
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
@@ -229,7 +231,7 @@ def check_k8s_workload(workload: Doc, docs: list[Doc]) -> list[str]:
         host, _ = container_setting(container, "OUTBOXKIT_HEALTH_HOST", docs)
         if host not in (None, ALL_INTERFACES):  # None: the image sets it
             problems.append(f"{cwhere}: OUTBOXKIT_HEALTH_HOST {host} is unreachable by probes")
-        expected_port = int(health_port or HEALTH_PORT)
+        expected_port = int(health_port or HEALTH_PORT.get(role, HEALTH_PORT["relay"]))
         probes = (("readinessProbe", "/healthz/ready"), ("livenessProbe", "/healthz/live"))
         for probe_name, path in probes:
             probe = container.get(probe_name, {}).get("httpGet")
@@ -657,8 +659,9 @@ def check_dockerfile(text: str) -> list[str]:
         problems.append("HEALTHCHECK must probe /healthz/live")
     if "curl" in healthcheck or "wget" in healthcheck:
         problems.append("HEALTHCHECK must not need curl/wget (not in slim)")
-    if "8080" not in found.get("EXPOSE", "").split():
-        problems.append("EXPOSE 8080 missing")
+    for port in sorted(set(HEALTH_PORT.values())):
+        if str(port) not in found.get("EXPOSE", "").split():
+            problems.append(f"EXPOSE {port} missing")
     env_lines = " ".join(rest for word, rest in final if word == "ENV")
     if "OUTBOXKIT_HEALTH_HOST=0.0.0.0" not in env_lines:
         problems.append("ENV OUTBOXKIT_HEALTH_HOST=0.0.0.0 missing")

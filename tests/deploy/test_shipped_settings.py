@@ -9,7 +9,9 @@ local services instead of the cluster's, and only when the artefact sets them:
 * ``OUTBOXKIT_DB_URL`` (a Secret / the git-ignored secrets file): a fresh test database;
 * ``OUTBOXKIT_KAFKA_BOOTSTRAP``, ``OUTBOXKIT_REDIS_URL``, ``OUTBOXKIT_PUSHGATEWAY_URL``:
   the local Kafka, Redis and Pushgateway;
-* ``OUTBOXKIT_HEALTH_PORT``: a free port (8080 is shared on a test machine);
+* ``OUTBOXKIT_HEALTH_PORT``: a free port, set whether or not the artefact sets it
+  (the artefacts leave each process its default, 8080 or 8081, which other
+  processes on a shared test machine may hold);
 * ``OUTBOXKIT_KAFKA_CONFIG`` (an optional Secret with SASL properties): left unset;
 * ``OUTBOXKIT_NODE_ID`` from the downward API (``metadata.name``): a pod-like name.
 
@@ -22,6 +24,7 @@ Kubernetes ``terminationGracePeriodSeconds`` minus the preStop sleep).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -203,11 +206,11 @@ def local_overrides(env: dict[str, str], db_url: str) -> dict[str, str]:
         "OUTBOXKIT_KAFKA_BOOTSTRAP": lambda: _service("OUTBOXKIT_TEST_KAFKA_BOOTSTRAP"),
         "OUTBOXKIT_REDIS_URL": lambda: _service("OUTBOXKIT_TEST_REDIS_URL"),
         "OUTBOXKIT_PUSHGATEWAY_URL": lambda: _service("OUTBOXKIT_TEST_PUSHGATEWAY_URL"),
-        "OUTBOXKIT_HEALTH_PORT": lambda: str(free_port()),
     }
     for key, value in addresses.items():
         if key in out:
             out[key] = value()
+    out["OUTBOXKIT_HEALTH_PORT"] = str(free_port())
     # The optional Secret with SASL properties does not exist locally.
     if out.get("OUTBOXKIT_KAFKA_CONFIG", "").startswith("<secret:"):
         del out["OUTBOXKIT_KAFKA_CONFIG"]
@@ -281,6 +284,44 @@ def test_every_shipped_process_is_covered(yaml_module: ModuleType) -> None:
     } <= sources, sources
 
 
+#: docs/consumer.md (*Async handlers*): an async consumer's exit can take up to this
+#: much more than ``worker_drain_timeout + close_timeout`` (cancelled coroutines' cleanup,
+#: the inbox's connections closed on the loop, the loop stopped), and asks for that much
+#: room below ``shutdown_timeout``.
+ASYNC_EXIT_EXTRA_S = 5.0
+
+
+def _consumer_budget(case: Shipped) -> tuple[float, float, float]:
+    from outboxkit.consumer.settings import ConsumerSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ConsumerSettings)}
+
+    def value(name: str) -> float:
+        raw = case.env.get(f"OUTBOXKIT_{name.upper()}")
+        return float(raw) if raw is not None else float(defaults[name])
+
+    return value("worker_drain_timeout"), value("close_timeout"), value("shutdown_timeout")
+
+
+def test_shipped_consumer_budgets_leave_the_async_margin(yaml_module: ModuleType) -> None:
+    """Sync and async consumers share the artefact's settings, so they must fit the
+    async one: drain + close + the async teardown strictly below the forced exit."""
+    consumers = [c for c in _cases(yaml_module) if c.role == "consume"]
+    assert consumers
+    for case in consumers:
+        drain, close, shutdown = _consumer_budget(case)
+        assert drain + close + ASYNC_EXIT_EXTRA_S < shutdown, (
+            f"{case.source}: worker_drain_timeout {drain:g} + close_timeout {close:g} "
+            f"+ {ASYNC_EXIT_EXTRA_S:g} s of async teardown must be < shutdown_timeout "
+            f"{shutdown:g} (docs/consumer.md, Async handlers)"
+        )
+
+
+#: The shipped consumers again, with the example class swapped for an ``async def
+#: handle`` one under the same settings (the async path: event loop thread, cancellation).
+ASYNC_APP = "push_apps:IdleAsync"
+
+
 @pytest.mark.parametrize(
     "source",
     [
@@ -289,13 +330,20 @@ def test_every_shipped_process_is_covered(yaml_module: ModuleType) -> None:
         "k8s:orders/outbox-relay",
         "k8s:outboxkit-relay/relay",
         "k8s:order-consumer/consumer",
+        "compose:consumer async",
+        "k8s:order-consumer/consumer async",
     ],
 )
 def test_shipped_settings_start_and_drain_within_the_grace_period(
     yaml_module: ModuleType, db_url: str, demo_topics: None, source: str
 ) -> None:
-    case = next(c for c in _cases(yaml_module) if c.source == source)
+    base, _, variant = source.partition(" ")
+    case = next(c for c in _cases(yaml_module) if c.source == base)
+    args = list(case.args)
     env = local_overrides(case.env, db_url)
+    if variant == "async":
+        args[1] = ASYNC_APP
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
     port = int(env.get("OUTBOXKIT_HEALTH_PORT", "0"))
     assert port, f"{source}: no OUTBOXKIT_HEALTH_PORT, the test cannot probe readiness"
 
@@ -311,7 +359,7 @@ def test_shipped_settings_start_and_drain_within_the_grace_period(
         assert schema.returncode == 0, schema.stderr[-3000:]
 
     proc = subprocess.Popen(
-        _cli(case.args),
+        _cli(args),
         env=_process_env(env),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
