@@ -148,7 +148,7 @@ class Consumer:
         rt = ServiceRuntime.build(s, logger=_log, details=self._details)
         self.registry, self.service_metrics = rt.registry, rt.service_metrics
         self.lifecycle, self.supervisor, self.health = rt.lifecycle, rt.supervisor, rt.health
-        self.metrics = ConsumerMetrics(self.registry)
+        self.metrics = ConsumerMetrics(self.registry, group=str(self.group or ""))
         self.lifecycle.on_hurry(lambda: drain.on_hurry(self._drain_parts()))
         #: What the drain reached (its report, the exit commit, the close).
         self._exit = drain.ExitState()
@@ -547,6 +547,7 @@ class Consumer:
         running, waiting, queued = self._dispatcher.counts()
         return {
             "assigned": len(loop.offsets),
+            "since_rebalance_s": round(loop.since_rebalance(), 1),
             "inflight": running + waiting,
             "buffered": queued,
             "dlq_blocked": sorted(f"{t}/{p}" for t, p in list(loop.dlq_blocked)),

@@ -98,6 +98,8 @@ class PollLoop:
         self.commits = OffsetCommits(
             kafka=kafka, offsets=self.offsets, report=self._report, draining=self._is_draining
         )
+        self._rebalanced = time.monotonic()
+        self._rebalanced_now()  # the subscription, before the first rebalance
 
     # -- the loop ---------------------------------------------------------------
 
@@ -275,6 +277,7 @@ class PollLoop:
                 self._pause(tp, "draining")
         if tps:
             log_event(_log, "partitions-assigned", partitions=_names(tps))
+        self._rebalanced_now()
 
     def on_revoke(self, kafka: Any, partitions: list[Any]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
@@ -291,6 +294,7 @@ class PollLoop:
         self.dispatcher.close(tps)
         self._forget(tps)
         kafka.incremental_unassign(partitions)
+        self._rebalanced_now()
         log_event(
             _log,
             "partitions-revoked",
@@ -311,6 +315,7 @@ class PollLoop:
         self._count_released(released)
         self._forget(tps)
         kafka.incremental_unassign(partitions)
+        self._rebalanced_now()
         log_event(
             _log,
             "partitions-lost",
@@ -319,6 +324,18 @@ class PollLoop:
             released=len(released),
             note="nothing committed: the partitions may have a new owner",
         )
+
+    def _rebalanced_now(self) -> None:
+        """A rebalance ended here (or the subscription began): the assigned count
+        and the time, for ``worker_assigned_partitions`` and the alert on a group
+        that never assigns anything (a coordinator that does not answer)."""
+        self._rebalanced = time.monotonic()
+        self.metrics.assigned.set(len(self.offsets))
+        self.metrics.rebalanced_at.set(time.time())
+
+    def since_rebalance(self) -> float:
+        """Seconds since the last rebalance (or the subscription), for readiness."""
+        return time.monotonic() - self._rebalanced
 
     # -- pausing ----------------------------------------------------------------
 

@@ -20,7 +20,7 @@ _log = logging.getLogger("outboxkit.consumer.metrics")
 
 
 class ConsumerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, group: str = "") -> None:
         self.inflight = Gauge(
             "worker_inflight_messages",
             "Messages taken by a worker and not finished (running or waiting for a retry)",
@@ -69,6 +69,22 @@ class ConsumerMetrics:
             ["reason"],
             registry=registry,
         )
+        # A member of a group whose rebalance never completes (a coordinator that
+        # does not answer) has nothing assigned and stays live and ready: these
+        # two show it, and the ConsumerUnassigned alert fires on them.
+        self.assigned = Gauge(
+            "worker_assigned_partitions",
+            "Partitions assigned to this consumer now (0 until the group assigns it any)",
+            ["group"],
+            registry=registry,
+        ).labels(group=group)
+        self.rebalanced_at = Gauge(
+            "worker_last_rebalance_timestamp_seconds",
+            "Unix time of this consumer's last rebalance (partitions assigned, revoked or "
+            "lost, or an assignment left as it was), or of its subscription before the first",
+            ["group"],
+            registry=registry,
+        ).labels(group=group)
         self.dlq_unavailable = Counter(
             "worker_dlq_unavailable",
             "Dead-letter writes that failed or were not acknowledged (retried later)",

@@ -50,6 +50,7 @@ from outboxkit.errors import (
 )
 from outboxkit.inserts import ROW_COLUMNS, insert_notifying, insert_rows
 from outboxkit.notify import NOTIFY_DIALECTS, notify_at_commit
+from outboxkit.runtime.identity import OutboxIdentity, read_identity
 from outboxkit.runtime.tracing import trace_headers, with_trace_headers
 from outboxkit.schema.apply import read_table_meta
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
@@ -485,8 +486,12 @@ def uuid7() -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
-#: Per database and table: its shard count, and whether payloads go aside.
+#: Per server (the URL) and outbox (its identity: database, schema, table): its
+#: shard count, and whether payloads go aside.
 _layout_cache: dict[tuple[str, str], tuple[int, bool]] = {}
+#: Where, in each database connection's ``info``, the identity of each outbox
+#: table name as that connection resolves it is kept (see ``_identity``).
+_IDENTITIES = "outboxkit.identities"
 #: Where the payload table is written (SQLite keeps payloads in the outbox
 #: table: it has no relay to speed up, and cannot loosen the column's NOT NULL).
 _ASIDE_DIALECTS = (*MYSQL_DIALECTS, "postgresql")
@@ -494,13 +499,35 @@ _ASIDE_DIALECTS = (*MYSQL_DIALECTS, "postgresql")
 
 def _table_layout(conn: Connection, table: str) -> tuple[int, bool]:
     """The table's shard count, and whether its payloads go to the payload table
-    (schema version 3 and later). Read once per process: the shard count is fixed
-    when the table is created, and a process that read an older version keeps
-    writing payloads into the outbox table, which every relay reads too."""
-    cache_key = (conn.engine.url.render_as_string(hide_password=True), table)
+    (schema version 3 and later). Read once per process and outbox: the shard
+    count is fixed when the table is created, and a process that read an older
+    version keeps writing payloads into the outbox table, which every relay
+    reads too.
+
+    The outbox is the table the name resolves to on this connection, as the
+    relay names it (:func:`outboxkit.runtime.identity.read_identity`): one URL
+    reaches two outboxes when ``search_path`` differs by connection (set in
+    ``connect_args`` or by a connect event), and keyed by the URL and the table
+    name alone the first one's shard count was used for the other's rows."""
+    identity = _identity(conn, table)
+    cache_key = (conn.engine.url.render_as_string(hide_password=True), identity.key)
     layout = _layout_cache.get(cache_key)
     if layout is None:
         count, version = read_table_meta(conn, table)
         aside = version >= PAYLOAD_ASIDE_VERSION and conn.dialect.name in _ASIDE_DIALECTS
         layout = _layout_cache[cache_key] = (count, aside)
     return layout
+
+
+def _identity(conn: Connection, table: str) -> OutboxIdentity:
+    """The outbox ``table`` names on ``conn``'s session, read once per database
+    connection (kept in its ``info``, which lives as long as the connection):
+    what a session resolves a table name to is set when it connects
+    (``search_path`` on PostgreSQL, the URL's database on MySQL/MariaDB). A
+    session that changes it afterwards (``SET search_path``, ``USE``) must
+    give each outbox its own engine (docs/scaling.md)."""
+    known: dict[str, OutboxIdentity] = conn.info.setdefault(_IDENTITIES, {})
+    identity = known.get(table)
+    if identity is None:
+        identity = known[table] = read_identity(conn, table)
+    return identity

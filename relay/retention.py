@@ -19,7 +19,11 @@ Guarantees:
 * ``stop()`` is checked before every batch, during every pause and before a
   batch is tried again: once it is true no further batch starts (the relay
   passes "draining", so retention never runs during shutdown). A batch already
-  running commits or rolls back as a whole; nothing is left half done.
+  running commits or rolls back as a whole; nothing is left half done;
+* a run that was not stopped then sweeps the payload rows whose outbox row is
+  gone (deleted by a 0.2.x purge, which knew no payload table), with the same
+  batch size and pause: ``relay.orphans``, which never deletes a payload row
+  whose outbox row exists or is being inserted.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
 
+from outboxkit.relay.orphans import sweep_orphans
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.db import (
     deadlocked,
@@ -96,6 +101,8 @@ class PurgeResult:
     batches: int
     cutoff: dt.datetime
     stopped: bool
+    #: Payload rows deleted whose outbox row was gone (``relay.orphans``).
+    orphans: int = 0
 
 
 def purge(
@@ -166,8 +173,15 @@ def purge(
             if _pause(pause_s, stop):
                 stopped = True
                 break
-    result = PurgeResult(deleted=deleted, batches=batches, cutoff=cutoff, stopped=stopped)
-    if deleted or record_empty:
+    orphans = 0
+    if not stopped:
+        # Payload rows whose outbox row something else deleted (a 0.2.x purge).
+        swept = sweep_orphans(engine, table, batch_size=batch_size, pause_s=pause_s, stop=stop)
+        orphans, stopped = swept.deleted, swept.stopped
+    result = PurgeResult(
+        deleted=deleted, batches=batches, cutoff=cutoff, stopped=stopped, orphans=orphans
+    )
+    if deleted or orphans or record_empty:
         with engine.begin() as conn:
             record_recovery(
                 conn,
@@ -180,6 +194,7 @@ def purge(
                     "older_than_s": older_than_s,
                     "cutoff": cutoff.isoformat() + "Z",
                     "stopped": stopped,
+                    "payload_orphans": orphans,
                 },
             )
     log_event(
@@ -188,6 +203,7 @@ def purge(
         table=table,
         deleted=deleted,
         batches=batches,
+        payload_orphans=orphans,
         stopped=stopped,
         duration_ms=round((time.monotonic() - started) * 1000),
     )

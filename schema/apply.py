@@ -183,7 +183,8 @@ def require_claim_schema(conn: Connection, table: str) -> None:
     release lacks it). MySQL/MariaDB: the index ``ix_<table>_key_status``, which
     the claim names in an index hint (a table made by hand may lack it, and
     every claim would then fail). Both: the payload table (``payload_table``),
-    which the claim reads payloads from (release 2's tables lack it)."""
+    which the claim reads payloads from (release 2's tables lack it), and every
+    column of the outbox and payload tables the claim reads."""
     aside = payload_table(table).name
     if not sa.inspect(conn).has_table(aside):
         raise SchemaNotAppliedError(
@@ -191,6 +192,8 @@ def require_claim_schema(conn: Connection, table: str) -> None:
             "`outboxkit schema apply` (this release reads payloads from it; see "
             "'Upgrading to the payload table' in docs/schema.md)"
         )
+    require_outbox_columns(conn, table)
+    require_payload_columns(conn, table)
     if conn.dialect.name == "postgresql" and not has_pg_crc32(conn):
         raise SchemaNotAppliedError(
             f"the function {PG_CRC32_FUNCTION}(bytea) is missing: run `outboxkit schema apply` "
@@ -202,6 +205,35 @@ def require_claim_schema(conn: Connection, table: str) -> None:
             raise SchemaNotAppliedError(
                 f"the index {index} of table {table!r} is missing: run `outboxkit schema apply`"
             )
+
+
+def require_outbox_columns(conn: Connection, table: str) -> None:
+    """The outbox table ``table`` has every column the claim reads, else
+    SchemaNotAppliedError: one missing (a table made or altered by hand) fails
+    every claim with an unknown column."""
+    _require_columns(conn, outbox_table(table), f"table {table!r}")
+
+
+def require_payload_columns(conn: Connection, table: str) -> None:
+    """The payload table of ``table`` has every column the claim reads (it joins
+    ``event_id`` and reads ``payload`` and ``headers``), else
+    SchemaNotAppliedError: with one missing every claim failed, rows that keep
+    their payload in the outbox row included."""
+    aside = payload_table(table)
+    _require_columns(conn, aside, f"the payload table {aside.name} of table {table!r}")
+
+
+def _require_columns(conn: Connection, table: sa.Table, what: str) -> None:
+    try:
+        present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+    except sa.exc.NoSuchTableError:
+        raise SchemaNotAppliedError(f"{what} is missing: run `outboxkit schema apply`") from None
+    missing = [c.name for c in table.columns if c.name not in present]
+    if missing:
+        raise SchemaNotAppliedError(
+            f"{what} lacks the column{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
+            "run `outboxkit schema apply`"
+        )
 
 
 def _create_or_upgrade(conn: Connection, table: sa.Table, report: ApplyReport) -> None:

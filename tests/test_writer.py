@@ -22,8 +22,8 @@ from support.databases import on_both_databases
 
 import outboxkit
 from outboxkit import Event, enqueue, enqueue_many
-from outboxkit.schema import decode_headers, outbox_rows_query, outbox_table
-from outboxkit.schema.codec import kafka_headers
+from outboxkit.schema import apply_schema, decode_headers, outbox_rows_query, outbox_table
+from outboxkit.schema.codec import kafka_headers, shard_for
 
 pytestmark = pytest.mark.integration
 
@@ -219,6 +219,72 @@ def test_batches_with_repeated_ids_raise_before_writing(
             assert enqueue_many(conn, events) == [str(e) for e in ids]
         conn.rollback()
     assert rows(engine) == []
+
+
+#: Two outboxes of one PostgreSQL database, in two schemas, with their shard counts.
+SCHEMA_SHARDS = {"svc_a": 4, "svc_b": 64}
+
+
+def make_schemas(pg_url: str) -> None:
+    """Create the schemas of ``SCHEMA_SHARDS`` in the database of ``pg_url``."""
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            for schema in SCHEMA_SHARDS:
+                conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    finally:
+        admin.dispose()
+
+
+def set_search_path_on_connect(engine: sa.Engine, schema: str) -> None:
+    """Set ``search_path`` by a connect event, as the SQLAlchemy docs show."""
+
+    @sa.event.listens_for(engine, "connect", insert=True)
+    def set_path(dbapi_connection: Any, _record: Any) -> None:
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"SET SESSION search_path = {schema}")
+        cursor.close()
+        dbapi_connection.autocommit = autocommit
+
+
+def assert_rows_sharded_by_their_own_table(engines: dict[str, sa.Engine]) -> None:
+    """Every row of each schema's outbox has the shard of its own table's count."""
+    for schema, engine in engines.items():
+        found = rows(engine)
+        assert len(found) == 50, schema
+        wrong = [
+            r.event_id
+            for r in found
+            if r.shard != shard_for(r.message_key, r.event_id, SCHEMA_SHARDS[schema])
+        ]
+        assert wrong == [], f"{len(wrong)} rows of {schema} sharded by another table's count"
+
+
+def test_two_schemas_behind_one_url_each_shard_by_their_own_count(pg_url: str) -> None:
+    """One URL, two outboxes: ``search_path`` set in ``connect_args`` for one
+    engine and by a connect event for the other. The writer's layout cache was
+    keyed by the URL and table name, so the first table's shard count (4) was
+    used for the second's rows (64 shards), silently."""
+    make_schemas(pg_url)
+    engines = {
+        "svc_a": sa.create_engine(pg_url, connect_args={"options": "-csearch_path=svc_a"}),
+        "svc_b": sa.create_engine(pg_url),
+    }
+    set_search_path_on_connect(engines["svc_b"], "svc_b")
+    try:
+        for schema, engine in engines.items():
+            apply_schema(engine, shards=SCHEMA_SHARDS[schema])
+        for engine in engines.values():
+            with engine.begin() as conn:
+                enqueue_many(conn, [Event(topic="t", payload="1", key=f"k{n}") for n in range(49)])
+            with engine.begin() as conn:
+                enqueue(conn, topic="t", payload="1", key="one")
+        assert_rows_sharded_by_their_own_table(engines)
+    finally:
+        for engine in engines.values():
+            engine.dispose()
 
 
 @on_both_databases

@@ -26,11 +26,21 @@ from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from support.databases import on_both_databases
-from test_writer import BAD_INPUTS, headers, payloads, rows, topics
+from test_writer import (
+    BAD_INPUTS,
+    SCHEMA_SHARDS,
+    assert_rows_sharded_by_their_own_table,
+    headers,
+    make_schemas,
+    payloads,
+    rows,
+    set_search_path_on_connect,
+    topics,
+)
 
 import outboxkit
 from outboxkit import Event, enqueue, enqueue_async, enqueue_many, enqueue_many_async
-from outboxkit.schema import decode_headers
+from outboxkit.schema import apply_schema, decode_headers
 from outboxkit.schema.codec import shard_for
 
 pytestmark = pytest.mark.integration
@@ -333,3 +343,40 @@ def test_the_async_extra_brings_what_the_async_writer_needs() -> None:
     assert any(r.name == "outboxkit" and "async" in r.extras for r in dev)
     import asyncmy  # noqa: F401  (installed: the suite tests the async writer for real)
     import greenlet  # noqa: F401
+
+
+def test_two_schemas_behind_one_url_each_shard_by_their_own_count(
+    pg_url: str, run: Run[Any]
+) -> None:
+    """The async writer: as ``test_writer``'s test of the same name, through
+    psycopg's asyncio connection."""
+    make_schemas(pg_url)
+    sync_engines = {s: sa.create_engine(pg_url) for s in SCHEMA_SHARDS}
+    engines = {
+        "svc_a": create_async_engine(
+            async_url(pg_url), connect_args={"options": "-csearch_path=svc_a"}
+        ),
+        "svc_b": create_async_engine(async_url(pg_url)),
+    }
+    set_search_path_on_connect(engines["svc_b"].sync_engine, "svc_b")
+    for schema, engine in sync_engines.items():
+        set_search_path_on_connect(engine, schema)
+
+    async def write() -> None:
+        for engine in engines.values():
+            async with engine.begin() as conn:
+                events = [Event(topic="t", payload="1", key=f"k{n}") for n in range(49)]
+                await enqueue_many_async(conn, events)
+            async with AsyncSession(engine) as session, session.begin():
+                await enqueue_async(session, topic="t", payload="1", key="one")
+        for engine in engines.values():
+            await engine.dispose()
+
+    try:
+        for schema, engine in sync_engines.items():
+            apply_schema(engine, shards=SCHEMA_SHARDS[schema])
+        run(write())
+        assert_rows_sharded_by_their_own_table(sync_engines)
+    finally:
+        for engine in sync_engines.values():
+            engine.dispose()

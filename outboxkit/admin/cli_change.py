@@ -219,7 +219,8 @@ def add_purge_parser(actions: Any, common: argparse.ArgumentParser) -> None:
         help="delete delivered rows older than a retention, in small batches",
         description=(
             "Delete rows with status delivered whose delivered_at is older than "
-            "--older-than, in batches of --batch-size with --pause between them. "
+            "--older-than, in batches of --batch-size with --pause between them, "
+            "then the payload rows whose outbox row is gone (left by a 0.2.x purge). "
             "Never touches other statuses. Ctrl-C stops after the current batch."
         ),
     )
@@ -308,6 +309,7 @@ def _purge(args: argparse.Namespace) -> int:
                     "batches": result.batches,
                     "cutoff": format_ts(result.cutoff),
                     "stopped": result.stopped,
+                    "payload_orphans": result.orphans,
                 }
             )
         else:
@@ -315,6 +317,11 @@ def _purge(args: argparse.Namespace) -> int:
                 f"{'stopped early: ' if result.stopped else ''}deleted {result.deleted} "
                 f"delivered rows from {settings.table} (delivered before "
                 f"{format_ts(result.cutoff)}) in {result.batches} batches"
+                + (
+                    f", and {result.orphans} payload rows whose outbox row was gone"
+                    if result.orphans
+                    else ""
+                )
             )
         return EXIT_OK
 

@@ -23,6 +23,7 @@ __all__ = [
     "gentle_connection",
     "lock_wait_bound",
     "lock_wait_timed_out",
+    "serialization_failed",
     "transaction_open",
     "without_jit",
 ]
@@ -194,6 +195,9 @@ _MYSQL_IN_TRANS = 0x0001
 _MYSQL_LOCK_WAIT_TIMEOUT, _MYSQL_DEADLOCK = 1205, 1213
 #: PostgreSQL SQLSTATEs (psycopg): ``lock_not_available`` (``lock_timeout``), ``deadlock_detected``.
 _PG_LOCK_NOT_AVAILABLE, _PG_DEADLOCK = "55P03", "40P01"
+#: PostgreSQL's ``serialization_failure``; MySQL's deadlock shares the SQLSTATE,
+#: which is why ``_server_code`` gives MySQL's error number instead.
+_PG_SERIALIZATION_FAILURE = "40001"
 
 
 def lock_wait_timed_out(exc: BaseException) -> bool:
@@ -207,6 +211,13 @@ def deadlocked(exc: BaseException) -> bool:
     """``exc`` is the server ending a deadlock by failing this side of it (both
     databases roll back that side's transaction)."""
     return _server_code(exc) in (_MYSQL_DEADLOCK, _PG_DEADLOCK)
+
+
+def serialization_failed(exc: BaseException) -> bool:
+    """``exc`` is PostgreSQL refusing, at REPEATABLE READ, to change a row another
+    transaction changed and committed after this one's snapshot was taken
+    (SQLSTATE ``40001``); the transaction is rolled back."""
+    return _server_code(exc) == _PG_SERIALIZATION_FAILURE
 
 
 def _server_code(exc: BaseException) -> int | str | None:

@@ -14,7 +14,7 @@ from support.databases import on_both_databases
 
 from outboxkit import enqueue
 from outboxkit.admin import purge, purge_delivered, run_retention
-from outboxkit.schema import outbox_table, recovery_table
+from outboxkit.schema import outbox_table, payload_table, recovery_table
 from outboxkit.schema.table import db_now
 
 pytestmark = [pytest.mark.integration, on_both_databases]
@@ -201,3 +201,25 @@ def test_run_retention_purges_periodically_until_stopped(
         thread.join(5)
     assert not thread.is_alive(), "retention did not return promptly after stop()"
     assert [e["deleted"] for e in recovery_events(engine)] == [10, 5]
+
+
+def test_cli_purge_sweeps_payload_rows_a_release_2_purge_left(
+    engine: sa.Engine, outbox: str, admin: Any
+) -> None:
+    """A 0.2.x purge deleted outbox rows and left their payload rows; the next
+    ``admin purge`` deletes them and says so."""
+    with engine.begin() as conn:
+        ids = [enqueue(conn, topic="t", payload=f"p{n}", key=f"k{n}") for n in range(12)]
+    t, p = outbox_table(outbox), payload_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(t.delete().where(t.c.event_id.in_(ids[:10])))
+
+    res = admin("purge", "--older-than", "7d", "--batch-size", "4", "--pause", "0")
+
+    assert res.code == 0, res.err
+    assert "and 10 payload rows whose outbox row was gone" in res.out
+    with engine.connect() as conn:
+        assert set(conn.execute(sa.select(p.c.event_id)).scalars()) == set(ids[10:])
+    assert [e["payload_orphans"] for e in recovery_events(engine)] == [10]
+    res = admin("purge", "--older-than", "7d", "--json")
+    assert json.loads(res.out)["payload_orphans"] == 0

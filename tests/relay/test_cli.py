@@ -176,6 +176,34 @@ def test_a_release_2_table_without_its_payload_table_exits_3_saying_apply(
 
 
 @pytest.mark.integration
+@on_both_databases
+def test_a_payload_table_missing_a_column_exits_3_saying_apply(
+    db_url: str, kafka_bootstrap: str
+) -> None:
+    """A payload table of the wrong shape (a column dropped by hand) made every
+    claim fail with an unknown column, the worker restarting over and over and
+    nothing delivered: the relay refuses to start instead, naming the column."""
+    engine = sa.create_engine(db_url)
+    try:
+        apply_schema(engine, shards=8)
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE outbox_events_payload DROP COLUMN headers"))
+        result = _cli(
+            "--health-port", "0", "--connect-timeout", "2",
+            env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
+        )  # fmt: skip
+        assert result.returncode == EXIT_DEPENDENCY, result.stderr
+        assert (
+            "the payload table outbox_events_payload of table 'outbox_events' lacks the "
+            "column headers: run `outboxkit schema apply`"
+        ) in result.stderr
+        assert "relay-started" not in result.stderr
+        assert "added column outbox_events_payload.headers" in apply_schema(engine).actions
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.integration
 def test_a_mysql_table_without_the_key_index_exits_3_saying_apply(
     engine: sa.Engine, db_url: str, outbox: str, kafka_bootstrap: str
 ) -> None:

@@ -1,0 +1,88 @@
+"""Payload rows left behind by a purge that knew no payload table (0.2.x's
+``admin purge``, a purge job built on it, a 0.2.x relay's retention), on MariaDB
+and PostgreSQL: the sweep deletes them, never the payload of a row that is
+there, nor that of a writer's open transaction."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from support.databases import on_both_databases
+
+from outboxkit import Event, enqueue, enqueue_many
+from outboxkit.relay.orphans import sweep_orphans
+from outboxkit.relay.retention import purge
+from outboxkit.schema import outbox_table, payload_table
+
+pytestmark = [pytest.mark.integration, on_both_databases]
+
+
+def payloads(engine: sa.Engine, table: str) -> dict[str, bytes]:
+    """The payload table's rows: event id -> payload."""
+    p = payload_table(table)
+    with engine.connect() as conn:
+        return {r.event_id: bytes(r.payload) for r in conn.execute(sa.select(p))}
+
+
+def delete_outbox_rows_as_release_2(engine: sa.Engine, table: str, event_ids: list[str]) -> None:
+    """What a 0.2.x purge does: delete outbox rows, their payload rows left alone."""
+    t = outbox_table(table)
+    with engine.begin() as conn:
+        conn.execute(t.delete().where(t.c.event_id.in_(event_ids)))
+
+
+def enqueue_thirty(engine: sa.Engine) -> list[str]:
+    with engine.begin() as conn:
+        return enqueue_many(
+            conn, [Event(topic="t", payload=f"p{n}", key=f"k{n}") for n in range(30)]
+        )
+
+
+def test_the_sweep_deletes_orphans_and_spares_live_rows_and_an_open_writer(
+    engine: sa.Engine, outbox: str
+) -> None:
+    ids = enqueue_thirty(engine)
+    orphaned, live = ids[:20], ids[20:]
+    delete_outbox_rows_as_release_2(engine, outbox, orphaned)
+    assert set(payloads(engine, outbox)) == set(ids)
+    reused = orphaned[7]
+    # A writer's transaction, open while the sweep runs: a new event, and an event
+    # whose id is an orphan's (its INSERT rewrites the orphaned payload row).
+    with engine.connect() as writer:
+        writer.begin()
+        fresh = enqueue(writer, topic="t", payload="fresh", key="f")
+        enqueue(writer, topic="t", payload="reused", key="r", event_id=reused)
+
+        result = sweep_orphans(engine, outbox, batch_size=6, pause_s=0)
+
+        writer.commit()
+    left = payloads(engine, outbox)
+    assert result.deleted == 19
+    assert set(left) == {*live, fresh, reused}
+    assert left[reused] == b"reused"
+    assert left[fresh] == b"fresh"
+    assert all(left[i] == f"p{n + 20}".encode() for n, i in enumerate(live))
+    # Every payload row now has its outbox row: a second sweep deletes nothing.
+    again = sweep_orphans(engine, outbox, batch_size=6, pause_s=0)
+    assert (again.deleted, again.left, again.scanned) == (0, 0, 12)
+    assert set(payloads(engine, outbox)) == {*live, fresh, reused}
+
+
+def test_the_purge_sweeps_orphans_after_its_own_batches(engine: sa.Engine, outbox: str) -> None:
+    ids = enqueue_thirty(engine)
+    delete_outbox_rows_as_release_2(engine, outbox, ids[:10])
+
+    result = purge(engine, outbox, older_than_s=86400, batch_size=4, pause_s=0)
+
+    assert (result.deleted, result.orphans) == (0, 10)
+    assert set(payloads(engine, outbox)) == set(ids[10:])
+
+
+def test_a_stopped_purge_sweeps_nothing(engine: sa.Engine, outbox: str) -> None:
+    ids = enqueue_thirty(engine)
+    delete_outbox_rows_as_release_2(engine, outbox, ids[:10])
+
+    result = purge(engine, outbox, older_than_s=86400, stop=lambda: True)
+
+    assert (result.orphans, result.stopped) == (0, True)
+    assert set(payloads(engine, outbox)) == set(ids)
