@@ -2,8 +2,17 @@
 # Build the outboxkit image without a Docker engine, with buildah (Debian's
 # package), and print the image id on stdout:
 #
-#   deploy/docker/build.sh                 # -> localhost/outboxkit:dev
-#   OUTBOXKIT_IMAGE=localhost/outboxkit:1 deploy/docker/build.sh
+#   deploy/docker/build.sh      # -> localhost/outboxkit:<version>, localhost/outboxkit:dev
+#   OUTBOXKIT_IMAGE=localhost/outboxkit:try deploy/docker/build.sh   # that name only
+#
+# <version> is the package version, read from pyproject.toml (the one source;
+# `outboxkit --version` prints the same). buildah and podman store an
+# unqualified name under localhost/, so `outboxkit:<version>` in
+# deploy/compose and deploy/k8s names this image. The image carries the OCI
+# labels org.opencontainers.image.version (that version), .source (the
+# repository: OUTBOXKIT_SOURCE_URL, else pyproject's [project.urls], else the
+# git remote `origin` without credentials), .revision (the git commit) and
+# .licenses (Apache-2.0).
 #
 # 1. base: a Debian bookworm root file system made by mmdebstrap from Debian's
 #    own packages (python3, pip, venv), committed once as
@@ -25,8 +34,37 @@ source "$(dirname "${BASH_SOURCE[0]}")/../local/lib.sh"
 REPO_ROOT="$(cd "$LOCAL_DIR/../.." && pwd)"
 BUILD_DIR="$REPO_ROOT/deploy/docker/.build"
 BASE_IMAGE="${OUTBOXKIT_BASE_IMAGE:-localhost/outboxkit-base:bookworm}"
-IMAGE="${OUTBOXKIT_IMAGE:-localhost/outboxkit:dev}"
 mkdir -p "$BUILD_DIR"
+
+# The package version and the repository's address, from pyproject.toml.
+read_project() {
+    python3 - "$REPO_ROOT/pyproject.toml" "$1" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+if sys.argv[2] == "version":
+    print(project["version"])
+else:
+    urls = {k.lower(): v for k, v in project.get("urls", {}).items()}
+    print(next((urls[k] for k in ("source", "repository", "homepage") if k in urls), ""))
+PY
+}
+VERSION="$(read_project version)" || die "could not read [project] version from pyproject.toml"
+[[ "$VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+ ]] || die "pyproject.toml version '$VERSION' is not X.Y.Z"
+if [[ -n "${OUTBOXKIT_IMAGE:-}" ]]; then
+    TAGS=("$OUTBOXKIT_IMAGE")
+else
+    TAGS=("localhost/outboxkit:$VERSION" "localhost/outboxkit:dev")
+fi
+IMAGE="${TAGS[0]}"
+SOURCE_URL="${OUTBOXKIT_SOURCE_URL:-$(read_project urls)}"
+if [[ -z "$SOURCE_URL" ]]; then
+    # A clone's origin, as https and without user or token.
+    SOURCE_URL="$(git -C "$REPO_ROOT" remote get-url origin 2>/dev/null |
+        sed -E 's#^git@([^:]+):#https://\1/#; s#^(https?://)[^/@]*@#\1#; s#\.git$##')" || true
+fi
+[[ -n "$SOURCE_URL" ]] ||
+    die "no source address for the image label: set OUTBOXKIT_SOURCE_URL (the repository's URL)"
+REVISION="$(git -C "$REPO_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
 
 ensure_packages buildah mmdebstrap uidmap
 
@@ -69,10 +107,15 @@ log "image $IMAGE: buildah bud, sources $source_hash (log: $BUILD_DIR/image.log)
 started=$(date +%s)
 (cd "$REPO_ROOT" && buildah bud --isolation chroot --layers --format docker \
     --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "OUTBOXKIT_SOURCE=$source_hash" \
+    --build-arg "OUTBOXKIT_VERSION=$VERSION" --build-arg "OUTBOXKIT_SOURCE_URL=$SOURCE_URL" \
+    --build-arg "OUTBOXKIT_REVISION=$REVISION" \
     "${mounts[@]}" \
     -f deploy/docker/Dockerfile -t "$IMAGE" .) >"$BUILD_DIR/image.log" 2>&1 \
     || die "buildah bud failed; see $BUILD_DIR/image.log"
 id="$(buildah inspect --type image --format '{{.FromImageID}}' "$IMAGE")"
+for tag in "${TAGS[@]:1}"; do
+    buildah tag "$id" "$tag"
+done
 size="$(buildah images --format '{{.Size}}' "$IMAGE" | sed -n 1p)"
-log "image $IMAGE: $id ($size) in $(($(date +%s) - started))s"
+log "image ${TAGS[*]}: $id ($size, version $VERSION) in $(($(date +%s) - started))s"
 echo "$id"

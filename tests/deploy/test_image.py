@@ -1,12 +1,14 @@
 """The container image operators run: built here with buildah, run from the image.
 
 ``deploy/docker/build.sh`` builds ``deploy/docker/Dockerfile`` on a Debian base
-made from Debian's packages (no Docker engine needed). From that image, with the
-local services, these tests apply the schema, run ``outboxkit relay`` as the
-image's entrypoint and user against a backlog and stop it the way a container
-runtime does (SIGTERM to the entrypoint process), then run the example consumer
-the same way. ``buildah run --isolation chroot`` shares the host's network, so
-the container reaches the services on 127.0.0.1.
+made from Debian's packages (no Docker engine needed), tagged with the package
+version and labelled with it. From that image, with the local services, these
+tests apply the schema, run ``outboxkit relay`` as the image's entrypoint and
+user against a backlog and stop it the way a container runtime does (SIGTERM to
+the entrypoint process), then run the example consumer the same way; run the
+relay against PostgreSQL; and run ``opentelemetry-instrument outboxkit relay``,
+whose spans reach the exporter. ``buildah run --isolation chroot`` shares the
+host's network, so the container reaches the services on 127.0.0.1.
 
 Where buildah cannot be installed the tests skip locally and fail under CI.
 """
@@ -20,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -39,8 +42,14 @@ from outboxkit.schema import outbox_table
 pytestmark = [pytest.mark.integration, pytest.mark.image, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
-IMAGE = "localhost/outboxkit:test"
 IMAGE_UID = "10001"
+# What build.sh writes into the source label when told; a clone takes its origin.
+SOURCE_URL = "https://example.invalid/outboxkit"
+
+
+def package_version() -> str:
+    with (REPO / "pyproject.toml").open("rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
 
 
 def _missing(reason: str) -> None:
@@ -50,14 +59,15 @@ def _missing(reason: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def image() -> dict[str, Any]:
-    """Build the image (cached after the first time); its OCI config."""
+def built() -> dict[str, Any]:
+    """Build the image with build.sh's default tags (cached after the first
+    time); its id, OCI config and the tags that point at it."""
     if shutil.which("apt-get") is None and shutil.which("buildah") is None:
         _missing("buildah is not installed and apt-get is not available to install it")
-    env = {**os.environ, "OUTBOXKIT_IMAGE": IMAGE}
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOXKIT_IMAGE"}
     build = subprocess.run(
         [str(REPO / "deploy/docker/build.sh")],
-        env=env,
+        env={**env, "OUTBOXKIT_SOURCE_URL": SOURCE_URL},
         capture_output=True,
         text=True,
         timeout=1500,
@@ -66,20 +76,37 @@ def image() -> dict[str, Any]:
     assert build.returncode == 0, f"build.sh failed:\n{build.stderr[-4000:]}"
     image_id = build.stdout.strip().splitlines()[-1]
     assert len(image_id) == 64, build.stdout
+    # By id from here on: another checkout on the machine may retag the names.
     info = subprocess.run(
-        ["buildah", "inspect", "--type", "image", IMAGE],
+        ["buildah", "inspect", "--type", "image", image_id],
         capture_output=True,
         text=True,
         check=True,
     )
-    config: dict[str, Any] = json.loads(info.stdout)["OCIv1"]["config"]
+    tags = subprocess.run(
+        ["buildah", "images", "--no-trunc", "--format", "{{.Name}}:{{.Tag}} {{.ID}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    return {
+        "id": image_id,
+        "config": json.loads(info.stdout)["OCIv1"]["config"],
+        "tags": {line.split()[0] for line in tags if line.endswith(image_id.split(":")[-1])},
+    }
+
+
+@pytest.fixture(scope="module")
+def image(built: dict[str, Any]) -> dict[str, Any]:
+    """The image's OCI config."""
+    config: dict[str, Any] = built["config"]
     return config
 
 
 @pytest.fixture
-def container(image: dict[str, Any]) -> Iterator[str]:
+def container(built: dict[str, Any]) -> Iterator[str]:
     name = subprocess.run(
-        ["buildah", "from", "-q", IMAGE], capture_output=True, text=True, check=True
+        ["buildah", "from", "-q", built["id"]], capture_output=True, text=True, check=True
     ).stdout.strip()
     yield name
     subprocess.run(["buildah", "rm", name], capture_output=True, check=False)
@@ -107,20 +134,36 @@ class ImageProcess:
     """The image's entrypoint, started with ``buildah run``, its JSON log lines kept."""
 
     def __init__(
-        self, container: str, config: dict[str, Any], args: list[str], env: dict[str, str]
+        self,
+        container: str,
+        config: dict[str, Any],
+        args: list[str],
+        env: dict[str, str],
+        *,
+        wrapper: tuple[str, ...] = (),
     ):
-        argv = [*config["Entrypoint"], *args]
+        """``wrapper``: a command the entrypoint runs under (as a Kubernetes
+        ``command`` would put it), e.g. ``opentelemetry-instrument``."""
+        argv = [*wrapper, *config["Entrypoint"], *args]
         self.proc = subprocess.Popen(
             _run_args(container, env, argv),
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         self.records: list[dict[str, Any]] = []
         self.raw: list[str] = []
+        self.stdout: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        self._out_reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._out_reader.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            self.stdout.extend(self.proc.stdout)
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -158,6 +201,7 @@ class ImageProcess:
     def wait(self, timeout: float) -> int:
         code = self.proc.wait(bound(timeout))
         self._reader.join(5)
+        self._out_reader.join(5)
         return code
 
     def kill(self) -> None:
@@ -168,6 +212,7 @@ class ImageProcess:
             self.proc.kill()
             self.proc.wait(10)
         self._reader.join(10)
+        self._out_reader.join(10)
 
     def last_lines(self) -> str:
         return "".join(self.raw[-20:])
@@ -351,14 +396,17 @@ def _shipped_outboxkit_containers() -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_compose_and_kubernetes_use_the_image_as_tested(
-    image: dict[str, Any], container: str
+    built: dict[str, Any], image: dict[str, Any], container: str
 ) -> None:
-    """They name an ``outboxkit:`` image, keep its entrypoint (arguments only, as
-    the tests above run it), and their preStop hooks run in it."""
+    """They name the image build.sh tagged (buildah and podman store the
+    unqualified ``outboxkit:<version>`` as ``localhost/outboxkit:<version>``),
+    keep its entrypoint (arguments only, as the tests above run it), and their
+    preStop hooks run in it."""
     shipped = _shipped_outboxkit_containers()
     assert len(shipped) >= 5, shipped
     subcommands = run_in(container, *image["Entrypoint"], "--help")
     for where, spec in shipped:
+        assert f"localhost/{spec['image']}" in built["tags"], (where, spec["image"], built["tags"])
         # compose's `command` and Kubernetes' `args` are the arguments to the
         # entrypoint; Kubernetes' `command` would replace it.
         args = spec["command"] if where.startswith("compose") else spec.get("args")
@@ -367,3 +415,114 @@ def test_compose_and_kubernetes_use_the_image_as_tested(
         hook = spec.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
         if hook:
             run_in(container, *hook)
+
+
+def test_the_image_is_tagged_and_labelled_with_the_package_version(
+    built: dict[str, Any], container: str
+) -> None:
+    version = package_version()
+    assert {f"localhost/outboxkit:{version}", "localhost/outboxkit:dev"} <= built["tags"]
+    labels = built["config"]["Labels"]
+    assert labels["org.opencontainers.image.version"] == version
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    assert labels["org.opencontainers.image.source"] == SOURCE_URL
+    assert run_in(container, "outboxkit", "--version").split()[-1].startswith(version)
+
+
+def test_relay_from_the_image_delivers_from_postgresql(
+    image: dict[str, Any],
+    container: str,
+    pg_url: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    processes: list[ImageProcess],
+) -> None:
+    """The image holds the ``postgres`` extra: on main a postgresql+psycopg URL
+    exited 2 there (no driver)."""
+    run_in(container, *image["Entrypoint"], "schema", "apply", "--db-url", pg_url, "--shards", "4")
+    topic = kafka_topics(partitions=2)
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            outboxkit.enqueue_many(
+                conn,
+                [
+                    outboxkit.Event(topic=topic, key=f"k-{i % 5}", payload={"n": i})
+                    for i in range(50)
+                ],
+            )
+        relay = ImageProcess(
+            container,
+            image,
+            list(image["Cmd"]),
+            {
+                "OUTBOXKIT_DB_URL": pg_url,
+                "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
+                "OUTBOXKIT_HEALTH_HOST": "127.0.0.1",
+                "OUTBOXKIT_HEALTH_PORT": str(free_port()),
+                "OUTBOXKIT_NODE_ID": "image-relay-pg",
+            },
+        )
+        processes.append(relay)
+        try:
+            wait_for(lambda: _counts(engine).get("delivered", 0) == 50, timeout=60, what="50")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; relay's last lines:\n{relay.last_lines()}") from None
+        relay.terminate()
+        assert relay.wait(60) == 0, relay.last_lines()
+        (record,) = relay.events("relay-exit")
+        assert record["result"] == "clean" and record["left_leased"] == 0, record
+    finally:
+        engine.dispose()
+
+
+def test_opentelemetry_instrument_relay_from_the_image_exports_its_spans(
+    image: dict[str, Any],
+    container: str,
+    db_url: str,
+    engine: sa.Engine,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    processes: list[ImageProcess],
+) -> None:
+    """``opentelemetry-instrument outboxkit relay``, as docs/tracing.md says to
+    run it, works in the image: the relay's ``send`` span for a row written
+    inside a trace continues that trace and reaches the configured exporter
+    (the SDK's console exporter here, on stdout; in production OTLP)."""
+    run_in(container, *image["Entrypoint"], "schema", "apply", "--db-url", db_url, "--shards", "4")
+    topic = kafka_topics(partitions=1)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with engine.begin() as conn:
+        outboxkit.enqueue(
+            conn,
+            topic=topic,
+            payload={"n": 1},
+            headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        )
+    relay = ImageProcess(
+        container,
+        image,
+        list(image["Cmd"]),
+        {
+            "OUTBOXKIT_DB_URL": db_url,
+            "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            "OUTBOXKIT_HEALTH_HOST": "127.0.0.1",
+            "OUTBOXKIT_HEALTH_PORT": str(free_port()),
+            "OUTBOXKIT_NODE_ID": "image-relay-otel",
+            "OTEL_SERVICE_NAME": "outboxkit-relay",
+            "OTEL_TRACES_EXPORTER": "console",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_LOGS_EXPORTER": "none",
+        },
+        wrapper=("opentelemetry-instrument",),
+    )
+    processes.append(relay)
+    try:
+        wait_for(lambda: _counts(engine).get("delivered", 0) == 1, timeout=60, what="delivery")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; relay's last lines:\n{relay.last_lines()}") from None
+    relay.terminate()
+    assert relay.wait(60) == 0, relay.last_lines()
+    spans = "".join(relay.stdout)  # the exporter writes at the latest on exit
+    assert f'"name": "send {topic}"' in spans, spans[-3000:] or relay.last_lines()
+    assert f'"trace_id": "0x{trace_id}"' in spans, spans[-3000:]
