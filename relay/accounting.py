@@ -120,21 +120,37 @@ def _error_name(d: Decision) -> str:
     return str(KafkaError(d.error_code).name())
 
 
+def _sent_error_name(d: Decision) -> str:
+    """The name of the error librdkafka reported for ``d`` (before the relay named
+    the cluster's state as its cause, see relay/outage.py)."""
+    if d.sent_code is None:
+        return _error_name(d)
+    return str(KafkaError(d.sent_code).name())
+
+
+def possibly_written(d: Decision) -> bool:
+    """``d``'s send failed in a way that may still have written it. Not when the
+    cause is an ISR below ``min.insync.replicas``, even behind a message timeout:
+    the leader refuses those writes before appending them."""
+    if d.fate not in (Fate.RETRYABLE, Fate.FAILED):
+        return False
+    if _error_name(d) == "NOT_ENOUGH_REPLICAS":
+        return False
+    return _sent_error_name(d) in POSSIBLY_WRITTEN
+
+
 def report_possibly_written(decisions: Sequence[Decision]) -> None:
     """One ``possibly-written`` INFO line per batch naming the rows whose send
-    failed in a way that may still have written them (:data:`POSSIBLY_WRITTEN`):
+    failed in a way that may still have written them (:func:`possibly_written`):
     the rows an operator may find twice in the topic. Every batch, not rate
-    limited like ``delivery-retry``: the ids are the point."""
-    rows = [
-        d
-        for d in decisions
-        if d.fate in (Fate.RETRYABLE, Fate.FAILED) and _error_name(d) in POSSIBLY_WRITTEN
-    ]
+    limited like ``delivery-retry``: the ids are the point. ``errors`` counts
+    them by the error librdkafka reported."""
+    rows = [d for d in decisions if possibly_written(d)]
     if not rows:
         return
     errors: dict[str, int] = {}
     for d in rows:
-        errors[_error_name(d)] = errors.get(_error_name(d), 0) + 1
+        errors[_sent_error_name(d)] = errors.get(_sent_error_name(d), 0) + 1
     log_event(
         log,
         "possibly-written",
@@ -151,16 +167,16 @@ class RetryReporter:
     fault, not the relay's nor the row's.
 
     Every row set back to ``retryable`` for a retriable Kafka error counts in
-    ``outbox_kafka_delivery_errors{topic, error}``. At most one
-    ``delivery-retry`` WARNING per topic per :data:`RETRY_LOG_INTERVAL`
-    names the topic, the rows, the error, and the partitions' state as the
-    cluster reports it (``probe``): leader and ISR against the replicas, so an
-    operator reads "ISR [1] of replicas [1, 3]" (writes with acks=all refused
-    with NOT_ENOUGH_REPLICAS while the ISR is below ``min.insync.replicas``;
-    librdkafka retries those until the message timeout, so the delivery report
-    itself only says ``_MSG_TIMED_OUT``) or "no leader" (a leader change). The
-    topic is not paused: the relay retries with backoff until the cluster
-    accepts the rows again.
+    ``outbox_kafka_delivery_errors{topic, error}``, ``error`` being the cause:
+    the error librdkafka reported, or, for a message timeout the partition's
+    state explains, that state (``NOT_ENOUGH_REPLICAS``, ``LEADER_NOT_AVAILABLE``,
+    see relay/outage.py). At most one ``delivery-retry`` WARNING per topic per
+    :data:`RETRY_LOG_INTERVAL` names the topic, the rows, the causes, whether
+    their attempts were refunded (``refunded``: the cluster's fault), and the
+    partitions' state as the cluster reports it (``probe``): leader and ISR
+    against the replicas, so an operator reads "ISR [1] of replicas [1, 3]" or
+    "no leader". The topic is not paused: the relay retries with backoff until
+    the cluster accepts the rows again.
     """
 
     def __init__(
@@ -196,7 +212,8 @@ class RetryReporter:
             if now - self._last.get(topic, -float("inf")) < self._interval:
                 continue
             self._last[topic] = now
-            args = (topic, len(rows), errors, rows[0].error)
+            refunded = sum(1 for d in rows if d.refund)
+            args = (topic, len(rows), errors, rows[0].error, refunded)
             if self._background:
                 threading.Thread(
                     target=self._log, args=args, name="outboxkit-retry-log", daemon=True
@@ -204,7 +221,9 @@ class RetryReporter:
             else:
                 self._log(*args)
 
-    def _log(self, topic: str, rows: int, errors: dict[str, int], error: str | None) -> None:
+    def _log(
+        self, topic: str, rows: int, errors: dict[str, int], error: str | None, refunded: int = 0
+    ) -> None:
         try:
             partitions = self._probe(topic)
         except Exception:  # a probe for a log line never breaks anything
@@ -217,7 +236,8 @@ class RetryReporter:
             rows=rows,
             errors=errors,
             error=error,
+            refunded=refunded,
             partitions=partitions,
-            action="retried with backoff (Kafka cluster fault, not the rows'); "
-            "the topic is not paused",
+            action="retried with backoff (Kafka cluster fault, not the rows'; attempts "
+            "refunded where the cluster refused or never answered); the topic is not paused",
         )

@@ -22,6 +22,7 @@ from outboxkit.relay.rows import ClaimedRow
 from outboxkit.runtime.logs import log_event
 
 __all__ = [
+    "CLUSTER_CODES",
     "TOO_LARGE_FOR_QUEUE",
     "ErrorKind",
     "InFlight",
@@ -40,6 +41,9 @@ log = logging.getLogger("outboxkit.relay.publish")
 
 class ErrorKind(enum.Enum):
     RETRIABLE = "retriable"
+    #: The cluster, not the row: no leader, too few in-sync replicas, brokers
+    #: unreachable (see :mod:`outboxkit.relay.outage`). Retried, attempt refunded.
+    CLUSTER = "cluster"
     ROW_FAULT = "row-fault"
     CONFIG_FAULT = "config-fault"
     UNKNOWN = "unknown"
@@ -71,20 +75,31 @@ _CONFIG_FAULTS = {
     KafkaError._AUTHENTICATION: "authentication",
     KafkaError._SSL: "authentication",
 }
-_RETRIABLE = frozenset(
+#: Errors that name a state of the cluster, never of the row: the partition has
+#: no leader or too few in-sync replicas, a broker is unreachable or did not
+#: answer. They cost no attempt (an outage of any length must not fail rows).
+CLUSTER_CODES = frozenset(
     {
-        KafkaError._MSG_TIMED_OUT,
-        KafkaError._TIMED_OUT,
         KafkaError._TRANSPORT,
         KafkaError._ALL_BROKERS_DOWN,
-        KafkaError._QUEUE_FULL,
         KafkaError.LEADER_NOT_AVAILABLE,
         KafkaError.NOT_LEADER_FOR_PARTITION,
         KafkaError.REQUEST_TIMED_OUT,
         KafkaError.BROKER_NOT_AVAILABLE,
+        KafkaError.REPLICA_NOT_AVAILABLE,
         KafkaError.NETWORK_EXCEPTION,
         KafkaError.NOT_ENOUGH_REPLICAS,
         KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+        KafkaError.KAFKA_STORAGE_ERROR,
+    }
+)
+#: Retriable, but by themselves no proof of the cause: a message timeout is the
+#: cluster's fault only with evidence (see :mod:`outboxkit.relay.outage`).
+_RETRIABLE = frozenset(
+    {
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._QUEUE_FULL,
     }
 )
 
@@ -96,6 +111,8 @@ def classify(code: int, *, retriable: bool = False) -> ErrorKind:
         return ErrorKind.ROW_FAULT
     if code in _CONFIG_FAULTS:
         return ErrorKind.CONFIG_FAULT
+    if code in CLUSTER_CODES:
+        return ErrorKind.CLUSTER
     if retriable or code in _RETRIABLE:
         return ErrorKind.RETRIABLE
     return ErrorKind.UNKNOWN
@@ -110,7 +127,13 @@ def config_fault_reason(code: int, default: str = "config") -> str:
 # Not frozen: built once per row (see rows.ClaimedRow).
 @dataclass(slots=True)
 class Report:
-    """One delivery report. ``code`` is None when Kafka acknowledged the message."""
+    """One delivery report. ``code`` is None when Kafka acknowledged the message.
+
+    ``partition`` is where the message went (or was to go: librdkafka names it
+    for a failed message too, None before one was chosen). ``sent_code`` is the
+    code librdkafka reported when the relay named the cause itself (a message
+    timeout explained by the partition's state, see :mod:`outboxkit.relay.outage`).
+    """
 
     row_id: int
     code: int | None
@@ -119,6 +142,7 @@ class Report:
     partition: int | None
     offset: int | None
     mono: float
+    sent_code: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -193,7 +217,10 @@ def delivery_callback(inflight: InFlight, row_id: int) -> Callable[[KafkaError |
         else:
             kind = classify(err.code(), retriable=err.retriable())
             text = f"{err.name()}: {err.str()}"
-            inflight.add(Report(row_id, err.code(), text, kind, None, None, now))
+            partition = msg.partition() if msg is not None else None
+            if partition is not None and partition < 0:  # RD_KAFKA_PARTITION_UA
+                partition = None
+            inflight.add(Report(row_id, err.code(), text, kind, partition, None, now))
 
     return on_delivery
 

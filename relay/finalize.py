@@ -56,10 +56,15 @@ class Decision:
     #: The Kafka error code of the delivery report behind ``error`` (None when
     #: the row was acknowledged, or its error did not come from a report).
     error_code: int | None = None
+    #: What librdkafka reported when ``error_code`` is the cause the relay found.
+    sent_code: int | None = None
     partition: int | None = None
     offset: int | None = None
-    #: Give the claim's attempt back (released/paused rows).
+    #: Give the claim's attempt back (released/paused rows, cluster faults).
     refund: bool = False
+    #: The attempt number the retry's backoff is computed for, when not the
+    #: row's own (a refunded cluster fault backs off as the outage lasts).
+    backoff_attempts: int | None = None
     #: Ack time on the relay's monotonic clock (delivered rows).
     acked_mono: float | None = None
     #: Label for ``outbox_topic_paused{reason}`` (paused rows).
@@ -111,7 +116,8 @@ def decide(
 
     A row that was certainly not sent (``NOT_SENT``: never handed to the
     producer, or purged from its queue unsent) is released with its attempt
-    refunded, even after a crash.
+    refunded, even after a crash; one the cluster refused or never answered
+    (``CLUSTER``) is retried, attempt refunded, whatever ``max_attempts`` says.
 
     When the earlier row's send *failed* (it has an error report) and the later
     one was acknowledged, the later event is already in the partition ahead of
@@ -163,6 +169,9 @@ def decide(
                 refund=True,
                 pause_reason=reason,
             )
+        elif report.kind is ErrorKind.CLUSTER:  # an outage of any length fails no row
+            d = Decision(row, Fate.RETRYABLE, report.error, report.code, report.sent_code)
+            d.refund = True
         elif row.attempts >= max_attempts:
             d = Decision(
                 row,
@@ -348,7 +357,10 @@ def _write(
     elif fate is Fate.RETRYABLE:
         if backoff is None:
             raise ValueError("retryable rows need a backoff")
-        per_row = [(d.row.id, micros(backoff.delay(d.row.attempts)), None) for d in group]
+        per_row = [
+            (d.row.id, micros(backoff.delay(d.backoff_attempts or d.row.attempts)), None)
+            for d in group
+        ]
     else:
         now = db_now()
         values: dict[str, Any] = {

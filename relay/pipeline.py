@@ -126,6 +126,8 @@ class Pipeline:
         #: What one claim may load (docs/relay.md, "Big rows").
         self._byte_budget = ByteBudget(settings.batch_max_bytes, settings.max_message_bytes())
         self._retries = accounting.RetryReporter(metrics, self._short_partitions)
+        #: Batches in a row that found each topic's cluster at fault (see _outage_backoff).
+        self._outage_streak: dict[str, int] = {}
 
     def _deadline(self, batch: Batch) -> float:
         return drain.batch_deadline(self._lifecycle, self._settings, batch)
@@ -334,7 +336,27 @@ class Pipeline:
             max_attempts=self._settings.max_attempts,
             refund_unknown=True,
         )
+        self._outage_backoff(decisions)
         return [*held.known, *decisions]
+
+    def _outage_backoff(self, decisions: list[Decision]) -> None:
+        """A cluster fault refunds the attempt, so the row's attempts no longer
+        grow its backoff: the backoff grows instead with the batches in a row
+        that found the topic's cluster at fault (reset by a delivery to the
+        topic), capped like any backoff. Only one thread decides at a time (the
+        finalizer, or the loop when not pipelining)."""
+        delivered = {d.row.topic for d in decisions if d.fate is Fate.DELIVERED}
+        faulted = {
+            d.row.topic for d in decisions if d.fate is Fate.RETRYABLE and d.refund
+        } - delivered
+        for topic in delivered:
+            self._outage_streak.pop(topic, None)
+        for topic in faulted:
+            if len(self._outage_streak) < 10_000 or topic in self._outage_streak:
+                self._outage_streak[topic] = min(self._outage_streak.get(topic, 0) + 1, 64)
+        for d in decisions:
+            if d.fate is Fate.RETRYABLE and d.refund:
+                d.backoff_attempts = d.row.attempts + self._outage_streak.get(d.row.topic, 1) - 1
 
     def _reports(self, inflight: InFlight) -> dict[int, Report]:
         return self._publisher.settle_reports(inflight)

@@ -7,8 +7,13 @@ order of every key (one key, one partition).
 
 Errors are classified by what should happen to the row (:class:`ErrorKind`):
 
-* ``RETRIABLE``: timeouts, transport, leader/broker unavailable, anything
-  librdkafka flags ``retriable()``; the row is retried later with backoff;
+* ``CLUSTER``: the cluster, not the row: no leader, too few in-sync replicas,
+  a broker unreachable or silent (the error says so, or a message timeout is
+  explained by the partition's state, :mod:`outboxkit.relay.outage`); the row
+  is retried later with backoff and its attempt refunded, so an outage of any
+  length fails no row;
+* ``RETRIABLE``: a message timeout with no such evidence, anything librdkafka
+  flags ``retriable()``; the row is retried later with backoff (attempt used);
 * ``ROW_FAULT``: the row itself cannot be sent (too large, invalid record, a
   topic name Kafka never accepts, stored headers or an event id that cannot
   travel intact, anything ``produce`` raises for it); the row is failed;
@@ -84,6 +89,7 @@ from outboxkit.relay.delivery import (
     not_sent,
     row_fault,
 )
+from outboxkit.relay.outage import PartitionState, explain
 from outboxkit.relay.rows import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
@@ -170,6 +176,13 @@ def producer_config(
         "client.id": settings.node_id,
         "compression.type": settings.compression,
         "message.timeout.ms": message_timeout,
+        # A produce request to a hung leader is given up after this, not after
+        # the whole message timeout, and sent again to the partition's new
+        # leader: one stuck partition does not hold the batch (docs/relay.md).
+        "socket.timeout.ms": settings.socket_timeout_ms(),
+        # The broker's wait for the in-sync replicas' acks, answered before the
+        # client's own wait above runs out.
+        "request.timeout.ms": settings.request_timeout_ms(),
         # Unknown topics fail within the batch deadline instead of after 30 s.
         "topic.metadata.propagation.max.ms": min(30_000, max(1, message_timeout // 2)),
         # Same key -> same partition as Java producers (murmur2), keyless spread.
@@ -191,6 +204,8 @@ class Publisher:
 
     def __init__(self, settings: RelaySettings) -> None:
         self._auth_error: tuple[float, int, str] | None = None
+        #: When the producer last reported every broker down (monotonic).
+        self._all_down_mono = -float("inf")
         self._last_error_logged: tuple[int, float] | None = None
         self._settings = settings
         #: Set when librdkafka reports a fatal error; cleared by :meth:`rebuild`.
@@ -501,7 +516,10 @@ class Publisher:
                     self._known_topics.discard(topics[row_id])
         fatal = self.fatal
         if fatal is None:
-            return reports
+            # Timeouts the cluster caused cost no attempt, and are named by it.
+            window = self._settings.effective_batch_deadline()
+            all_down = time.monotonic() - self._all_down_mono < window
+            return explain(reports, inflight.rows, self.partition_states, all_brokers_down=all_down)
         out: dict[int, Report] = {}
         for row_id in inflight.expected:
             report = reports.get(row_id)
@@ -514,11 +532,27 @@ class Publisher:
                 )
         return out
 
+    def partition_states(self, topic: str, timeout: float) -> dict[int, PartitionState] | None:
+        """The topic's partitions as the cluster reports them now (one metadata
+        request, at most ``timeout`` s); None if no broker answered or the topic
+        is not in the answer."""
+        try:
+            meta = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
+        except KafkaException as exc:
+            self._record_fatal(exc)
+            return None
+        if meta is None or meta.error is not None:
+            return None
+        return {
+            p.id: PartitionState(p.leader, tuple(p.replicas), tuple(p.isrs))
+            for p in meta.partitions.values()
+        }
+
     def blame(self, report: Report) -> Report:
         """A timeout shortly after an authentication failure is the relay's config."""
         auth = self._auth_error
         if (
-            report.kind in (ErrorKind.RETRIABLE, ErrorKind.UNKNOWN)
+            report.kind in (ErrorKind.RETRIABLE, ErrorKind.CLUSTER, ErrorKind.UNKNOWN)
             and auth is not None
             and report.mono - auth[0] < _AUTH_BLAME_WINDOW
         ):
@@ -558,6 +592,8 @@ class Publisher:
             self._set_fatal(err)
         if classify(code) is ErrorKind.CONFIG_FAULT:
             self._auth_error = (now, code, f"{err.name()}: {err.str()}")
+        if code == KafkaError._ALL_BROKERS_DOWN:
+            self._all_down_mono = now
         last = self._last_error_logged
         if last is not None and last[0] == code and now - last[1] < 30:
             return  # librdkafka repeats broker-down errors; one line per code per 30 s

@@ -59,6 +59,8 @@ MAX_PAUSE_S = 60.0
 DEFAULT_MESSAGE_TIMEOUT_MS = 30_000
 #: librdkafka's range for message.timeout.ms (0 means "no timeout" and is refused).
 MAX_MESSAGE_TIMEOUT_MS = 2_147_483_647
+#: librdkafka's largest ``socket.timeout.ms``.
+MAX_SOCKET_TIMEOUT_MS = 300_000
 #: Two names of one librdkafka property; the one set last wins inside librdkafka.
 MESSAGE_TIMEOUT_NAMES = ("message.timeout.ms", "delivery.timeout.ms")
 _MILLISECONDS = re.compile(r"[0-9]{1,10}", re.ASCII)
@@ -98,6 +100,32 @@ def effective_message_timeout_ms(kafka_config: Mapping[str, str]) -> int:
             "set one of them (or both to the same value)"
         )
     return next(iter(found.values()), DEFAULT_MESSAGE_TIMEOUT_MS)
+
+
+def _kafka_ms(kafka_config: Mapping[str, str], name: str) -> int | None:
+    """An integer property of ``kafka_config`` in ms; None when unset or not an
+    integer (librdkafka's own check reports that)."""
+    raw = kafka_config.get(name, "").strip()
+    return int(raw) if _MILLISECONDS.fullmatch(raw) else None
+
+
+def default_socket_timeout_ms(message_timeout_ms: int) -> int:
+    """``socket.timeout.ms`` unless set: a quarter of the message timeout (the
+    ratio of the Java producer's request and delivery timeouts, 30 s and 120 s),
+    at least 5 s where half the message timeout allows it; never above half of
+    it, so a request given up on a hung leader is sent once more, to the
+    partition's new leader, before the message times out. librdkafka's own
+    default (60 s) exceeds the relay's message timeout: a hung leader then
+    held the whole batch for the message timeout."""
+    half = message_timeout_ms // 2
+    return max(10, min(half, max(message_timeout_ms // 4, 5000), MAX_SOCKET_TIMEOUT_MS))
+
+
+def default_request_timeout_ms(socket_timeout_ms: int) -> int:
+    """``request.timeout.ms`` unless set (the broker's wait for the in-sync
+    replicas' acks): two thirds of the socket timeout, so the broker answers
+    (``REQUEST_TIMED_OUT``, retried) before the client gives the request up."""
+    return max(1, socket_timeout_ms * 2 // 3)
 
 
 def _pause(value: float) -> str | None:
@@ -304,6 +332,20 @@ class RelaySettings(RuntimeSettings):
         ``delivery.timeout.ms``); every derived budget is computed from it."""
         return effective_message_timeout_ms(self.kafka_config)
 
+    def socket_timeout_ms(self) -> int:
+        """The producer's ``socket.timeout.ms``: set, or derived from the message
+        timeout (:func:`default_socket_timeout_ms`)."""
+        return _kafka_ms(self.kafka_config, "socket.timeout.ms") or default_socket_timeout_ms(
+            self.message_timeout_ms()
+        )
+
+    def request_timeout_ms(self) -> int:
+        """The producer's ``request.timeout.ms``: set, or derived from the socket
+        timeout (:func:`default_request_timeout_ms`)."""
+        return _kafka_ms(self.kafka_config, "request.timeout.ms") or default_request_timeout_ms(
+            self.socket_timeout_ms()
+        )
+
     def max_message_bytes(self) -> int:
         """The producer's ``message.max.bytes`` (``--kafka-config``, else librdkafka's
         default): no record larger than this is ever sent."""
@@ -345,6 +387,7 @@ class RelaySettings(RuntimeSettings):
         except ValueError as exc:
             problems.append(f"invalid {_KAFKA_CONFIG}: {exc}")
             return problems
+        problems.extend(self._request_timeout_problems(timeout_ms))
         backoff = retry_backoff_problem(self.retry_backoff_base, self.retry_backoff_cap)
         if backoff:
             problems.append(backoff)
@@ -387,6 +430,28 @@ class RelaySettings(RuntimeSettings):
                     f"{self.shutdown_timeout}), "
                     "or every drain with a batch in flight would end in a forced exit",
                 )
+            )
+        return problems
+
+    def _request_timeout_problems(self, timeout_ms: int) -> list[str]:
+        """A request to a hung leader must be given up well before its messages
+        time out (docs/relay.md, "A hung partition leader")."""
+        problems: list[str] = []
+        set_socket = _kafka_ms(self.kafka_config, "socket.timeout.ms") is not None
+        set_request = _kafka_ms(self.kafka_config, "request.timeout.ms") is not None
+        socket_ms = self.socket_timeout_ms()
+        if set_socket and socket_ms > timeout_ms // 2:
+            problems.append(
+                f"invalid {_KAFKA_CONFIG}: socket.timeout.ms must be at most half of "
+                f"message.timeout.ms ({socket_ms} > {timeout_ms} / 2): a produce request "
+                "to a hung leader would hold the whole batch until its messages time out"
+            )
+        request_ms = self.request_timeout_ms()
+        if (set_socket or set_request) and request_ms >= socket_ms:
+            problems.append(
+                f"invalid {_KAFKA_CONFIG}: request.timeout.ms must be below "
+                f"socket.timeout.ms ({request_ms} >= {socket_ms}): the broker's answer to a "
+                "slow replication would come after the relay gave the request up"
             )
         return problems
 

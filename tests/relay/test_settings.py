@@ -180,3 +180,49 @@ def test_a_connect_timeout_no_connection_can_meet_is_refused(value: str) -> None
         load(RelaySettings, environ={**_BASE, "OUTBOXKIT_CONNECT_TIMEOUT": "1"}).connect_timeout
         == 1
     )
+
+
+def _producer(props: str) -> dict[str, Any]:
+    s = load(RelaySettings, environ={**_BASE, "OUTBOXKIT_KAFKA_CONFIG": props} if props else _BASE)
+    return producer_config(s, error_cb=lambda err: None)
+
+
+@pytest.mark.parametrize(
+    ("props", "socket_ms", "request_ms"),
+    [
+        # The default message timeout (30 s): a quarter of it, the broker's ack
+        # wait two thirds of that.
+        ("", 7500, 5000),
+        ("message.timeout.ms=2000", 1000, 666),
+        ("message.timeout.ms=20000", 5000, 3333),
+        ("message.timeout.ms=4000", 2000, 1333),
+        # Set by the operator, within the bounds: kept.
+        ("socket.timeout.ms=4000,request.timeout.ms=3000", 4000, 3000),
+    ],
+)
+def test_a_hung_leader_is_given_up_well_before_the_message_timeout(
+    props: str, socket_ms: int, request_ms: int
+) -> None:
+    """librdkafka waits ``socket.timeout.ms`` (60 s by default, above the relay's
+    message timeout) for a produce request's answer: a hung leader held the
+    whole batch until its messages timed out. The relay derives both waits
+    from the message timeout unless they are set."""
+    config = _producer(props)
+    waits = (int(config["socket.timeout.ms"]), int(config["request.timeout.ms"]))
+    assert waits == (socket_ms, request_ms)
+
+
+@pytest.mark.parametrize(
+    ("props", "fragment"),
+    [
+        ("socket.timeout.ms=20000", "socket.timeout.ms must be at most half"),
+        ("message.timeout.ms=10000,socket.timeout.ms=6000", "socket.timeout.ms must be at most"),
+        ("request.timeout.ms=30000", "request.timeout.ms must be below socket.timeout.ms"),
+        ("socket.timeout.ms=3000,request.timeout.ms=3000", "request.timeout.ms must be below"),
+    ],
+)
+def test_request_timeouts_near_the_message_timeout_are_refused(props: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(RelaySettings, environ={**_BASE, "OUTBOXKIT_KAFKA_CONFIG": props})
+    assert fragment in str(info.value)
+    assert "OUTBOXKIT_KAFKA_CONFIG" in str(info.value)
