@@ -36,7 +36,8 @@ _STATEMENT_BYTES = 1024 * 1024
 def insert_rows(conn: Connection, table: str, rows: list[dict[str, Any]], aside: bool) -> None:
     """Insert ``rows`` (``ROW_COLUMNS`` each, validated) as pending outbox rows on
     ``conn``; with the payload ``aside``, the outbox rows first, then their
-    payload rows.
+    payload rows (the sweep of payload rows left without an outbox row,
+    ``relay.orphans``, relies on that order to spare a writer's open insert).
 
     On MySQL/MariaDB an executemany goes row by row (PyMySQL, when VALUES holds
     SQL functions), so ``enqueue_many`` sends multi-row INSERTs instead. psycopg 3

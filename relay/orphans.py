@@ -124,7 +124,7 @@ def sweep_orphans(
             after, scanned = ids[-1], scanned + len(ids)
             candidates = [i for i in ids if i not in live]
             if candidates:
-                n, held = _delete(conn, t, p, candidates)
+                n, held = _delete(conn, t, p, candidates, stop)
                 deleted, left = deleted + n, left + held
             if len(ids) < batch_size:
                 break
@@ -161,11 +161,15 @@ def _sweep_connection(engine: Engine) -> Iterator[Connection]:
 
 
 def _delete(
-    conn: Connection, t: sa.Table, p: sa.Table, candidates: Sequence[str]
+    conn: Connection,
+    t: sa.Table,
+    p: sa.Table,
+    candidates: Sequence[str],
+    stop: Callable[[], bool],
 ) -> tuple[int, int]:
     """Delete the orphans among ``candidates``: (deleted, left). A batch that met
-    a writer's transaction is done again row by row; a single row that meets one
-    is left."""
+    a writer's transaction is done again row by row, until ``stop()``; a single
+    row that meets one is left."""
     try:
         return _delete_batch(conn, t, p, candidates), 0
     except sa.exc.DBAPIError as exc:
@@ -175,9 +179,11 @@ def _delete(
     if len(candidates) == 1:
         return 0, 1
     deleted = left = 0
-    for candidate in candidates:
-        n, held = _delete(conn, t, p, [candidate])
-        deleted, left = deleted + n, left + held
+    for n, candidate in enumerate(candidates):
+        if stop():
+            return deleted, left + len(candidates) - n
+        done, held = _delete(conn, t, p, [candidate], stop)
+        deleted, left = deleted + done, left + held
     return deleted, left
 
 

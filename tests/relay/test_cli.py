@@ -204,6 +204,24 @@ def test_a_payload_table_missing_a_column_exits_3_saying_apply(
 
 
 @pytest.mark.integration
+def test_an_outbox_table_missing_a_column_exits_3_saying_apply(
+    engine: sa.Engine, db_url: str, outbox: str, kafka_bootstrap: str
+) -> None:
+    """The outbox table's columns are checked as the payload table's are: one
+    dropped by hand would fail every claim."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {outbox} DROP COLUMN kafka_offset"))
+    result = _cli(
+        "--health-port", "0", "--connect-timeout", "2",
+        env={"OUTBOXKIT_DB_URL": db_url, "OUTBOXKIT_KAFKA_BOOTSTRAP": kafka_bootstrap},
+    )  # fmt: skip
+    assert result.returncode == EXIT_DEPENDENCY, result.stderr
+    assert (
+        f"table '{outbox}' lacks the column kafka_offset: run `outboxkit schema apply`"
+    ) in result.stderr
+
+
+@pytest.mark.integration
 def test_a_mysql_table_without_the_key_index_exits_3_saying_apply(
     engine: sa.Engine, db_url: str, outbox: str, kafka_bootstrap: str
 ) -> None:
