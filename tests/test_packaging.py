@@ -1,7 +1,8 @@
 """The wheel and the sdist a user installs, built, checked and run here.
 
 Built once per session with ``python -m build`` (the build tool's own isolated
-environment, as a user or a release job runs it):
+environment, as a user or a release job runs it) from the files a fresh clone
+would hold, uncommitted work included:
 
 - the sdist and the wheel from the source tree; then a wheel from the sdist,
   which must be the same wheel (same files, same bytes): what an index user
@@ -29,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,13 +86,31 @@ def _run(args: list[str], *, timeout: float, cwd: Path | None = None) -> str:
     return done.stdout
 
 
+def _as_a_clone_holds_it(dst: Path) -> Path:
+    """The source tree as a fresh clone holds it, with uncommitted work: tracked
+    and untracked files, not the ignored ones. setuptools builds through
+    ``build/lib``, which keeps files an earlier build copied there; from the
+    working tree, a module deleted since would come back in the wheel."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout.decode()  # fmt: skip
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dst / name)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
     """``python -m build`` once per session: sdist and wheel from the tree, then
     a wheel from that sdist."""
     out = tmp_path_factory.mktemp("dist")
+    tree = _as_a_clone_holds_it(out / "source")
     build = [sys.executable, "-m", "build", "--outdir"]
-    _run([*build, str(out / "tree"), "--sdist", "--wheel", str(ROOT)], timeout=120)
+    _run([*build, str(out / "tree"), "--sdist", "--wheel", str(tree)], timeout=120)
     [sdist] = (out / "tree").glob("outboxkit-*.tar.gz")
     [wheel] = (out / "tree").glob("outboxkit-*.whl")
     with tarfile.open(sdist) as tar:
