@@ -60,7 +60,8 @@ SOURCE_URL="${OUTBOXKIT_SOURCE_URL:-$(read_project urls)}"
 if [[ -z "$SOURCE_URL" ]]; then
     # A clone's origin, as https and without user or token.
     SOURCE_URL="$(git -C "$REPO_ROOT" remote get-url origin 2>/dev/null |
-        sed -E 's#^git@([^:]+):#https://\1/#; s#^(https?://)[^/@]*@#\1#; s#\.git$##')" || true
+        sed -E 's#^git@([^:]+):#https://\1/#; s#^ssh://([^@/]*@)?([^/:]+)(:[0-9]+)?/#https://\2/#;
+               s#^(https?://)[^/@]*@#\1#; s#\.git$##')" || true
 fi
 [[ -n "$SOURCE_URL" ]] ||
     die "no source address for the image label: set OUTBOXKIT_SOURCE_URL (the repository's URL)"
