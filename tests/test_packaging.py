@@ -50,6 +50,10 @@ from support.waiting import bound, wait_for
 
 from outboxkit.schema import outbox_table
 
+# The first test of a run pays the builds and the install in its setup: minutes
+# on a loaded machine, beyond the suite's default per-test timeout.
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_EXTRAS = ("async", "postgres", "otel")
 # What each runtime extra exists for, imported from the installed environment.
@@ -329,7 +333,6 @@ def _delivered(url: str) -> tuple[str, int] | None:
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(900)
 def test_the_installed_wheel_applies_relays_and_consumes(
     installed: Installed,
     db_url: str,
