@@ -181,6 +181,14 @@ class _Held(threading.local):
 
 
 class Inbox:
+    """One consumer group's inbox on ``engine``: each event is handled once.
+
+    :meth:`run` runs the handler and inserts the ``(group_id, identity)`` row in
+    one transaction (the module's text above says how and what a crash leaves).
+    The consumer builds it when its ``inbox`` setting is on; the handler sees the
+    transaction as ``message.tx``.
+    """
+
     def __init__(self, engine: Engine, *, group_id: str, table: str) -> None:
         self.engine = engine
         self.group_id = group_id

@@ -107,6 +107,11 @@ def _shorten(value: object, limit: int) -> object:
 
 
 def trim_recovery(conn: Connection, *, keep: int = MAX_RECOVERY_EVENTS) -> int:
+    """Delete all but the newest ``keep`` recovery events; how many were deleted.
+
+    Runs on ``conn`` inside the caller's transaction and commits nothing.
+    ``record_recovery`` calls it now and then, so the log stays bounded.
+    """
     t = recovery_table()
     cutoff = conn.execute(sa.select(t.c.id).order_by(t.c.id.desc()).offset(keep).limit(1)).scalar()
     if cutoff is None:

@@ -1,7 +1,8 @@
 """The wheel and the sdist a user installs, built, checked and run here.
 
 Built once per session with ``python -m build`` (the build tool's own isolated
-environment, as a user or a release job runs it):
+environment, as a user or a release job runs it) from the files a fresh clone
+would hold, uncommitted work included:
 
 - the sdist and the wheel from the source tree; then a wheel from the sdist,
   which must be the same wheel (same files, same bytes): what an index user
@@ -26,9 +27,11 @@ this repository, not for users of the package, and are not installed.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +50,10 @@ from support.services import free_port
 from support.waiting import bound, wait_for
 
 from outboxkit.schema import outbox_table
+
+# The first test of a run pays the builds and the install in its setup: minutes
+# on a loaded machine, beyond the suite's default per-test timeout.
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_EXTRAS = ("async", "postgres", "otel")
@@ -84,21 +91,67 @@ def _run(args: list[str], *, timeout: float, cwd: Path | None = None) -> str:
     return done.stdout
 
 
+def _as_a_clone_holds_it(dst: Path) -> Path:
+    """The source tree as a fresh clone holds it, with uncommitted work: tracked
+    and untracked files, not the ignored ones. setuptools builds through
+    ``build/lib``, which keeps files an earlier build copied there; from the
+    working tree, a module deleted since would come back in the wheel."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout.decode()  # fmt: skip
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dst / name)
+    return dst
+
+
+@contextlib.contextmanager
+def _once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Path, bool]]:
+    """A folder shared by the run's xdist workers (their temporary folders'
+    parent), and whether it still has to be made: the first worker to ask makes
+    it while the others wait on the lock, then they all use it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / name
+    with (root / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / ".done"
+        yield folder, not done.exists()
+        folder.mkdir(exist_ok=True)
+        done.touch()
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
-    """``python -m build`` once per session: sdist and wheel from the tree, then
-    a wheel from that sdist."""
-    out = tmp_path_factory.mktemp("dist")
+    """``python -m build`` once per run: sdist and wheel from the tree, then a
+    wheel from that sdist."""
+    with _once(tmp_path_factory, "packaging-dist") as (out, needed):
+        if needed:
+            _build(out)
+    return Artifacts(
+        sdist=_one(out / "tree", "outboxkit-*.tar.gz"),
+        wheel=_one(out / "tree", "outboxkit-*.whl"),
+        wheel_from_sdist=_one(out / "from-sdist", "outboxkit-*.whl"),
+    )
+
+
+def _one(folder: Path, pattern: str) -> Path:
+    [found] = folder.glob(pattern)
+    return found
+
+
+def _build(out: Path) -> None:
+    tree = _as_a_clone_holds_it(out / "source")
     build = [sys.executable, "-m", "build", "--outdir"]
-    _run([*build, str(out / "tree"), "--sdist", "--wheel", str(ROOT)], timeout=120)
-    [sdist] = (out / "tree").glob("outboxkit-*.tar.gz")
-    [wheel] = (out / "tree").glob("outboxkit-*.whl")
-    with tarfile.open(sdist) as tar:
+    _run([*build, str(out / "tree"), "--sdist", "--wheel", str(tree)], timeout=120)
+    with tarfile.open(_one(out / "tree", "outboxkit-*.tar.gz")) as tar:
         tar.extractall(out / "unpacked", filter="data")
     [unpacked] = (out / "unpacked").iterdir()
     _run([*build, str(out / "from-sdist"), "--wheel", str(unpacked)], timeout=120)
-    [again] = (out / "from-sdist").glob("outboxkit-*.whl")
-    return Artifacts(sdist=sdist, wheel=wheel, wheel_from_sdist=again)
 
 
 def _contents(wheel: Path) -> dict[str, str]:
@@ -195,19 +248,18 @@ class Installed:
 @pytest.fixture(scope="session")
 def installed(artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Installed:
     """A fresh virtual environment with the wheel and its runtime extras, their
-    dependencies from the package index (pip's cache)."""
-    root = tmp_path_factory.mktemp("installed")
-    venv = root / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
-    wheel = f"{artifacts.wheel_from_sdist}[{','.join(RUNTIME_EXTRAS)}]"
-    _run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
-         "--disable-pip-version-check", wheel],
-        timeout=600,
-    )  # fmt: skip
-    workdir = root / "work"
-    workdir.mkdir()
-    return Installed(venv=venv, workdir=workdir)
+    dependencies from the package index (pip's cache); once per run."""
+    with _once(tmp_path_factory, "packaging-venv") as (root, needed):
+        venv = root / "venv"
+        if needed:
+            _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+            wheel = f"{artifacts.wheel_from_sdist}[{','.join(RUNTIME_EXTRAS)}]"
+            _run(
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                 "--disable-pip-version-check", wheel],
+                timeout=600,
+            )  # fmt: skip
+    return Installed(venv=venv, workdir=tmp_path_factory.mktemp("work"))
 
 
 @pytest.mark.integration
@@ -309,7 +361,6 @@ def _delivered(url: str) -> tuple[str, int] | None:
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(900)
 def test_the_installed_wheel_applies_relays_and_consumes(
     installed: Installed,
     db_url: str,

@@ -60,7 +60,8 @@ SOURCE_URL="${OUTBOXKIT_SOURCE_URL:-$(read_project urls)}"
 if [[ -z "$SOURCE_URL" ]]; then
     # A clone's origin, as https and without user or token.
     SOURCE_URL="$(git -C "$REPO_ROOT" remote get-url origin 2>/dev/null |
-        sed -E 's#^git@([^:]+):#https://\1/#; s#^(https?://)[^/@]*@#\1#; s#\.git$##')" || true
+        sed -E 's#^git@([^:]+):#https://\1/#; s#^ssh://([^@/]*@)?([^/:]+)(:[0-9]+)?/#https://\2/#;
+               s#^(https?://)[^/@]*@#\1#; s#\.git$##')" || true
 fi
 [[ -n "$SOURCE_URL" ]] ||
     die "no source address for the image label: set OUTBOXKIT_SOURCE_URL (the repository's URL)"
@@ -105,13 +106,25 @@ source_hash="$(cd "$REPO_ROOT" && find pyproject.toml outboxkit relay consumer s
     xargs -0 sha256sum | sha256sum | cut -c1-16)"
 log "image $IMAGE: buildah bud, sources $source_hash (log: $BUILD_DIR/image.log)"
 started=$(date +%s)
-(cd "$REPO_ROOT" && buildah bud --isolation chroot --layers --format docker \
-    --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "OUTBOXKIT_SOURCE=$source_hash" \
-    --build-arg "OUTBOXKIT_VERSION=$VERSION" --build-arg "OUTBOXKIT_SOURCE_URL=$SOURCE_URL" \
-    --build-arg "OUTBOXKIT_REVISION=$REVISION" \
-    "${mounts[@]}" \
-    -f deploy/docker/Dockerfile -t "$IMAGE" .) >"$BUILD_DIR/image.log" 2>&1 \
-    || die "buildah bud failed; see $BUILD_DIR/image.log"
+bud() {
+    (cd "$REPO_ROOT" && buildah bud --isolation chroot --layers --format docker \
+        --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "OUTBOXKIT_SOURCE=$source_hash" \
+        --build-arg "OUTBOXKIT_VERSION=$VERSION" --build-arg "OUTBOXKIT_SOURCE_URL=$SOURCE_URL" \
+        --build-arg "OUTBOXKIT_REVISION=$REVISION" \
+        "${mounts[@]}" "$@" \
+        -f deploy/docker/Dockerfile -t "$IMAGE" .) >>"$BUILD_DIR/image.log" 2>&1
+}
+: >"$BUILD_DIR/image.log"
+if ! bud; then
+    # buildah (1.28) cannot bind-mount from a stage that came whole from its
+    # layer cache while a later step did not (after an image was removed, its
+    # layers went with it): the mount is empty and pip finds no wheels. Once,
+    # without the cache.
+    grep -q "on host to bind mount into container" "$BUILD_DIR/image.log" ||
+        die "buildah bud failed; see $BUILD_DIR/image.log"
+    log "image $IMAGE: the cached build stage could not be mounted; building again without the layer cache"
+    bud --no-cache || die "buildah bud failed; see $BUILD_DIR/image.log"
+fi
 id="$(buildah inspect --type image --format '{{.FromImageID}}' "$IMAGE")"
 for tag in "${TAGS[@]:1}"; do
     buildah tag "$id" "$tag"

@@ -83,7 +83,13 @@ def valid_database_url(value: str | None) -> str | None:
         dialect.import_dbapi()
     except ImportError as exc:
         extra = _DRIVER_EXTRAS.get(url.drivername)
-        hint = f"; pip install 'outboxkit[{extra}]'" if extra else ""
+        # outboxkit is not on the package index yet: name the extra and the
+        # command that works from a clone (README, "Installing").
+        hint = (
+            f"; install outboxkit with its {extra!r} extra (in a clone: pip install '.[{extra}]')"
+            if extra
+            else ""
+        )
         return f"the driver of {url.drivername!r} is not installed ({exc.name or exc}){hint}"
     return None
 

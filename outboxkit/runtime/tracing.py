@@ -1,6 +1,6 @@
 """OpenTelemetry trace context from the writer through the relay to the consumer.
 
-Optional: it needs ``opentelemetry-api`` (``pip install 'outboxkit[otel]'``).
+Optional: it needs ``opentelemetry-api`` (the ``otel`` extra).
 Without it, or without a configured tracer provider, every hook here is a
 no-op and nothing about events, Kafka records or handling changes.
 

@@ -426,7 +426,7 @@ def test_the_image_is_tagged_and_labelled_with_the_package_version(
     assert labels["org.opencontainers.image.version"] == version
     assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
     assert labels["org.opencontainers.image.source"] == SOURCE_URL
-    assert run_in(container, "outboxkit", "--version").split()[-1].startswith(version)
+    assert version in run_in(container, "outboxkit", "--version").replace(",", " ").split()
 
 
 def test_relay_from_the_image_delivers_from_postgresql(
