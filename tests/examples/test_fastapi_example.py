@@ -151,7 +151,7 @@ def test_the_readme_commands_run_as_written_invoice_every_order_once_and_all_exi
     import 'invoicing' ...: No module named 'invoicing'", exit 2): the test passed
     only because it set PYTHONPATH to the example's folder."""
     topic = kafka_topics(3)
-    kafka_topics(1, name=f"{topic}.dlq")
+    kafka_topics(3, name=f"{topic}.dlq")
     url = sa.make_url(db_url)
     async_url = url.set(drivername="mysql+asyncmy").render_as_string(hide_password=False)
     web, relay_port, consumer_port = free_ports(3)
@@ -164,6 +164,8 @@ def test_the_readme_commands_run_as_written_invoice_every_order_once_and_all_exi
             "mysql+pymysql://outboxkit:outboxkit@127.0.0.1:3306/shop": db_url,
             "mysql+asyncmy://outboxkit:outboxkit@127.0.0.1:3306/shop": async_url,
             "127.0.0.1:9092": kafka_bootstrap,
+            # The test's own topics (made above): `topics ensure` finds them as asked.
+            "topics ensure orders orders.dlq": f"topics ensure {topic} {topic}.dlq",
             "--port 8000": f"--port {web}",
             "localhost:8000": f"127.0.0.1:{web}",
             "--health-port 8081": f"--health-port {relay_port}",
