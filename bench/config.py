@@ -64,6 +64,8 @@ class BenchConfig:
     #: seconds for the database server to go quiet (``procs.wait_database_quiet``);
     #: 0: no wait.
     quiet_timeout: float = 30.0
+    #: Fresh processes per command of the start-up scenario (the median is shown).
+    startup_runs: int = 21
     #: Give up on any single drain/consume after this long.
     timeout_seconds: float = 600.0
 
@@ -89,6 +91,7 @@ class BenchConfig:
             "consumer_rounds": 2,
             "drain_runs": 2,
             "drain_rows": 2_000,
+            "startup_runs": 3,
             "timeout_seconds": 120.0,
             "quiet_timeout": 0.0,  # figures meaningless anyway; keeps the smoke run short
         }

@@ -211,6 +211,24 @@ GOALS += [
 ]
 
 
+#: Issue 63's start-up goals: the CPU beyond a bare interpreter, in units of
+#: ``import sqlalchemy``'s, medians of one run (bench/scenarios/startup.py).
+GOALS += [
+    Goal(
+        "import outboxkit vs import sqlalchemy (CPU)",
+        "<= 1.25",
+        lambda r: _fig(r, "startup", "outboxkit_ratio"),
+        lambda v: v <= 1.25,
+    ),
+    Goal(
+        "outboxkit --version vs import sqlalchemy (CPU)",
+        "<= 1.5",
+        lambda r: _fig(r, "startup", "version_ratio"),
+        lambda v: v <= 1.5,
+    ),
+]
+
+
 def evaluate(results: Results) -> list[dict[str, Any]]:
     out = []
     for goal in GOALS:

@@ -53,12 +53,30 @@ def _not_utf8(argv: Sequence[str]) -> str | None:
     return None
 
 
+def version_text() -> str:
+    """What ``outboxkit --version`` prints."""
+    return f"outboxkit {__version__}"
+
+
+def _asks_version(argv: Sequence[str]) -> bool:
+    """Does ``argv`` ask for ``--version`` before any command, as the parser would
+    read it (an abbreviation such as ``--vers`` too, help not asked first)?"""
+    for arg in argv:
+        if arg == "--" or not arg.startswith("-"):
+            return False
+        if len(arg) > 2 and "--version".startswith(arg) and not "--help".startswith(arg):
+            return True
+        if arg == "-h" or (len(arg) > 2 and "--help".startswith(arg)):
+            return False
+    return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="outboxkit",
         description="Transactional outbox for MySQL/MariaDB and Kafka.",
     )
-    parser.add_argument("--version", action="version", version=f"outboxkit {__version__}")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -72,6 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The value itself is not printed: it may be a secret, and it cannot be shown.
         print(f"outboxkit: {bad} is not valid UTF-8 text", file=sys.stderr)
         return EXIT_CONFIG
+    if _asks_version(arguments):
+        # Answered before the commands' modules (the relay, the consumer, Kafka,
+        # Prometheus) are imported to build the parser: a probe or a script asking
+        # for the version pays for the package alone.
+        print(version_text())
+        return 0
     parser = build_parser()
     args = parser.parse_args(arguments)
     try:

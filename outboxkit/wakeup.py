@@ -45,19 +45,22 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
-import redis
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from outboxkit.runtime import rediskeys
 from outboxkit.runtime.identity import read_identity
 from outboxkit.schema.table import DEFAULT_TABLE, validate_identifier
 
 if TYPE_CHECKING:
-    # Not at run time: sqlalchemy.ext.asyncio needs greenlet (the ``async`` extra).
+    # redis is imported where a hint is sent: the writer records tables without it.
+    import redis
+
+    # Not at run time: sqlalchemy.ext.asyncio needs greenlet (the ``async`` extra),
+    # and sqlalchemy.orm is imported by the services that use sessions.
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 __all__ = [
     "WakeupHook",
@@ -119,7 +122,8 @@ def mark_enqueued(target: Connection | Session, conn: Connection, table: str) ->
     a database connection also reads the outbox's identity (one query).
     """
     outbox = outbox_key(conn, table) if _hooks else table
-    if isinstance(target, Session):
+    orm = sys.modules.get("sqlalchemy.orm")  # a Session's holder has imported it
+    if orm is not None and isinstance(target, orm.Session):
         target.info.setdefault(ENQUEUED, set()).add(outbox)
     conn.info.setdefault(ENQUEUED, set()).add(outbox)
 
@@ -142,6 +146,8 @@ def notify_relays(
     Returns False (and logs at debug level) when Redis cannot be reached: the
     relays will still find the rows at their next poll.
     """
+    import redis
+
     try:
         if isinstance(bind, Engine):
             with bind.connect() as conn:
@@ -179,6 +185,8 @@ class WakeupPublisher:
         if not 0 <= min_interval <= 1:  # also refuses NaN
             raise ValueError(f"min_interval must be 0-1 seconds, got {min_interval!r}")
         if isinstance(redis_client, str):
+            import redis
+
             self._redis: redis.Redis[Any] = redis.Redis.from_url(
                 redis_client, socket_timeout=timeout, socket_connect_timeout=timeout
             )
@@ -270,7 +278,7 @@ class WakeupPublisher:
         self.sent += 1
 
 
-SessionTarget = Session | sessionmaker[Any] | scoped_session[Any] | type[Session]
+SessionTarget: TypeAlias = "Session | sessionmaker[Any] | scoped_session[Any] | type[Session]"
 AsyncTarget: TypeAlias = "AsyncEngine | AsyncSession | async_sessionmaker[Any]"
 
 
@@ -337,7 +345,7 @@ def enable_wakeups(
         else:
             _listen_session(hook, target)
     else:  # without that module there can be no async target
-        _listen_session(hook, cast(SessionTarget, target))
+        _listen_session(hook, cast("SessionTarget", target))
     return hook
 
 
@@ -345,6 +353,8 @@ def _listen_async_sessionmaker(hook: WakeupHook, factory: async_sessionmaker[Any
     # Session events cannot be set on an async_sessionmaker, and setting them on
     # its sync session class (by default Session itself) would hook every Session
     # in the process. Its sessions get a private subclass that carries them.
+    from sqlalchemy.orm import Session
+
     base: type[Session] = factory.kw.get("sync_session_class", Session)
     hooked = type(base.__name__, (base,), {"__module__": base.__module__})
     factory.configure(sync_session_class=hooked)

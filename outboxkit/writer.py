@@ -33,10 +33,9 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, cast
 
 from sqlalchemy.engine import Connection
-from sqlalchemy.orm import Session
 
 from outboxkit.errors import (
     DuplicateEventIdError,
@@ -66,8 +65,10 @@ from outboxkit.schema.table import (
 from outboxkit.wakeup import mark_enqueued
 
 if TYPE_CHECKING:
-    # Not at run time: sqlalchemy.ext.asyncio needs greenlet (the ``async`` extra).
+    # Not at run time: sqlalchemy.ext.asyncio needs greenlet (the ``async`` extra),
+    # and sqlalchemy.orm is for services that use it (see _is_session).
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -96,7 +97,7 @@ _TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
 _EVENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 Payload = bytes | bytearray | memoryview | str | object
-Target = Connection | Session
+Target: TypeAlias = "Connection | Session"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,6 +212,13 @@ async def enqueue_many_async(
     return [row["event_id"] for row in rows]
 
 
+def _is_session(target: object) -> TypeGuard[Session]:
+    """Is ``target`` an ORM ``Session``? Whoever holds one has imported
+    sqlalchemy.orm; the writer does not import it for services that use Core."""
+    module = sys.modules.get("sqlalchemy.orm")
+    return module is not None and isinstance(target, module.Session)
+
+
 def _is_async_target(target: object) -> bool:
     # Whoever holds an AsyncConnection or AsyncSession has imported their module;
     # looking it up keeps the import (and greenlet) out of sync-only services.
@@ -219,7 +227,7 @@ def _is_async_target(target: object) -> bool:
 
 
 def _refuse_async(target: object, name: str) -> None:
-    if not isinstance(target, Connection | Session) and _is_async_target(target):
+    if not (isinstance(target, Connection) or _is_session(target)) and _is_async_target(target):
         raise TypeError(
             f"{name}() takes a Connection or Session; for {type(target).__name__} "
             f"use 'await outboxkit.{name}_async(...)'"
@@ -250,7 +258,7 @@ def _prepare(
 
 
 def _write(target: Target, rows: list[dict[str, Any]], table: str) -> None:
-    conn = target.connection() if isinstance(target, Session) else target
+    conn = target.connection() if _is_session(target) else cast(Connection, target)
     shard_count, aside = _table_layout(conn, table)
     for row in rows:
         row["shard"] = shard_for(row["message_key"], row["event_id"], shard_count)

@@ -36,6 +36,7 @@ def all_scenarios() -> list[Scenario]:
         latency,
         producer,
         scaling,
+        startup,
         throughput,
     )
 
@@ -47,6 +48,7 @@ def all_scenarios() -> list[Scenario]:
         Scenario("latency", "commit→ack latency at steady writer rates; writer rate", latency.run),
         Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),
         Scenario("drain", "SIGTERM → exit under load", drain.run),
+        Scenario("startup", startup.TITLE, startup.run),
     ]
 
 

@@ -40,17 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
-
-try:
-    from opentelemetry import trace as _trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-except ImportError:  # the otel extra is not installed: every hook is a no-op
-    _trace = None  # type: ignore[assignment]
-
-from outboxkit.runtime.logs import log_event, redact
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -69,7 +62,11 @@ __all__ = [
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 _TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
-_PROPAGATOR = TraceContextTextMapPropagator() if _trace is not None else None
+# opentelemetry-api is imported on first use (:func:`_load`), not with the writer:
+# a service that only calls ``enqueue`` outside any trace never pays for it.
+_trace: Any = None
+_PROPAGATOR: Any = None
+_loaded = False
 _INSTRUMENTATION = "outboxkit"
 _log = logging.getLogger("outboxkit.tracing")
 _failed: set[str] = set()
@@ -81,6 +78,8 @@ def _hook_failed(where: str, exc: Exception) -> None:
     if where in _failed:
         return
     _failed.add(where)
+    from outboxkit.runtime.logs import log_event, redact  # the writer has no other use
+
     log_event(
         _log,
         "tracing-failed",
@@ -91,9 +90,26 @@ def _hook_failed(where: str, exc: Exception) -> None:
     )
 
 
+def _load() -> bool:
+    """Import ``opentelemetry-api`` once; True when it is installed (the otel extra).
+    Without it every hook here is a no-op."""
+    global _trace, _PROPAGATOR, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            from opentelemetry import trace
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+        except ImportError:
+            return False
+        _trace, _PROPAGATOR = trace, TraceContextTextMapPropagator()
+    return _trace is not None
+
+
 def available() -> bool:
     """True when ``opentelemetry-api`` is importable."""
-    return _trace is not None
+    return _load()
 
 
 def trace_headers() -> dict[str, str] | None:
@@ -102,7 +118,10 @@ def trace_headers() -> dict[str, str] | None:
     None without OpenTelemetry or without a valid current span context; the
     current span need not be recording (a propagated context counts too).
     """
-    if _trace is None:
+    if not _loaded and "opentelemetry.trace" not in sys.modules:
+        # No span can be current while nothing has imported OpenTelemetry's trace API.
+        return None
+    if not _load():
         return None
     if not _trace.get_current_span().get_span_context().is_valid:
         return None
@@ -129,12 +148,13 @@ def with_trace_headers(headers: Any, trace: Mapping[str, str] | None) -> Any:
 
 def _tracer() -> Tracer | None:
     """A tracer of the configured provider, or None (no OpenTelemetry, no provider)."""
-    if _trace is None:
+    if not _load():
         return None
     provider = _trace.get_tracer_provider()
     if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
         return None
-    return provider.get_tracer(_INSTRUMENTATION, _version())
+    tracer: Tracer = provider.get_tracer(_INSTRUMENTATION, _version())
+    return tracer
 
 
 def _version() -> str | None:
