@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 import sqlalchemy as sa
+from prometheus_client import Counter
 from sqlalchemy.engine import Engine
 
 from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
@@ -31,11 +33,67 @@ from outboxkit.relay.settings import RelaySettings
 from outboxkit.relay.shards import ShardOwnership
 from outboxkit.runtime.identity import read_fingerprint
 from outboxkit.runtime.logs import Episode, log_event, redact
+from outboxkit.schema.table import Status
 
-__all__ = ["BacklogSampler"]
+__all__ = ["BacklogSampler", "Progress"]
 
 #: The relay's own logger: these are the relay's lines.
 log = logging.getLogger("outboxkit.relay")
+
+
+def _total(counter: Counter) -> float:
+    """A counter's value (the ``_total`` sample of its only series)."""
+    return sum(
+        s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")
+    )
+
+
+class Progress:
+    """The ``relay-progress`` line: what the relay did since its last one.
+
+    Every ``interval`` seconds (0 = never), taken with a backlog sample, one
+    INFO line with the rows ``delivered``, ``failed`` and set back to
+    ``retrying`` since the last line (the ``outbox_rows_*_total`` counters'
+    increase) and the ``backlog`` by status as just sampled; ``since_s`` is the
+    time the counts cover. Written only when a count is above 0 or rows wait
+    (pending, retryable or delivering): an idle relay stays quiet.
+    """
+
+    def __init__(self, metrics: RelayMetrics, *, interval: float) -> None:
+        self._metrics = metrics
+        self._interval = interval
+        self._last_at = time.monotonic()
+        self._last = self._totals()
+
+    def _totals(self) -> tuple[float, float, float]:
+        m = self._metrics
+        return _total(m.delivered), _total(m.failed), _total(m.retryable)
+
+    def log_if_due(self, backlog: Mapping[Status, int], *, table: str) -> None:
+        if self._interval <= 0:
+            return
+        now = time.monotonic()
+        if now - self._last_at < self._interval:
+            return
+        totals = self._totals()
+        delivered, failed, retrying = (
+            round(t - b) for t, b in zip(totals, self._last, strict=True)
+        )
+        since = now - self._last_at
+        self._last, self._last_at = totals, now
+        waiting = {s.value: n for s, n in backlog.items() if s is not Status.FAILED}
+        if not (delivered or failed or retrying or any(waiting.values())):
+            return
+        log_event(
+            log,
+            "relay-progress",
+            table=table,
+            since_s=round(since, 1),
+            delivered=delivered,
+            failed=failed,
+            retrying=retrying,
+            backlog={s.value: n for s, n in backlog.items()},
+        )
 
 
 class BacklogSampler:
@@ -66,6 +124,7 @@ class BacklogSampler:
         self._fingerprint = fingerprint
         self._next_sample = 0.0
         self._invalid_status = Episode(log, "status-invalid", "status-invalid-gone")
+        self._progress = Progress(metrics, interval=settings.progress_interval)
 
     def sample_if_due(self) -> None:
         now = time.monotonic()
@@ -93,6 +152,7 @@ class BacklogSampler:
         self._note_invalid_status(invalid)
         for topic in sorted(gone):  # nothing left to probe with: the pause would never end
             self._paused.resume(topic, cause="no-rows-left")
+        self._progress.log_if_due(counts, table=table)
 
     def _note_invalid_status(self, rows: int) -> None:
         """Rows whose status is outside the enum: the gauge's ``invalid`` status,

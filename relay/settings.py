@@ -237,6 +237,13 @@ class RelaySettings(RuntimeSettings):
         help="seconds between samples of the backlog gauges (one cheap query per status)",
         validate=positive,
     )
+    progress_interval: float = setting(
+        60.0,
+        help="seconds between relay-progress log lines (delivered, failed, retrying since "
+        "the last line, and the backlog), written only when rows moved or wait; taken "
+        "with the backlog sample, so at most as often as metrics-interval; 0 = never",
+        validate=non_negative,
+    )
     connect_timeout: float = setting(
         10.0,
         help="seconds to reach the database and Kafka at start before exiting with code 3",

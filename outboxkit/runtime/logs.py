@@ -124,18 +124,22 @@ _short_sources: dict[str, None] = {}
 _short_warned: set[str] = set()
 
 
-def register_secret(value: str, *, source: str | None = None) -> None:
+def register_secret(value: str, *, source: str | None = None, warn_short: bool = True) -> None:
     """Hide ``value`` (and its URL-encoded forms) verbatim in every log line from now on.
 
     Settings call this at load time for DSN passwords and SASL secrets, with
     ``source`` naming the setting. Empty values are ignored. A value shorter than
     :data:`MIN_SECRET_LENGTH` is not masked verbatim (it would garble ordinary
-    words); it is remembered for the ``secret-too-short`` warning instead.
+    words); it is remembered for the ``secret-too-short`` warning instead,
+    unless ``warn_short`` is False (a value that is no secret: see
+    ``settingsecrets._register_url_password``).
     """
     global _secrets, _secret_re
     if not value or value == MASK:
         return
     if len(value) < MIN_SECRET_LENGTH:
+        if not warn_short:
+            return
         with _secrets_lock:
             _short_sources[source or "a secret"] = None
         return

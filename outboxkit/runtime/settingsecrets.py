@@ -42,12 +42,18 @@ def _register_url_password(value: str, source: str) -> None:
     if "://" not in value:
         return
     try:
-        password = urlsplit(value).password
+        parts = urlsplit(value)
+        password, username = parts.password, parts.username
     except ValueError:
         return
     if password:
-        register_secret(password, source=f"{source} (URL password)")
-        register_secret(unquote(password), source=f"{source} (URL password)")
+        # A password equal to its user name (the local stack's outboxkit:outboxkit,
+        # postgres:postgres) is a published default, not a secret: it stays masked
+        # where it appears as a password, but warning that it is too short to be
+        # hunted in free text too is noise on every command (it is the user name).
+        warn = unquote(password) != unquote(username or "")
+        for text in (password, unquote(password)):
+            register_secret(text, source=f"{source} (URL password)", warn_short=warn)
 
 
 # Sensitive but not secret as a literal: masked in fields, never hunted in free text.

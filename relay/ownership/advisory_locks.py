@@ -59,7 +59,7 @@ Log events: ``rebalance``, ``shard-acquired``, ``shard-released`` (reason
 ``handover`` or ``drain``), ``shard-lost`` (reason ``session-lost``, or
 ``session-lost-while-leaving`` when the session died during a drain),
 ``shard-session-lost`` / ``shard-session-restored``. Every one of these lock
-events carries ``db_ms``, the server's clock (ms since the epoch): read just
+events carries ``db_epoch_ms``, the server's clock (ms since the epoch): read just
 after a lock was taken or just before one was let go, and for ``shard-lost``
 the last moment the session was seen holding its locks (its last statement; the
 server ended the locks some time after it, and the relay heard of it later
@@ -145,7 +145,7 @@ _FENCE = sa.exists().where(
     sa.cast(_LOCKS.c.objid, sa.BigInteger()) == sa.bindparam("fence_objid", type_=sa.BigInteger()),
 )
 _TRY_LOCK_SQL = "SELECT s, pg_try_advisory_lock(%(k)s, s) FROM unnest(%(shards)s::int[]) AS s"
-#: The server's clock in ms since the epoch, logged as ``db_ms`` with each lock
+#: The server's clock in ms since the epoch, logged as ``db_epoch_ms`` with each lock
 #: change: read after taking a lock and before letting one go, so the logged
 #: holds lie inside the real ones (they can be checked for overlaps exactly).
 _NOW_MS_SQL = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -339,7 +339,7 @@ class PgAdvisoryShards(ShardOwnershipBase[Held, int]):
         reason = "session-lost-while-leaving" if self._leaving else "session-lost"
         for shard in lost:
             self._event(
-                "shard-lost", shard, level=logging.WARNING, reason=reason, db_ms=verified_ms
+                "shard-lost", shard, level=logging.WARNING, reason=reason, db_epoch_ms=verified_ms
             )
         self._pid = None  # last: whoever sees no pid sees the losses logged
         self._set_owned_gauge()
@@ -377,15 +377,20 @@ class PgAdvisoryShards(ShardOwnershipBase[Held, int]):
         self._follow(tuple(sorted(int(pid) for pid in row[1])), str(self._pid))
 
     def _hand_over(self, conn: psycopg.Connection) -> None:
-        for shard in self._surplus_ready():
-            db_ms = self._verified_ms = _db_ms(conn)
+        ready = sorted(self._surplus_ready())
+        if not ready:
+            return
+        # One clock for the line, read before the first unlock: every logged
+        # end lies inside the real hold.
+        db_epoch_ms = self._verified_ms = _db_ms(conn)
+        for shard in ready:
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._key, shard))
             if shard in self._companions:
                 conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self._legacy_key, shard))
                 self._companions.discard(shard)
             with self._lock:
                 self._held.pop(shard, None)
-            self._handed_over(shard, db_ms=db_ms)
+        self._handed_over(ready, db_epoch_ms=db_epoch_ms)
 
     def _acquire_targets(self, conn: psycopg.Connection) -> None:
         with self._lock:
@@ -398,12 +403,11 @@ class PgAdvisoryShards(ShardOwnershipBase[Held, int]):
             got = self._take_companions(conn, got)
         if not got:
             return
-        db_ms = self._verified_ms = _db_ms(conn)
+        db_epoch_ms = self._verified_ms = _db_ms(conn)
         with self._lock:
             for shard in got:
                 self._held[shard] = Held()
-        for shard in got:
-            self._acquired(shard, db_ms=db_ms)
+        self._acquired(got, db_epoch_ms=db_epoch_ms)
 
     def _take_companions(self, conn: psycopg.Connection, got: list[int]) -> list[int]:
         """Older relays are live: keep only the shards whose legacy lock could be
@@ -422,15 +426,14 @@ class PgAdvisoryShards(ShardOwnershipBase[Held, int]):
             self._alive = False
             held = sorted(self._held)
             self._held.clear()
-        db_ms: int | None = None
         try:
-            db_ms = _db_ms(conn)
+            db_epoch_ms = _db_ms(conn)
             conn.execute("SELECT pg_advisory_unlock_all()")
         except Exception as exc:  # the session is ending anyway: the server frees them
             self._release_failed(held, describe_error(exc), "the locks end with the session")
             return
-        for shard in held:
-            self._event("shard-released", shard, reason="drain", db_ms=db_ms)
+        if held:
+            self._shards_event("shard-released", held, reason="drain", db_epoch_ms=db_epoch_ms)
 
 
 #: PostgreSQL keeps the first 63 bytes of an application_name.

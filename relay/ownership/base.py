@@ -21,7 +21,12 @@ the relay's claims is here, once, so a fix to the hand-over is made once:
   release only once no open block holds it and ``inflight_shards()`` (where a
   block registers its rows before it ends) no longer contains it.
 * **Metrics and log events**, under the same names for every backend; each
-  backend adds its clock to the ``shard-*`` events (``redis_ms`` or ``db_ms``).
+  backend adds its clock to the ``shard-*`` events (``redis_ms``, or
+  ``db_epoch_ms``: the database server's clock, ms since the epoch). Shards
+  taken or given back together are one line (``shard-acquired`` /
+  ``shard-released`` with ``count`` and ``shards``, their ranges such as
+  ``0-31,40``): a relay that starts or stops alone logs one line, not one
+  per shard. ``shard-lost`` stays one line per shard (a warning, and rare).
 * **The background thread** that drives the backend: its start and stop.
 """
 
@@ -31,9 +36,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -42,11 +47,25 @@ from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.logs import log_event
 from outboxkit.schema.table import validate_identifier
 
-__all__ = ["Held", "ShardOwnershipBase", "ShardOwnershipMetrics"]
+__all__ = ["Held", "ShardOwnershipBase", "ShardOwnershipMetrics", "shard_ranges"]
 
 #: Every backend logs under the name the first one did: log filters and
 #: dashboards select the ownership events by it.
 _log = logging.getLogger("outboxkit.relay.leases")
+
+
+def shard_ranges(shards: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2,5,7-8`` (sorted, without repeats)."""
+    parts: list[str] = []
+    ordered = sorted(set(shards))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
 
 
 class ShardOwnershipMetrics:
@@ -300,13 +319,29 @@ class ShardOwnershipBase(Generic[HeldT, MemberT]):
                 ready[shard] = held
         return ready
 
-    def _acquired(self, shard: int, **clock: int) -> None:
-        self.metrics.acquired.inc()
-        self._event("shard-acquired", shard, **clock)
+    def _acquired(self, shards: list[int], **clock: int) -> None:
+        """Shards taken together: counted, and logged as one ``shard-acquired``."""
+        if not shards:
+            return
+        self.metrics.acquired.inc(len(shards))
+        self._shards_event("shard-acquired", shards, reason=None, **clock)
 
-    def _handed_over(self, shard: int, **clock: int) -> None:
-        self.metrics.handovers.inc()
-        self._event("shard-released", shard, reason="handover", **clock)
+    def _handed_over(self, shards: list[int], **clock: int) -> None:
+        """Shards given back together to their next owners: one ``shard-released``."""
+        if not shards:
+            return
+        self.metrics.handovers.inc(len(shards))
+        self._shards_event("shard-released", shards, reason="handover", **clock)
+
+    def _shards_event(
+        self, event: str, shards: list[int], *, reason: str | None = None, **clock: int
+    ) -> None:
+        """One line for shards that changed hands together: ``count`` and ``shards``
+        (their ranges, ``0-31,40``); ``tests/support/ownership.py`` reads it back."""
+        fields: dict[str, Any] = {"count": len(shards), "shards": shard_ranges(shards)}
+        if reason is not None:
+            fields["reason"] = reason
+        log_event(self.log, event, table=self.table, **fields, **clock)
 
     def _release_failed(self, shards: list[int], error: str, note: str) -> None:
         """Log that leaving could not give ``shards`` back; ``note`` says how they end."""

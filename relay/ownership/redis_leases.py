@@ -284,11 +284,14 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
             self._release_failed(sorted(held), error, "the leases expire after their TTL")
             return
         with self._lock:
+            released = []
             for shard, result in results.items():
                 self._held.pop(shard, None)
                 if result == 1:
-                    self._event("shard-released", shard, reason="drain", redis_ms=redis_ms)
+                    released.append(shard)
             self._lost.clear()
+            if released:
+                self._shards_event("shard-released", released, reason="drain", redis_ms=redis_ms)
         self._set_owned_gauge()
 
     def close(self) -> None:
@@ -418,6 +421,7 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
         sent, sent_wall = time.monotonic(), time.time()
         results, redis_ms = self._call_cas(self._renew, held, companions)
         with self._lock:
+            proven_again = []
             for shard, result in results.items():
                 h = self._held.get(shard)
                 if h is None or h.value != held[shard]:
@@ -427,14 +431,16 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                     h.wall_until = self._deadline(sent_wall)
                     if h.unproven:
                         h.unproven = False
-                        self._event(
-                            "shard-acquired",
-                            shard,
-                            reason="renewed-after-outage",
-                            redis_ms=redis_ms,
-                        )
+                        proven_again.append(shard)
                 else:
                     self._lose(shard, h, "taken" if result == -1 else "expired", redis_ms)
+            if proven_again:
+                self._shards_event(
+                    "shard-acquired",
+                    proven_again,
+                    reason="renewed-after-outage",
+                    redis_ms=redis_ms,
+                )
 
     def _lose(self, shard: int, h: _Lease, reason: str, redis_ms: int) -> None:
         # Caller holds the lock.
@@ -452,16 +458,18 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
         companions = {s for s, h in ready.items() if h.companion}
         results, redis_ms = self._call_cas(self._release, values, companions)
         with self._lock:
+            handed = []
             for shard, result in results.items():
                 h2 = self._held.pop(shard, None)
                 if result == 1:
-                    self._handed_over(shard, redis_ms=redis_ms)
+                    handed.append(shard)
                 elif h2 is not None:
                     self.metrics.lost.inc()
                     self._event(
                         "shard-lost", shard, level=logging.WARNING,
                         reason="taken" if result == -1 else "expired", redis_ms=redis_ms,
                     )  # fmt: skip
+            self._handed_over(handed, redis_ms=redis_ms)
 
     def _forget_lost(self) -> None:
         with self._lock:
@@ -488,6 +496,7 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
         sent, sent_wall = time.monotonic(), time.time()
         results, redis_ms = self._call_cas(self._acquire, values, companions)
         with self._lock:
+            got = []
             for shard, result in results.items():
                 if result != 1:
                     continue
@@ -497,7 +506,8 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                     wall_until=self._deadline(sent_wall),
                     companion=shard in companions,
                 )
-                self._acquired(shard, redis_ms=redis_ms)
+                got.append(shard)
+            self._acquired(got, redis_ms=redis_ms)
 
     def _fenced(self) -> bool:
         """No shard is taken while Redis has been up for less than the lease TTL.

@@ -434,9 +434,9 @@ def test_key_material_is_masked_and_short_passwords_do_not_garble_the_log(
     assert started["settings"]["db_url"] == db_url.replace(f":{password}@", ":***@")
     records = relay.records
     assert records and all(r["service"] == "outboxkit-relay" for r in records)
-    assert [r["setting"] for r in relay.events("secret-too-short")] == [
-        "--db-url / OUTBOXKIT_DB_URL (URL password)"
-    ]
+    # The test server's password equals its user name: a default, not a secret, so
+    # no warning (tests/relay/test_quiet_logs.py); a short one that is, is warned of.
+    assert relay.events("secret-too-short") == []
     # Outside the masked fields, nothing is masked: no word was cut by the password.
     unmasked = [
         line

@@ -19,7 +19,7 @@ import redis
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from support.databases import on_both_databases
-from support.ownership import assert_never_owned_twice
+from support.ownership import assert_never_owned_twice, parse_shard_ranges
 from support.services import RedisInstance, free_port
 from support.waiting import bound
 
@@ -268,7 +268,8 @@ def test_lease_events_carry_redis_time_that_orders_a_handover(
         for r in caplog.records:
             fields = getattr(r, "outboxkit_fields", {})
             if r.name.endswith(name) and getattr(r, "outboxkit_event", None) == event:
-                found[int(fields["shard"])] = int(fields["redis_ms"])
+                for shard in parse_shard_ranges(fields["shards"]):
+                    found[shard] = int(fields["redis_ms"])
         return found
 
     released = lease_events(".a", "shard-released")

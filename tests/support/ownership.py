@@ -1,5 +1,5 @@
 """Shard ownership rebuilt from the relays' lease events, on Redis's clock
-(or, for PostgreSQL advisory locks, the database's: ``db_ms``, read after a lock
+(or, for PostgreSQL advisory locks, the database's: ``db_epoch_ms``, read after a lock
 is taken and before one is let go, so a logged hold lies inside the real one).
 
 Shared by the relay tests (``tests/relay/test_many_relays.py``) and the chaos
@@ -69,12 +69,24 @@ def lease_events(records: Iterable[Mapping[str, Any]]) -> list[Event]:
             continue
         if r.get("event") not in LEASE_EVENTS:
             continue
-        clock = r.get("redis_ms", r.get("db_ms", r.get("trusted_until_ms")))
+        clock = r.get("redis_ms", r.get("db_epoch_ms", r.get("trusted_until_ms")))
         at = float(clock) / 1000 if clock is not None else _wall(r)
         reason = str(r.get("reason", ""))
-        events.append((at, str(r["event"]), str(r["node_id"]), int(r["shard"]), reason))
+        # Shards that changed hands together are one line (``shards``: ranges).
+        shards = parse_shard_ranges(str(r["shards"])) if "shards" in r else [int(r["shard"])]
+        events += [(at, str(r["event"]), str(r["node_id"]), s, reason) for s in shards]
     events.sort()
     return events
+
+
+def parse_shard_ranges(text: str) -> list[int]:
+    """``0-2,5`` (a ``shard-acquired`` / ``shard-released`` line's ``shards``) as
+    ``[0, 1, 2, 5]``."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
 
 
 def _wall(record: Mapping[str, Any]) -> float:
