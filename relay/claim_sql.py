@@ -167,7 +167,10 @@ def scheduled_below(
     owned = _owned(t, shards, shard_count, dialect)
     if owned is not None:
         where.append(owned)
-    return sa.select(sql_int(1)).where(*where).limit(sql_int(1))
+    # In the arms' order, so only ``(status, id)`` serves it, never the primary
+    # key through the delivered history (see _status_range).
+    order = (t.c.status, t.c.id) if dialect == "postgresql" else (t.c.id,)
+    return sa.select(sql_int(1)).where(*where).order_by(*order).limit(sql_int(1))
 
 
 def lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:

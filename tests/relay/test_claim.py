@@ -36,7 +36,7 @@ from support.databases import on_both_databases
 from outboxkit import Event
 from outboxkit.admin import Selection, discard, requeue
 from outboxkit.relay.claim import _claim_statements, claim_batch
-from outboxkit.relay.claim_sql import candidates, candidates_query
+from outboxkit.relay.claim_sql import candidates, candidates_query, scheduled_below
 from outboxkit.relay.engine import create_engine
 from outboxkit.relay.finalize import Decision, Fate, finalize
 from outboxkit.relay.metrics import (
@@ -111,6 +111,16 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
         assert all("filesort" not in (p["Extra"] or "") for p in per_status), plan
         # 20,000 delivered rows, 50 claimed: a few hundred index reads, not a scan.
         assert reads < 1_000, reads
+    # Whether a pending row not yet due may hold a candidate's key: the 100
+    # pending rows through (status, id), never the delivered history.
+    ahead = scheduled_below(outbox, range(4), shard_count=8, dialect=engine.dialect.name).params(
+        below=first_pending + 100
+    )
+    with engine.connect() as conn:
+        plan = conn.execute(sa.text("EXPLAIN " + _literal_sql(engine, ahead))).mappings().all()
+        reads = _handler_reads(conn, ahead)
+    assert [p["key"] for p in plan] == [f"ix_{outbox}_status_id"], plan
+    assert reads <= 200, reads
 
 
 def _probe_loops(conn: sa.Connection, sql: str) -> dict[str, int]:
@@ -585,6 +595,14 @@ def test_claim_cost_does_not_grow_with_delivered_history_on_postgresql(
             # out) stay in the hundreds, by status scans and per-key checks alike.
             read = _pg_rows_read(plan)
             assert read < 1_000, (read, plan)
+        # Whether a pending row not yet due may hold a candidate's key: the pending
+        # rows below the bound through (status, id), never the delivered history.
+        ahead = scheduled_below(outbox, range(4), shard_count=8, dialect=pg)
+        with engine.begin() as conn:
+            plan = plan_of(conn, ahead.params(below=10**12))
+        scans = _pg_scans(plan["Plan"])
+        assert [s.get("Index Name") for s in scans] == [f"ix_{outbox}_status_id"], plan
+        assert _pg_rows_read(plan) <= 100, plan
     finally:
         engine.dispose()
 
