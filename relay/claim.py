@@ -5,10 +5,13 @@ passed, and ``delivering`` rows whose lease expired or was never set (a
 *reclaim*: the previous owner died or stalled, or another writer stored it so).
 
 Per-key order: a candidate is held back while an earlier row of the same key
-is ``retryable`` and not yet due, ``delivering`` under a live lease, or in a
-paused topic in any state but ``delivered``/``failed`` (also ``delivering``
-under an expired lease: a paused topic's rows are not reclaimed until its next
-probe, so they must hold their key meanwhile). An earlier row that is itself
+is ``pending`` or ``retryable`` and not yet due, ``delivering`` under a live
+lease, ``failed`` (unless the relay runs with ``--failed-rows skip``: then a
+failed row holds nothing), or in a paused topic in any state but
+``delivered``/``failed`` (also ``delivering`` under an expired lease: a paused
+topic's rows are not reclaimed until its next probe, so they must hold their
+key meanwhile). A failed row holds until an operator requeues it (it is then
+``pending``, due, and goes first) or discards it (the row is deleted). An earlier row that is itself
 eligible does not hold it back: it has a smaller id, so it is in the same batch
 and produced first; if it cannot be locked (another claimer holds it), or if it
 goes to another topic (Kafka orders nothing across topics), the later rows of
@@ -35,9 +38,13 @@ probe is a subplan run per candidate, written so only that index serves it
 candidate whose key is among the keys held in flight, read once per claim
 (``_leased_keys``): planned from statistics taken before any row was leased,
 PostgreSQL had compared every candidate with every leased row instead. The
-``retryable`` probe runs only while some retry holds a key back
-(``_any_holding``). On MySQL/MariaDB the probes of a status run only while
-some row is in that status at all (``_none_in_status``, one seek per claim).
+``retryable`` probe runs only while some retry holds a key back, the
+``failed`` one only while some row is failed (``_any_holding``). On
+MySQL/MariaDB the probes of a status run only while some row is in that
+status at all (``_none_in_status``, one seek per claim). A ``pending`` row not
+yet due is rare and cannot be gated so (no index holds ``next_attempt_at``):
+the candidates are read again with that probe only when one sits below the
+last candidate (``claim_sql.scheduled_below``).
 The candidates are then locked by primary key with
 ``FOR UPDATE SKIP LOCKED`` and re-checked, so two relays racing for a row
 cannot both get it: the loser either skips the locked row or, once the winner
@@ -157,6 +164,7 @@ def claim_batch(
     fence: ClaimFence | None = None,
     reclaim: bool = True,
     budget: ByteBudget | None = None,
+    failed_holds: bool = True,
 ) -> Batch | None:
     """Lease up to ``limit`` due rows to ``owner``; None when nothing was due,
     or when ``fence`` was false (logged as ``claim-fenced``; nothing changed).
@@ -168,7 +176,8 @@ def claim_batch(
     ``id_upper``: look only at rows with ``id <= id_upper`` (a claim
     made while an earlier batch of ours is leased; see the module docstring).
     ``reclaim=False``: leave ``delivering`` rows alone, expired or not, and hold
-    their keys back (see the module docstring).
+    their keys back (see the module docstring). ``failed_holds``: a ``failed``
+    row holds its key's later rows back (``--failed-rows hold``, the default).
 
     Reclaimed rows are logged (``lease-reclaimed``) and recorded in the recovery
     log in the same transaction. ``attempts`` goes up by one for every row.
@@ -194,6 +203,7 @@ def claim_batch(
                 shard_count=shard_count,
                 id_upper=id_upper,
                 reclaim=reclaim,
+                failed_holds=failed_holds,
             )
             if not found:
                 return None

@@ -47,6 +47,7 @@ __all__ = [
     "key_probe",
     "key_rows",
     "lease_over",
+    "scheduled_below",
     "sql_int",
     "sql_status",
 ]
@@ -62,13 +63,21 @@ def candidates(
     shard_count: int | None = None,
     id_upper: int | None = None,
     reclaim: bool = True,
+    failed_holds: bool = True,
 ) -> list[tuple[int, bytes | None]]:
     """``(id, message_key)`` of due rows in id order (at most ``limit``), read without locks.
 
     ``id_upper``: consider only rows with ``id <= id_upper``. ``reclaim``: include
-    ``delivering`` rows whose lease is over (see :mod:`outboxkit.relay.claim`)."""
+    ``delivering`` rows whose lease is over (see :mod:`outboxkit.relay.claim`).
+    ``failed_holds``: a ``failed`` row holds its key's later rows back.
+
+    A ``pending`` row not yet due holds its key's later rows back too. The
+    candidates are read first without that probe; only when a pending row
+    ahead of its time sits below the last candidate's id (:func:`scheduled_below`,
+    one range of ``(status, id)`` no longer than the pending arm's own scan) are
+    they read again with it (see :func:`candidates_query`, ``scheduled``)."""
     bounded = id_upper is not None
-    query = _cached_candidates_query(
+    args = (
         table,
         tuple(sorted(shards)),
         limit,
@@ -77,9 +86,15 @@ def candidates(
         bounded,
         conn.dialect.name,
         reclaim,
+        failed_holds,
     )
     params = {"id_upper": id_upper} if bounded else {}
-    return [(r.id, r.message_key) for r in conn.execute(query, params)]
+    found = [(r.id, r.message_key) for r in conn.execute(_cached_candidates_query(*args), params)]
+    ahead = _cached_scheduled_below(table, args[1], shard_count, conn.dialect.name)
+    if found and conn.execute(ahead, {"below": found[-1][0]}).first():
+        query = _cached_candidates_query(*args, scheduled=True)
+        found = [(r.id, r.message_key) for r in conn.execute(query, params)]
+    return found
 
 
 @functools.lru_cache(maxsize=32)
@@ -92,6 +107,8 @@ def _cached_candidates_query(
     bounded: bool,
     dialect: str,
     reclaim: bool,
+    failed_holds: bool,
+    scheduled: bool = False,
 ) -> sa.Select[tuple[int, bytes | None]]:
     # Built once per shard set and paused-topic set (they rarely change): building
     # it took 18% of the loop at 1,000 events/s, and the same object keeps its
@@ -105,7 +122,55 @@ def _cached_candidates_query(
         bounded=bounded,
         dialect=dialect,
         reclaim=reclaim,
+        failed_holds=failed_holds,
+        scheduled=scheduled,
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_scheduled_below(
+    table: str, shards: tuple[int, ...], shard_count: int | None, dialect: str
+) -> sa.Select[Any]:
+    return scheduled_below(table, shards, shard_count=shard_count, dialect=dialect)
+
+
+def scheduled_below(
+    table: str,
+    shards: Collection[int],
+    *,
+    shard_count: int | None = None,
+    dialect: str | None = None,
+) -> sa.Select[Any]:
+    """A keyed ``pending`` row of the claim's shards that is not yet due
+    (``next_attempt_at`` ahead: another writer's scheduled row, a database clock
+    stepped back), with an id below the bound parameter ``below`` (the last
+    candidate's): one exists only if it may hold a candidate's key back.
+
+    One range of ``(status, id)`` up to ``below``: the rows the pending arm of
+    the candidates has just read, no more, so a healthy drain pays a short
+    index range per claim and not a per-key probe per candidate. A gate over
+    all pending rows (as for the other statuses, :func:`_none_in_status`) would
+    read the whole backlog whenever none is ahead, which is always: no index
+    holds ``next_attempt_at``."""
+    t = outbox_table(table)
+    pending = (
+        _status_range(t, Status.PENDING)
+        if dialect == "postgresql"
+        else (t.c.status == sql_status(Status.PENDING),)
+    )
+    where: list[sa.ColumnElement[bool]] = [
+        *pending,
+        t.c.id < sa.bindparam("below", type_=sa.BigInteger()),
+        t.c.message_key.is_not(None),
+        time_ahead(t.c.next_attempt_at, db_now()),
+    ]
+    owned = _owned(t, shards, shard_count, dialect)
+    if owned is not None:
+        where.append(owned)
+    # In the arms' order, so only ``(status, id)`` serves it, never the primary
+    # key through the delivered history (see _status_range).
+    order = (t.c.status, t.c.id) if dialect == "postgresql" else (t.c.id,)
+    return sa.select(sql_int(1)).where(*where).order_by(*order).limit(sql_int(1))
 
 
 def lease_over(t: sa.Table, now: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
@@ -179,13 +244,19 @@ def candidates_query(
     bounded: bool = False,
     dialect: str | None = None,
     reclaim: bool = True,
+    failed_holds: bool = True,
+    scheduled: bool = False,
 ) -> sa.Select[tuple[int, bytes | None]]:
     """The candidates of a claim. ``shard_count``: the table's shard count; without
     it, rows whose stored shard is out of range are never candidates. ``bounded``:
     only rows with ``id <=`` the bound parameter ``id_upper`` are considered.
     ``dialect``: the database's (``engine.dialect.name``), for :func:`in_list`.
     ``reclaim``: also ``delivering`` rows whose lease is over; without it, none,
-    and any earlier ``delivering`` row holds its key back.
+    and any earlier ``delivering`` row holds its key back. ``failed_holds``: any
+    earlier ``failed`` row holds its key back (``--failed-rows hold``; its probe
+    runs only while some row is failed at all). ``scheduled``: an earlier
+    ``pending`` row not yet due holds its key back (asked for by
+    :func:`candidates` only when :func:`scheduled_below` found one that may).
 
     Statuses, shards, limits and the other constants are written into the
     statement (it is built once per shard set and paused-topic set); only
@@ -208,6 +279,11 @@ def candidates_query(
         # not claimed now, so it must hold its key like a live one.
         Status.DELIVERING: time_ahead(earlier.c.lease_expires_at, now) if reclaim else sa.true(),
     }
+    if scheduled:
+        holds[Status.PENDING] = time_ahead(earlier.c.next_attempt_at, now)
+    if failed_holds:
+        # A failed row waits for an operator (requeue or discard); its key waits with it.
+        holds[Status.FAILED] = sa.true()
     owned = _owned(t, shards, shard_count, dialect)
     common: list[sa.ColumnElement[bool]] = [] if owned is None else [owned]
     if bounded:
@@ -220,7 +296,10 @@ def candidates_query(
         common.append(t.c.topic.not_in(topics))
         paused = earlier.c.topic.in_(topics)
         holds = {
-            Status.PENDING: paused,
+            **holds,
+            Status.PENDING: sa.or_(holds[Status.PENDING], paused)
+            if Status.PENDING in holds
+            else paused,
             Status.RETRYABLE: sa.or_(holds[Status.RETRYABLE], paused),
             Status.DELIVERING: sa.or_(holds[Status.DELIVERING], paused),
         }
@@ -235,7 +314,7 @@ def candidates_query(
         )
         if dialect == "postgresql" and status is Status.DELIVERING:
             unheld = sa.or_(t.c.message_key.not_in(_leased_keys(earlier, hold)), unheld)
-        elif dialect == "postgresql" and status is Status.RETRYABLE:
+        elif dialect == "postgresql" and status in (Status.RETRYABLE, Status.FAILED):
             unheld = sa.or_(~_any_holding(earlier, status, hold), unheld)
         elif dialect in MYSQL_DIALECTS and status is not Status.PENDING:
             unheld = sa.or_(_none_in_status(t, status), unheld)
@@ -354,9 +433,11 @@ def _any_holding(earlier: sa.FromClause, status: Status, hold: sa.ColumnElement[
     as in a healthy drain with no retry waiting, no candidate pays for its
     per-key probe in that status (2-3 ms per 500-row claim).
 
-    For ``retryable`` only: finding no such row reads the retryable rows, which
-    the claim reads anyway. The ``pending`` hold (a paused topic's rows) is not
-    gated: with none of them pending, the question would read the whole backlog."""
+    For ``retryable`` and ``failed`` only: finding no retryable row that holds
+    reads the retryable rows, which the claim reads anyway; every failed row
+    holds (``--failed-rows hold``), so the first one found answers. The
+    ``pending`` hold (a paused topic's rows) is not gated: with none of them
+    pending, the question would read the whole backlog."""
     return (
         sa.select(sql_int(1))
         .select_from(earlier)

@@ -31,7 +31,7 @@ from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, delete_payloads, outbox_table
 
-__all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finalize"]
+__all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finalize", "spent_rows"]
 
 log = logging.getLogger("outboxkit.relay.finalize")
 
@@ -100,19 +100,46 @@ def exhausted(row: ClaimedRow, max_attempts: int) -> Decision | None:
     )
 
 
+def spent_rows(
+    rows: Sequence[ClaimedRow], max_attempts: int, *, failed_holds: bool
+) -> tuple[list[Decision], list[ClaimedRow]]:
+    """Split a claimed batch before it is sent: the decisions of the rows that are
+    not sent (:func:`exhausted` rows fail; with ``failed_holds``, the later rows
+    of their keys are released unsent, attempt refunded, to wait behind them),
+    and the rows to send, in id order."""
+    known: list[Decision] = []
+    to_send: list[ClaimedRow] = []
+    failed_keys: set[bytes] = set()
+    for row in rows:
+        spent = exhausted(row, max_attempts)
+        if spent is not None:
+            known.append(spent)
+            if failed_holds and row.key is not None:
+                failed_keys.add(row.key)
+        elif row.key is not None and row.key in failed_keys:
+            error = "held back: an earlier row of this key failed"
+            known.append(Decision(row, Fate.RELEASED, error=error, refund=True))
+        else:
+            to_send.append(row)
+    return known, to_send
+
+
 def decide(
     rows: Sequence[ClaimedRow],
     reports: Mapping[int, Report],
     *,
     max_attempts: int,
     refund_unknown: bool,
+    failed_holds: bool = True,
 ) -> list[Decision]:
     """One decision per row, walking the batch in id order.
 
     Per-key order: once a row of a key is not delivered (retryable, paused,
-    released), a later row of that key in the batch is not marked delivered
-    even if Kafka acknowledged it; it is released (attempt refunded) and sent
-    again after its predecessor. A ``failed`` row does not hold its key back.
+    released, or failed while ``failed_holds``), a later row of that key in the
+    batch is not marked delivered even if Kafka acknowledged it; it is released
+    (attempt refunded) and sent again after its predecessor. Without
+    ``failed_holds`` (``--failed-rows skip``) a ``failed`` row does not hold its
+    key back.
 
     A row that was certainly not sent (``NOT_SENT``: never handed to the
     producer, or purged from its queue unsent) is released with its attempt
@@ -181,7 +208,8 @@ def decide(
             )
         else:
             d = Decision(row, Fate.RETRYABLE, error=report.error, error_code=report.code)
-        if row.key is not None and d.fate not in (Fate.DELIVERED, Fate.FAILED):
+        opens = d.fate is not Fate.DELIVERED and (failed_holds or d.fate is not Fate.FAILED)
+        if row.key is not None and opens:
             failed_send = None
             if report is not None and not report.ok:
                 failed_send = (row.id, report.error or "")

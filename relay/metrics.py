@@ -15,14 +15,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.engine import Connection
 
 from outboxkit.relay._dbtime import micros_between, time_ahead
-from outboxkit.relay.claim_sql import invalid_status, key_probe, key_rows
+from outboxkit.relay.claim_sql import invalid_status, key_probe, key_rows, sql_int
 from outboxkit.schema.table import MYSQL_DIALECTS, Status, db_now, outbox_table
 
 __all__ = [
     "BACKLOG_STATUSES",
     "RelayMetrics",
+    "keys_held_by_failed_query",
     "ordering_blocked_query",
     "sample_backlog",
+    "sample_keys_held_by_failed",
     "sample_ordering_blocked",
     "topics_with_rows",
 ]
@@ -97,6 +99,12 @@ class RelayMetrics:
         self.ordering_blocked = Gauge(
             "outbox_ordering_blocked_rows",
             "Waiting rows held back for an earlier, undelivered row of the same key (sampled)",
+            registry=registry,
+        )
+        self.keys_held_by_failed = Gauge(
+            "outbox_keys_held_by_failed",
+            "Keys whose later rows wait behind a failed row of the key (sampled; always 0 "
+            "with --failed-rows skip): requeue or discard the failed rows to release them",
             registry=registry,
         )
         self.producer_fatal = Counter(
@@ -180,21 +188,58 @@ def count_invalid_status(conn: Connection, table: str) -> int:
 
 
 def sample_ordering_blocked(
-    conn: Connection, table: str, paused_topics: Collection[str] = ()
+    conn: Connection, table: str, paused_topics: Collection[str] = (), *, failed_holds: bool = True
 ) -> int:
     """Waiting rows whose key has an earlier row that holds it back
     (:func:`ordering_blocked_query`)."""
-    query = ordering_blocked_query(table, paused_topics, conn.dialect.name)
+    query = ordering_blocked_query(table, paused_topics, conn.dialect.name, failed_holds)
     return int(conn.execute(query).scalar_one())
 
 
+def sample_keys_held_by_failed(conn: Connection, table: str) -> int:
+    """Keys held back by a failed row (:func:`keys_held_by_failed_query`)."""
+    return int(conn.execute(keys_held_by_failed_query(table, conn.dialect.name)).scalar_one())
+
+
+def keys_held_by_failed_query(table: str, dialect: str | None = None) -> sa.Select[Any]:
+    """Count the keys with a ``failed`` row that has a later row of the key still
+    to send (``pending``, ``retryable`` or ``delivering``): with ``--failed-rows
+    hold`` those rows wait until the failed row is requeued or discarded.
+
+    Reads the failed rows (one range of ``(status, id)``; few, or an alert is
+    firing already) and, for each, probes its key's later rows by the
+    ``(message_key, status, id)`` index, one seek per status (as
+    :func:`ordering_blocked_query`): never the backlog. Grouped by key first,
+    MariaDB read the key index once per distinct key of the table instead."""
+    failed = outbox_table(table).alias("failed_rows")
+    later = outbox_table(table).alias("later")
+    waiting = [
+        key_probe(sql_int(1), later, table, dialect)
+        .where(*key_rows(later, failed.c.message_key, status, dialect, after=failed.c.id))
+        .exists()
+        for status in (Status.PENDING, Status.RETRYABLE, Status.DELIVERING)
+    ]
+    query = sa.select(sa.func.count(sa.distinct(failed.c.message_key))).where(
+        failed.c.status == Status.FAILED.value,
+        failed.c.message_key.is_not(None),
+        sa.or_(*waiting),
+    )
+    if dialect in MYSQL_DIALECTS:
+        query = query.with_hint(failed, f"FORCE INDEX (ix_{table}_status_id)", dialect)
+    return query
+
+
 def ordering_blocked_query(
-    table: str, paused_topics: Collection[str] = (), dialect: str | None = None
+    table: str,
+    paused_topics: Collection[str] = (),
+    dialect: str | None = None,
+    failed_holds: bool = True,
 ) -> sa.Select[Any]:
     """Count the waiting rows held back by an earlier row of their key.
 
     Starts from the blocking rows (retryable and not yet due, delivering under a
-    live lease, not yet delivered in a paused topic) — few in a healthy system —
+    live lease, failed with ``failed_holds``, not yet delivered in a paused
+    topic) — few in a healthy system —
     and, for each blocking key, counts its later ``pending`` and ``retryable``
     rows with one probe per status through the ``(message_key, status, id)``
     index (:func:`~outboxkit.relay.claim_sql.key_probe`, as the claim does), so the
@@ -208,6 +253,8 @@ def ordering_blocked_query(
         sa.and_(t.c.status == Status.RETRYABLE.value, time_ahead(t.c.next_attempt_at, now)),
         sa.and_(t.c.status == Status.DELIVERING.value, time_ahead(t.c.lease_expires_at, now)),
     ]
+    if failed_holds:
+        blocking.append(t.c.status == Status.FAILED.value)
     if paused_topics:
         blocking.append(
             sa.and_(

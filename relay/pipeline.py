@@ -28,7 +28,14 @@ from outboxkit.relay import accounting, drain
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import claim_batch, reclaims_due
 from outboxkit.relay.drain import ExitRecord, release
-from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, decide, exhausted, finalize
+from outboxkit.relay.finalize import (
+    Decision,
+    Fate,
+    FinalizeResult,
+    decide,
+    finalize,
+    spent_rows,
+)
 from outboxkit.relay.metrics import RelayMetrics
 from outboxkit.relay.pauses import PausedTopics
 from outboxkit.relay.publish import InFlight, Publisher, Report
@@ -187,6 +194,7 @@ class Pipeline:
                 fence=claim_fence(self._ownership, shards),
                 reclaim=reclaim,
                 budget=self._byte_budget,
+                failed_holds=self._settings.failed_rows_hold(),
             )
             if reclaim:
                 self._reclaims_looked = started
@@ -250,9 +258,9 @@ class Pipeline:
         batch = held.batch
         if self._on_batch is not None:
             self._on_batch(batch)
-        spent = [d for d in (exhausted(r, self._settings.max_attempts) for r in batch.rows) if d]
-        spent_ids = {d.row.id for d in spent}
-        to_send = [r for r in batch.rows if r.id not in spent_ids]
+        spent, to_send = spent_rows(
+            batch.rows, self._settings.max_attempts, failed_holds=self._settings.failed_rows_hold()
+        )
         held.known = spent
         if self._lifecycle.draining.is_set():  # the drain began during the claim
             held.known = [*spent, *(Decision(r, Fate.RELEASED, refund=True) for r in to_send)]
@@ -335,6 +343,7 @@ class Pipeline:
             self._reports(held.inflight),
             max_attempts=self._settings.max_attempts,
             refund_unknown=True,
+            failed_holds=self._settings.failed_rows_hold(),
         )
         self._outage_backoff(decisions)
         return [*held.known, *decisions]
@@ -472,6 +481,7 @@ class Pipeline:
                 reports,
                 max_attempts=self._settings.max_attempts,
                 refund_unknown=refund,
+                failed_holds=self._settings.failed_rows_hold(),
             )
             held.decisions = decisions
             result = self._write(held, decisions)

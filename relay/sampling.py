@@ -2,11 +2,12 @@
 
 Once per ``metrics_interval`` the loop asks :class:`BacklogSampler` for one
 look (one connection, a few read-only queries): the backlog by status, the age
-of the oldest due row, rows held back behind an earlier row of their key, rows
-whose status is outside the enum. The same look resumes a paused topic that
-has no rows left to probe with, lets the no-Redis monitor check for another
-relay, and follows the server's fingerprint across a failover. None of it is
-on the claim -> publish -> finalize path: a failed look is logged and skipped.
+of the oldest due row, rows held back behind an earlier row of their key, keys
+held back by a failed row, rows whose status is outside the enum. The same look
+resumes a paused topic that has no rows left to probe with, lets the no-Redis
+monitor check for another relay, and follows the server's fingerprint across a
+failover. None of it is on the claim -> publish -> finalize path: a failed look
+is logged and skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from outboxkit.relay.metrics import (
     RelayMetrics,
     count_invalid_status,
     sample_backlog,
+    sample_keys_held_by_failed,
     sample_ordering_blocked,
     topics_with_rows,
 )
@@ -136,7 +138,9 @@ class BacklogSampler:
         try:
             with self._engine.connect() as conn:
                 counts, age = sample_backlog(conn, table)
-                blocked = sample_ordering_blocked(conn, table, paused)
+                holds = self._settings.failed_rows_hold()
+                blocked = sample_ordering_blocked(conn, table, paused, failed_holds=holds)
+                held_keys = sample_keys_held_by_failed(conn, table) if holds else 0
                 invalid = count_invalid_status(conn, table)
                 gone = paused - topics_with_rows(conn, table, paused)
                 if self._foreign is not None:
@@ -149,6 +153,7 @@ class BacklogSampler:
             self._metrics.backlog.labels(status=status.value).set(n)
         self._metrics.oldest_pending_age.set(age)
         self._metrics.ordering_blocked.set(blocked)
+        self._metrics.keys_held_by_failed.set(held_keys)
         self._note_invalid_status(invalid)
         for topic in sorted(gone):  # nothing left to probe with: the pause would never end
             self._paused.resume(topic, cause="no-rows-left")

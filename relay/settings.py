@@ -37,12 +37,17 @@ ROW_IMAGES = ("server", "noblob", "minimal")
 __all__ = [
     "COMPRESSION_CODECS",
     "DEFAULT_BATCH_MAX_BYTES",
+    "FAILED_ROWS",
     "MAX_PAUSE_S",
     "SHARD_OWNERSHIPS",
     "RelaySettings",
 ]
 
 COMPRESSION_CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+#: What a ``failed`` row does to its key's later rows (``--failed-rows``, docs/relay.md):
+#: ``hold`` keeps per-key order (they wait until it is requeued or discarded);
+#: ``skip`` trades that order for progress (they are delivered past it).
+FAILED_ROWS = ("hold", "skip")
 #: How shards are shared between relays (docs/scaling.md, docs/postgresql.md).
 SHARD_OWNERSHIPS = ("auto", "redis", "advisory", "all")
 
@@ -205,6 +210,14 @@ class RelaySettings(RuntimeSettings):
         validate=positive,
         aliases=("backoff_cap",),
     )
+    failed_rows: str = setting(
+        "hold",
+        help="what a failed row does to its key's later rows: hold keeps per-key order (they "
+        "wait until the failed row is requeued or discarded; outbox_keys_held_by_failed "
+        "counts the keys); skip delivers them past it, giving up that key's order for "
+        "progress (docs/relay.md)",
+        choices=FAILED_ROWS,
+    )
     paused_topic_retry: float = setting(
         30.0,
         help="seconds between probes of a topic paused for a relay configuration fault "
@@ -306,6 +319,10 @@ class RelaySettings(RuntimeSettings):
         ):
             if value is not None:
                 object.__setattr__(self, new, value)
+
+    def failed_rows_hold(self) -> bool:
+        """Whether a ``failed`` row holds its key's later rows (``--failed-rows hold``)."""
+        return self.failed_rows == "hold"
 
     def effective_shard_ownership(self) -> str:
         """``redis``, ``advisory`` or ``all``: what ``--shard-ownership`` means here."""

@@ -91,6 +91,7 @@ def test_required_alerts_exist(yaml_module: ModuleType) -> None:
         "OutboxShutdownPending",
         "OutboxBacklogOld",
         "OutboxFailedRows",
+        "OutboxKeysHeldByFailedRows",
         "OutboxTopicPaused",
         "OutboxRelayAbsent",
         "ConsumerLagHigh",

@@ -34,13 +34,16 @@ from sqlalchemy.dialects import postgresql
 from support.databases import on_both_databases
 
 from outboxkit import Event
+from outboxkit.admin import Selection, discard, requeue
 from outboxkit.relay.claim import _claim_statements, claim_batch
-from outboxkit.relay.claim_sql import candidates, candidates_query
+from outboxkit.relay.claim_sql import candidates, candidates_query, scheduled_below
 from outboxkit.relay.engine import create_engine
 from outboxkit.relay.finalize import Decision, Fate, finalize
 from outboxkit.relay.metrics import (
+    keys_held_by_failed_query,
     ordering_blocked_query,
     sample_backlog,
+    sample_keys_held_by_failed,
     sample_ordering_blocked,
 )
 from outboxkit.relay.rows import Batch
@@ -108,6 +111,16 @@ def test_claim_cost_does_not_grow_with_delivered_history(engine: sa.Engine, outb
         assert all("filesort" not in (p["Extra"] or "") for p in per_status), plan
         # 20,000 delivered rows, 50 claimed: a few hundred index reads, not a scan.
         assert reads < 1_000, reads
+    # Whether a pending row not yet due may hold a candidate's key: the 100
+    # pending rows through (status, id), never the delivered history.
+    ahead = scheduled_below(outbox, range(4), shard_count=8, dialect=engine.dialect.name).params(
+        below=first_pending + 100
+    )
+    with engine.connect() as conn:
+        plan = conn.execute(sa.text("EXPLAIN " + _literal_sql(engine, ahead))).mappings().all()
+        reads = _handler_reads(conn, ahead)
+    assert [p["key"] for p in plan] == [f"ix_{outbox}_status_id"], plan
+    assert reads <= 200, reads
 
 
 def _probe_loops(conn: sa.Connection, sql: str) -> dict[str, int]:
@@ -136,10 +149,11 @@ def test_no_candidate_probes_its_key_in_a_status_no_row_is_in(
     engine: sa.Engine, outbox: str
 ) -> None:
     """MariaDB: the per-key probe of a status runs only while some row is in that
-    status. In a healthy drain (nothing retryable, nothing leased) no candidate
-    pays for one; with one retryable and one leased row anywhere, every
-    candidate probes its key in both statuses again, and the leased row still
-    holds its key's later rows back."""
+    status. In a healthy drain (nothing retryable, nothing leased, nothing
+    failed) no candidate pays for one; with one retryable, one leased and one
+    failed row anywhere, every candidate probes its key in all three statuses
+    again, and the leased and the failed row still hold their keys' later rows
+    back."""
     add_events(
         engine, outbox, [Event(topic="t", key=f"k{i % 50}", payload=b"x") for i in range(150)]
     )
@@ -170,13 +184,16 @@ def test_no_candidate_probes_its_key_in_a_status_no_row_is_in(
                 lease_expires_at=db_time(600),
             )
         )
+        # and k1's first row failed
+        conn.execute(t.update().where(t.c.id == ids[1]).values(status="failed", attempts=10))
     with engine.connect() as conn:
         busy = _probe_loops(conn, _literal_sql(engine, query))
         found = candidates(conn, outbox, shards=ALL, limit=100)
-    # Both statuses probed, by the key index, once for each candidate at least.
-    assert busy.get(key_index, 0) >= 2 * 100, busy
+    # All three statuses probed, by the key index, once for each candidate at least.
+    assert busy.get(key_index, 0) >= 3 * 100, busy
     keys = {k for _, k in found}
     assert b"k0" not in keys, "k0's later rows wait for its leased row"
+    assert b"k1" not in keys, "k1's later rows wait for its failed row"
     assert len(found) == 100
 
 
@@ -362,7 +379,7 @@ def test_the_ordering_blocked_sample_counts_what_the_claim_holds_back(
 ) -> None:
     """Generated tables: the sample equals a model of the claim's per-key rule
     (a waiting row is held back by an earlier row of its key that is retryable
-    and not due, leased, or waiting in a paused topic)."""
+    and not due, leased, failed, or waiting in a paused topic)."""
     t = outbox_table(outbox)
     with engine.begin() as conn:
         conn.execute(sa.delete(t))
@@ -385,7 +402,7 @@ def test_the_ordering_blocked_sample_counts_what_the_claim_holds_back(
     def holds(topic: str, state: str) -> bool:
         if topic in paused and _ROW_STATES[state][0] in ("pending", "retryable", "delivering"):
             return True
-        return state in ("retry-later", "leased")
+        return state in ("retry-later", "leased", "failed")  # failed: --failed-rows hold
 
     first_blocker: dict[str, int] = {}
     for i, (topic, key, state) in zip(ids, rows_, strict=True):
@@ -408,6 +425,38 @@ def _pg_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
     for child in plan.get("Plans", []):
         found += _pg_scans(child)
     return found
+
+
+@on_both_databases
+def test_the_keys_held_by_failed_sample_reads_the_failed_keys_not_the_backlog(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """``outbox_keys_held_by_failed`` is sampled in the relay's loop: five keys
+    whose first row failed, in a 20,000-row backlog on a table without
+    statistics. The sample starts from the failed rows and probes their keys,
+    so it reads those, not the backlog."""
+    keys = 1_000
+    add_events(
+        engine, outbox, [Event(topic="t", key=f"k{i % keys}", payload=b"x") for i in range(20_000)]
+    )
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        first = [r.id for r in conn.execute(sa.select(t.c.id).order_by(t.c.id).limit(6))]
+        conn.execute(t.update().where(t.c.id.in_(first[:5])).values(status="failed"))
+        # A failed row whose key has nothing left behind it holds nothing.
+        conn.execute(t.update().where(t.c.message_key == b"k5").values(status="delivered"))
+        conn.execute(t.update().where(t.c.id == first[5]).values(status="failed"))
+    query = keys_held_by_failed_query(outbox, engine.dialect.name)
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            sql = _literal_sql(engine, query)
+            (plan,) = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)).scalar_one()
+            read = _pg_rows_read(plan)
+        else:
+            plan, read = None, _handler_reads(conn, query)
+        assert sample_keys_held_by_failed(conn, outbox) == 5
+        assert sample_ordering_blocked(conn, outbox) == 5 * 19
+    assert read < 1_000, (read, plan)
 
 
 def _pg_rows_read(plan: dict[str, Any], alias: str = "") -> int:
@@ -546,6 +595,14 @@ def test_claim_cost_does_not_grow_with_delivered_history_on_postgresql(
             # out) stay in the hundreds, by status scans and per-key checks alike.
             read = _pg_rows_read(plan)
             assert read < 1_000, (read, plan)
+        # Whether a pending row not yet due may hold a candidate's key: the pending
+        # rows below the bound through (status, id), never the delivered history.
+        ahead = scheduled_below(outbox, range(4), shard_count=8, dialect=pg)
+        with engine.begin() as conn:
+            plan = plan_of(conn, ahead.params(below=10**12))
+        scans = _pg_scans(plan["Plan"])
+        assert [s.get("Index Name") for s in scans] == [f"ix_{outbox}_status_id"], plan
+        assert _pg_rows_read(plan) <= 100, plan
     finally:
         engine.dispose()
 
@@ -1243,3 +1300,80 @@ def test_an_id_bounded_claim_never_lets_a_key_overtake_itself(
                 )
 
     check()
+
+
+def _set_row(engine: sa.Engine, outbox: str, row_id: int, **values: Any) -> None:
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == row_id).values(**values))
+
+
+@on_both_databases
+def test_a_failed_row_holds_its_keys_later_rows_until_requeued_or_discarded(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """``--failed-rows hold`` (the default): no later row of a failed row's key is
+    claimed, by any claimer, until the row is requeued (then it goes first) or
+    discarded (deleted); other keys go on. ``skip`` claims them past it."""
+    add_events(engine, outbox, [Event(topic="t", key=k, payload=b"x") for k in "aabaab"])
+    ids = [r.id for r in rows(engine, outbox)]  # a: 0 1 3 4, b: 2 5
+    _set_row(engine, outbox, ids[1], status="failed", attempts=10, last_error="too large")
+    _set_row(engine, outbox, ids[0], status="delivered")
+    claim = dict(shards=ALL, limit=100, lease_ttl=60)
+    held = claim_batch(engine, outbox, owner="one", **claim)
+    assert held is not None
+    assert [r.id for r in held.rows] == [ids[2], ids[5]], "a's rows 3 and 4 wait behind 1"
+    assert claim_batch(engine, outbox, owner="two", **claim) is None
+    with engine.connect() as conn:
+        assert sample_keys_held_by_failed(conn, outbox) == 1
+        assert sample_ordering_blocked(conn, outbox) == 2
+        assert sample_ordering_blocked(conn, outbox, failed_holds=False) == 0
+    skipped = claim_batch(engine, outbox, owner="two", failed_holds=False, **claim)
+    assert skipped is not None and [r.id for r in skipped.rows] == [ids[3], ids[4]]
+    _set_row(engine, outbox, ids[3], status="pending", lease_owner=None, lease_token=None)
+    _set_row(engine, outbox, ids[4], status="pending", lease_owner=None, lease_token=None)
+
+    requeue(engine, table=outbox, selection=Selection(ids=(ids[1],)))
+    again = claim_batch(engine, outbox, owner="two", **claim)
+    assert again is not None
+    assert [r.id for r in again.rows] == [ids[1], ids[3], ids[4]], "the requeued row first"
+    with engine.connect() as conn:
+        assert sample_keys_held_by_failed(conn, outbox) == 0
+
+    # Discarded: the row is gone and holds nothing.
+    _set_row(engine, outbox, ids[1], status="failed", lease_owner=None, lease_token=None)
+    _set_row(engine, outbox, ids[3], status="pending", lease_owner=None, lease_token=None)
+    _set_row(engine, outbox, ids[4], status="pending", lease_owner=None, lease_token=None)
+    assert claim_batch(engine, outbox, owner="two", **claim) is None
+    discard(engine, table=outbox, selection=Selection(ids=(ids[1],)))
+    after = claim_batch(engine, outbox, owner="two", **claim)
+    assert after is not None and [r.id for r in after.rows] == [ids[3], ids[4]]
+
+
+@on_both_databases
+def test_a_pending_row_not_yet_due_holds_its_keys_later_rows(
+    engine: sa.Engine, outbox: str
+) -> None:
+    """A ``pending`` row whose ``next_attempt_at`` is ahead (another writer's
+    scheduled row, a database clock stepped back) holds its key's later, due
+    rows like a retryable row not yet due; behind many due rows too."""
+    events = [Event(topic="t", key=f"d{i}", payload=b"x") for i in range(30)]
+    events += [Event(topic="t", key=k, payload=b"x") for k in "kkok"]
+    add_events(engine, outbox, events)
+    ids = [r.id for r in rows(engine, outbox)]
+    k0, k1, other, k2 = ids[30:]
+    _set_row(engine, outbox, k1, next_attempt_at=db_time(2))
+    claim = dict(shards=ALL, limit=100, lease_ttl=60)
+    first = claim_batch(engine, outbox, owner="one", **claim)
+    assert first is not None
+    assert [r.id for r in first.rows] == [*ids[:30], k0, other], "k's last row waits"
+    assert claim_batch(engine, outbox, owner="two", **claim) is None
+    t = outbox_table(outbox)
+    with engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id.not_in([k1, k2])).values(status="delivered"))
+    wait_for(
+        lambda: claim_batch(engine, outbox, owner="two", **claim),
+        timeout=10,
+        what="k's rows once due",
+    )
+    assert [r.status for r in rows(engine, outbox) if r.id in (k1, k2)] == ["delivering"] * 2

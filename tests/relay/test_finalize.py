@@ -34,7 +34,7 @@ from outboxkit.relay import Relay
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import claim_batch
 from outboxkit.relay.drain import release
-from outboxkit.relay.finalize import Decision, Fate, _per_row_write, decide, finalize
+from outboxkit.relay.finalize import Decision, Fate, _per_row_write, decide, finalize, spent_rows
 from outboxkit.relay.pipeline import Pipeline
 from outboxkit.relay.publish import ErrorKind, InFlight, Report
 from outboxkit.relay.rows import Batch, ClaimedRow
@@ -88,11 +88,31 @@ def test_an_ack_after_a_failed_send_of_the_same_key_is_flagged() -> None:
     # Row 4 has no report (not sent, or not awaited): row 5 is held back, but
     # Kafka keeps produce order, so nothing landed ahead of row 4.
     assert d[5].fate is Fate.RELEASED and d[5].acked_ahead_of is None
-    # A failed row does not hold its key: what follows it is delivered, not flagged.
+    # A failed row holds its key (--failed-rows hold): what Kafka acknowledged
+    # after it is released, not delivered, and flagged as ahead of it.
     rows_ = [_row(1, b"a"), _row(2, b"a")]
     reports = {1: _err(1, ErrorKind.ROW_FAULT, 10), 2: _ok(2)}
     d1, d2 = decide(rows_, reports, max_attempts=10, refund_unknown=True)
+    assert d1.fate is Fate.FAILED and d2.fate is Fate.RELEASED and d2.refund
+    assert d2.acked_ahead_of == (1, "error 10")
+    # With skip it does not: what follows it is delivered, not flagged.
+    d1, d2 = decide(rows_, reports, max_attempts=10, refund_unknown=True, failed_holds=False)
     assert d1.fate is Fate.FAILED and d2.fate is Fate.DELIVERED and d2.acked_ahead_of is None
+
+
+@pytest.mark.unit
+def test_a_row_failed_before_sending_holds_its_keys_later_rows_in_the_batch() -> None:
+    """Out of attempts, a row fails unsent; with hold, its key's later rows in the
+    batch are not sent either (released, attempt refunded) and other keys go."""
+    rows_ = [_row(1, b"a", attempts=11), _row(2, b"a"), _row(3, b"b"), _row(4, None)]
+    known, to_send = spent_rows(rows_, 10, failed_holds=True)
+    assert [(d.row.id, d.fate, d.refund) for d in known] == [
+        (1, Fate.FAILED, False),
+        (2, Fate.RELEASED, True),
+    ]
+    assert [r.id for r in to_send] == [3, 4]
+    known, to_send = spent_rows(rows_, 10, failed_holds=False)
+    assert [d.row.id for d in known] == [1] and [r.id for r in to_send] == [2, 3, 4]
 
 
 @pytest.mark.integration
@@ -182,34 +202,65 @@ def test_failed_row_does_not_hold_its_key_and_attempts_bound_retries() -> None:
 
 @pytest.mark.integration
 @on_both_databases
-def test_oversized_row_fails_with_reason_and_the_rest_is_delivered(
+@pytest.mark.parametrize("failed_rows", ["hold", "skip"])
+def test_oversized_row_fails_with_reason_and_its_key_waits_or_goes_on_as_set(
     engine: sa.Engine,
     db_url: str,
     outbox: str,
     kafka_bootstrap: str,
     kafka_topics: Callable[..., str],
     embedded: Callable[..., EmbeddedRelay],
+    failed_rows: str,
 ) -> None:
+    """The big row fails as the row's fault. ``--failed-rows hold`` (the default):
+    its key's later rows, in the same batch or claimed after, stay pending and
+    the relay counts the key as held; ``skip``: they are delivered past it."""
     topic = kafka_topics(partitions=1, config={"max.message.bytes": "2000"})
     events = [Event(topic=topic, key="k", payload=f"small-{i}") for i in range(3)]
     events.append(Event(topic=topic, key="k", payload=os.urandom(5000)))
     events += [Event(topic=topic, key="k", payload=f"small-{i}") for i in range(3, 6)]
+    events.append(Event(topic=topic, key="other", payload="other"))
     add_events(engine, outbox, events)
-    # Producer batches must stay under the topic limit, so only the big row is rejected.
-    relay = embedded(fast_settings(db_url, kafka_bootstrap, kafka_config={"batch.size": "1500"}))
-    wait_for(lambda: relay.metric("outbox_rows_delivered_total") == 6, timeout=20, what="6 rows")
+    # Producer batches must stay under the topic limit, so only the big row is rejected;
+    # it ends the first claimed batch, so the key's later rows are claimed after it
+    # failed (in one batch with it they would be acknowledged ahead of it, which
+    # the relay reports as acked-out-of-order).
+    settings = fast_settings(
+        db_url,
+        kafka_bootstrap,
+        kafka_config={"batch.size": "1500"},
+        failed_rows=failed_rows,
+        batch_size=4,
+    )
+    relay = embedded(settings)
+    delivered = 7 if failed_rows == "skip" else 4
+    wait_for(
+        lambda: relay.metric("outbox_rows_delivered_total") == delivered,
+        timeout=20,
+        what=f"{delivered} rows",
+    )
     table = rows(engine, outbox)
     big = table[3]
     assert big.status == "failed" and big.lease_owner is None
     assert "MSG_SIZE_TOO_LARGE" in big.last_error
-    assert [r.status for r in table if r.id != big.id] == ["delivered"] * 6
     assert relay.metric("outbox_rows_failed_total") == 1
-    messages = consume(kafka_bootstrap, topic, expected=6)
-    assert [m.value for m in messages] == [f"small-{i}".encode() for i in range(6)]
+    sent = [f"small-{i}".encode() for i in range(3)]
+    if failed_rows == "skip":
+        assert [r.status for r in table if r.id != big.id] == ["delivered"] * 7
+        sent += [f"small-{i}".encode() for i in range(3, 6)]
+    else:
+        assert [r.status for r in table[4:7]] == ["pending"] * 3, "k's later rows wait"
+        wait_for(
+            lambda: relay.metric("outbox_keys_held_by_failed") == 1,
+            timeout=10,
+            what="the held key counted",
+        )
+    messages = consume(kafka_bootstrap, topic, expected=len(sent) + 1)
+    assert [m.value for m in messages if m.key == b"k"] == sent
 
-    # A failed row is never touched again.
+    # A failed row is never touched again, nor (hold) are the rows behind it.
     time.sleep(1.0)
-    assert rows(engine, outbox)[3] == big
+    assert rows(engine, outbox)[3:7] == table[3:7]
     assert relay.stop() == 0
 
 

@@ -123,6 +123,9 @@ def test_repeated_header_names_and_big_payloads_never_crash_stall_or_reorder(
             kafka_bootstrap,
             kafka_config={"message.max.bytes": str(MESSAGE_MAX)},
             batch_max_bytes=BUDGET,
+            # skip: a bad row fails and the good rows of its key go on (the hold
+            # rule is the protocol model's and test_claim.py's).
+            failed_rows="skip",
         )
     )
     delivered_so_far: list[str] = []

@@ -208,7 +208,10 @@ def test_foreign_rows_never_crash_stall_or_reorder(
     embedded: Callable[..., EmbeddedRelay],
 ) -> None:
     topics = [kafka_topics(partitions=2), kafka_topics(partitions=1)]
-    relay = embedded(fast_settings(db_url, kafka_bootstrap))
+    # skip: a bad row fails and its key's good rows go on, so every example
+    # settles whatever keys it shares with the bad rows of earlier ones (the
+    # hold rule is the protocol model's and test_claim.py's).
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, failed_rows="skip"))
     collector = Collector(kafka_bootstrap, topics)
     outcomes: dict[str, int] = {"delivered": 0, "failed": 0}
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -21,6 +24,13 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ResourceType,
+)
 from relay_support import (
     EmbeddedRelay,
     RelayProcess,
@@ -29,6 +39,7 @@ from relay_support import (
     consume,
     db_time,
     fast_settings,
+    http_get,
     outbox_key,
     rows,
     status_counts,
@@ -550,3 +561,158 @@ def test_wakeups_deliver_well_before_the_poll_interval(
     assert under >= 0.9, f"only {under:.0%} delivered within half the poll interval"
     for r in relays:
         assert r.stop() == 0
+
+
+def _held_keys_metric(proc: RelayProcess) -> float | None:
+    """``outbox_keys_held_by_failed`` as the relay's /metrics shows it now."""
+    _, text = http_get(proc.health_url() + "/metrics")
+    for line in str(text).splitlines():
+        if line.startswith("outbox_keys_held_by_failed "):
+            return float(line.split()[1])
+    return None
+
+
+def _row_events(topic: str, rounds: range, keys: int, big: tuple[int, int] | None) -> list[Event]:
+    """Round n's row of key k for n in ``rounds`` (id order is per-key order);
+    the row ``big`` (key, n) is over the topic's max.message.bytes, compressed
+    too (random bytes)."""
+    return [
+        Event(
+            topic=topic,
+            key=f"k{k}",
+            payload={"k": k, "n": n, **({"pad": os.urandom(4000).hex()} if (k, n) == big else {})},
+        )
+        for n in rounds
+        for k in range(keys)
+    ]
+
+
+@on_both_databases
+@pytest.mark.parametrize("failed_rows", ["hold", "skip"])
+def test_a_failed_row_holds_its_key_across_relays_and_restarts_until_requeued(
+    engine: sa.Engine,
+    db_url: str,
+    table: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    redis_url: str,
+    redis_prefix: str,
+    relay_process: Callable[..., RelayProcess],
+    failed_rows: str,
+) -> None:
+    """Two relays with Redis leases; key k0's second row is over the topic's
+    max.message.bytes and fails as the row's fault. ``hold`` (the default):
+    k0's later rows stay pending through both relays and a restart of both,
+    while other keys flow; after ``outboxkit admin requeue`` of the failed row
+    (the topic's limit raised) it is delivered first, then k0's later rows, in
+    order. ``skip``: k0's later rows are delivered past it, as chosen."""
+    keys = 8
+    topic = kafka_topics(partitions=3, config={"max.message.bytes": "2000"})
+    settings = [
+        relay_settings(
+            db_url,
+            kafka_bootstrap,
+            redis_url,
+            redis_prefix,
+            f"relay-{failed_rows}-{i}",
+            failed_rows=failed_rows,
+            # Producer batches stay under the topic's limit: only the big row is refused.
+            kafka_config={"batch.size": "1500"},
+        )
+        for i in range(2)
+    ]
+    t = outbox_table(table)
+    add_events(engine, table, _row_events(topic, range(2), keys, big=(0, 1)))
+    procs = start_relays(relay_process, settings)
+    wait_for(
+        lambda: (
+            status_counts(engine, table).get("failed") == 1
+            and status_counts(engine, table).get("delivered") == 2 * keys - 1
+        ),
+        timeout=60,
+        what="k0's big row failed, the rest delivered",
+    )
+    with engine.connect() as conn:
+        failed_id = conn.execute(sa.select(t.c.id).where(t.c.status == "failed")).scalar_one()
+    # The key's later rows, written after its row failed.
+    add_events(engine, table, _row_events(topic, range(2, 4), keys, big=None))
+    k0_later = [r.id for r in rows(engine, table) if r.message_key == b"k0" and r.id > failed_id]
+    assert len(k0_later) == 2
+
+    def k0_later_statuses() -> list[str]:
+        return [r.status for r in rows(engine, table) if r.id in k0_later]
+
+    if failed_rows == "skip":
+        wait_for(
+            lambda: status_counts(engine, table).get("delivered") == 4 * keys - 1,
+            timeout=60,
+            what="every row but the failed one delivered",
+        )
+        assert k0_later_statuses() == ["delivered"] * 2
+    else:
+        wait_for(
+            lambda: status_counts(engine, table).get("delivered") == 4 * keys - 3,
+            timeout=60,
+            what="every row of the other keys delivered",
+        )
+        wait_for(lambda: _held_keys_metric(procs[0]) == 1, timeout=20, what="k0 counted held")
+        assert k0_later_statuses() == ["pending"] * 2
+        for p in procs:  # a restart of both: the failed row still holds its key
+            p.signal(signal.SIGTERM)
+        assert [p.wait(30) for p in procs] == [0, 0]
+        procs = start_relays(relay_process, settings)
+        add_events(engine, table, _row_events(topic, range(4, 5), keys, big=None))
+        wait_for(
+            lambda: status_counts(engine, table).get("delivered") == 5 * keys - 4,
+            timeout=60,
+            what="the new rows of the other keys delivered after the restart",
+        )
+        wait_for(lambda: _held_keys_metric(procs[1]) == 1, timeout=20, what="k0 counted held")
+        assert k0_later_statuses() == ["pending"] * 2
+        assert status_counts(engine, table).get("pending") == 3
+
+    # The operator's way out: fix the cause (raise the topic's limit), requeue the row.
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    raised = ConfigEntry(
+        "max.message.bytes", "1000000", incremental_operation=AlterConfigOpType.SET
+    )
+    resource = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[raised])
+    admin.incremental_alter_configs([resource])[resource].result(timeout=20)
+    requeued = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "outboxkit",
+            "admin",
+            "requeue",
+            "--db-url",
+            db_url,
+            "--id",
+            str(failed_id),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert requeued.returncode == 0, requeued.stderr
+    total = sum(status_counts(engine, table).values())
+    wait_for(
+        lambda: status_counts(engine, table).get("delivered") == total,
+        timeout=60,
+        what="every row delivered",
+    )
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    assert [p.wait(30) for p in procs] == [0, 0]
+    messages = consume(kafka_bootstrap, topic, expected=total)
+    firsts: list[int] = []
+    for m in messages:
+        body = json.loads(m.value)
+        if body["k"] == 0 and body["n"] not in firsts:
+            firsts.append(body["n"])
+    if failed_rows == "hold":
+        assert firsts == sorted(firsts) == list(range(len(firsts))), firsts
+        assert_key_order(messages)
+    else:
+        assert firsts == [0, 2, 3, 1], "skip: k0's later rows went past the failed one"

@@ -12,13 +12,15 @@ After every step it checks what the relay promises:
 
 - **one holder**: a batch whose lease has not expired still holds every row it
   claimed and has not settled (no row is held under two live tokens);
-- **claim order**: a claimed row's earlier rows of its key are delivered, failed
-  or in the same batch, and one batch carries a key to one topic only;
+- **claim order**: a claimed row's earlier rows of its key are delivered (or
+  failed, with ``--failed-rows skip``) or in the same batch, and one batch
+  carries a key to one topic only; a ``pending`` row not yet due (another
+  writer's scheduled row) holds its key like any other;
 - **no delivery without an acknowledgement**: a ``delivered`` row was
   acknowledged, at the partition and offset the row records;
 - **per-key order**: when a row is first acknowledged, every earlier row of its
-  key was acknowledged before, or was ``failed`` at some point (a failed row does
-  not block its key), or the relay reports it (``acked-out-of-order``); a crash
+  key was acknowledged before, or (with ``--failed-rows skip`` only) was
+  ``failed`` at some point, or the relay reports it (``acked-out-of-order``); a crash
   between the acknowledgement and the finalize loses that report, which is the
   one exception, counted as such;
 - **attempts**: a claim adds one, a release on drain or an unknown outcome
@@ -63,7 +65,7 @@ from outboxkit.admin.requeue import Selection, requeue
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import claim_batch
 from outboxkit.relay.drain import release
-from outboxkit.relay.finalize import Decision, Fate, decide, exhausted, finalize
+from outboxkit.relay.finalize import Decision, Fate, decide, finalize, spent_rows
 from outboxkit.relay.publish import ErrorKind, Report
 from outboxkit.relay.rows import Batch
 from outboxkit.schema import apply_schema
@@ -124,6 +126,8 @@ class SimBatch:
 
 class ProtocolModel(RuleBasedStateMachine):
     engine: sa.Engine  # set by the test before the machine runs
+    #: ``--failed-rows``: hold (True, the default) or skip.
+    failed_holds = True
 
     batches = Bundle("batches")
 
@@ -147,6 +151,8 @@ class ProtocolModel(RuleBasedStateMachine):
         #: First acknowledgements ahead of an earlier row: id -> the batch that made it.
         self.ahead_unreported: dict[int, SimBatch] = {}
         self.lost_reports = 0  # reorders whose report a crash lost
+        #: Pending rows written with ``next_attempt_at`` ahead, until time passes.
+        self.scheduled: set[int] = set()
         self.backoff = Backoff(base=0.001, cap=0.002)
 
     # ------------------------------------------------------------------ writes
@@ -196,6 +202,23 @@ class ProtocolModel(RuleBasedStateMachine):
         if later:
             self.write(key, topic, later)
 
+    @rule(key=st.sampled_from(KEYS), topic=st.sampled_from(TOPICS), later=st.integers(1, 2))
+    def write_scheduled(self, key: str, topic: str, later: int) -> None:
+        """A ``pending`` row not yet due (another writer's scheduled row, a database
+        clock stepped back), then ``later`` due rows of its key: they must wait."""
+        with self.engine.begin() as conn:
+            event_id = outboxkit.enqueue(conn, topic=topic, key=key, payload={"at": "later"})
+            row_id = conn.execute(
+                sa.select(self.t.c.id).where(self.t.c.event_id == event_id)
+            ).scalar_one()
+            conn.execute(
+                self.t.update().where(self.t.c.id == row_id).values(next_attempt_at=db_time(600))
+            )
+        self.rows[row_id] = (key, topic)
+        self.attempts[row_id] = 0
+        self.scheduled.add(row_id)
+        self.write(key, topic, later)
+
     # ------------------------------------------------------------------ claims
 
     @rule(
@@ -216,6 +239,7 @@ class ProtocolModel(RuleBasedStateMachine):
             lease_ttl=LEASE_TTL,
             excluded_topics=frozenset(self.paused),
             reclaim=reclaim,
+            failed_holds=self.failed_holds,
         )
         if batch is None:
             return multiple()
@@ -239,6 +263,7 @@ class ProtocolModel(RuleBasedStateMachine):
     def _check_claim_order(self, batch: Batch) -> None:
         in_batch = {r.id for r in batch.rows}
         status = self._statuses()
+        passed = ("delivered",) if self.failed_holds else ("delivered", "failed")
         topic_of_key: dict[str, str] = {}
         for r in batch.rows:
             key, topic = self.rows[r.id]
@@ -248,7 +273,7 @@ class ProtocolModel(RuleBasedStateMachine):
             for earlier, (k, _) in self.rows.items():
                 if k != key or earlier >= r.id or earlier in in_batch:
                     continue
-                assert status[earlier] in ("delivered", "failed"), (
+                assert status[earlier] in passed, (
                     f"row {r.id} (key {key}) claimed while earlier row {earlier} "
                     f"is {status[earlier]} and not in the batch"
                 )
@@ -263,12 +288,13 @@ class ProtocolModel(RuleBasedStateMachine):
         reports: dict[int, Report] = {}
         unreported_keys: set[str] = set()
         failed_keys: set[str] = set()
-        for r in sim.batch.rows:
-            if exhausted(r, MAX_ATTEMPTS) is not None:
+        unsent, to_send = spent_rows(sim.batch.rows, MAX_ATTEMPTS, failed_holds=self.failed_holds)
+        for d in unsent:
+            if d.fate is Fate.FAILED:
                 # The relay fails it without sending; it can only come back by a
-                # requeue, and a failed row does not hold its key back.
-                self.failed_ever.add(r.id)
-                continue
+                # requeue (with hold its key's later rows in the batch stay unsent).
+                self.failed_ever.add(d.row.id)
+        for r in to_send:
             key, _ = self.rows[r.id]
             # A message behind one still queued (no report yet) has no report either:
             # one key goes to one partition, and a partition's reports come in order.
@@ -279,8 +305,8 @@ class ProtocolModel(RuleBasedStateMachine):
             else:
                 outcome = data.draw(st.sampled_from(OUTCOMES))
             if outcome == ROW_FAULT:
-                # It ends failed whichever relay sends it: a failed row does not
-                # hold its key back, so later rows may go ahead of it.
+                # It ends failed whichever relay sends it (with skip, later rows
+                # may then go ahead of it).
                 self.row_faulty.add(r.id)
                 self.failed_ever.add(r.id)
             if outcome == NO_REPORT:
@@ -313,7 +339,10 @@ class ProtocolModel(RuleBasedStateMachine):
         overtaken = [
             e
             for e, (k, _) in self.rows.items()
-            if k == key and e < row_id and e not in self.first_acked and e not in self.failed_ever
+            if k == key
+            and e < row_id
+            and e not in self.first_acked
+            and (self.failed_holds or e not in self.failed_ever)
         ]
         self.first_acked.add(row_id)
         if overtaken:
@@ -332,12 +361,16 @@ class ProtocolModel(RuleBasedStateMachine):
         """The relay's normal path: decide on the reports, write under the token."""
         if sim.reports is None or sim not in self.live:
             return
-        spent = [d for d in (exhausted(r, MAX_ATTEMPTS) for r in sim.batch.rows) if d]
-        spent_ids = {d.row.id for d in spent}
-        to_send = [r for r in sim.batch.rows if r.id not in spent_ids]
+        spent, to_send = spent_rows(sim.batch.rows, MAX_ATTEMPTS, failed_holds=self.failed_holds)
         decisions = [
             *spent,
-            *decide(to_send, sim.reports, max_attempts=MAX_ATTEMPTS, refund_unknown=True),
+            *decide(
+                to_send,
+                sim.reports,
+                max_attempts=MAX_ATTEMPTS,
+                refund_unknown=True,
+                failed_holds=self.failed_holds,
+            ),
         ]
         self._write(sim, decisions)
         for d in decisions:
@@ -366,7 +399,11 @@ class ProtocolModel(RuleBasedStateMachine):
         if sim not in self.live:
             return
         decisions = decide(
-            sim.batch.rows, sim.reports or {}, max_attempts=MAX_ATTEMPTS, refund_unknown=False
+            sim.batch.rows,
+            sim.reports or {},
+            max_attempts=MAX_ATTEMPTS,
+            refund_unknown=False,
+            failed_holds=self.failed_holds,
         )
         self._write(sim, decisions)
 
@@ -412,9 +449,9 @@ class ProtocolModel(RuleBasedStateMachine):
         reported = self._reported_ahead()
         for row_id, overtaken in sim.acked_ahead.items():
             if self.ahead_unreported.get(row_id) is sim:
-                if not all(e in self.failed_ever for e in overtaken):
-                    # (Overtaking rows that failed is allowed: a failed row does not
-                    # hold its key.) Reported even when another relay took the rows
+                if self.failed_holds or not all(e in self.failed_ever for e in overtaken):
+                    # (With skip, overtaking rows that failed is allowed: a failed row
+                    # does not hold its key.) Reported even when another relay took the rows
                     # over meanwhile: what Kafka holds does not depend on the lease.
                     assert row_id in reported, (
                         f"row {row_id} was acknowledged ahead of an earlier row of its key "
@@ -443,6 +480,13 @@ class ProtocolModel(RuleBasedStateMachine):
                 .where(self.t.c.status == "retryable")
                 .values(next_attempt_at=db_time(-1))
             )
+            if self.scheduled:
+                conn.execute(
+                    self.t.update()
+                    .where(self.t.c.id.in_(sorted(self.scheduled)), self.t.c.status == "pending")
+                    .values(next_attempt_at=db_time(-1))
+                )
+        self.scheduled.clear()
 
     @precondition(lambda self: bool(self.paused))
     @rule(data=st.data())
@@ -551,12 +595,16 @@ def _examples() -> int:
 @pytest.fixture
 def model_engine(engine: sa.Engine) -> Iterator[sa.Engine]:
     apply_schema(engine, shards=SHARDS)
+    ProtocolModel.failed_holds = True
     yield engine
+    ProtocolModel.failed_holds = True
 
 
 @on_both_databases
-def test_row_protocol_model(model_engine: sa.Engine) -> None:
+@pytest.mark.parametrize("failed_rows", ["hold", "skip"])
+def test_row_protocol_model(model_engine: sa.Engine, failed_rows: str) -> None:
     ProtocolModel.engine = model_engine
+    ProtocolModel.failed_holds = failed_rows == "hold"
     budget = float(os.environ.get("OUTBOXKIT_MODEL_SECONDS", "0"))
     deadline = time.monotonic() + budget
     runs = 0
