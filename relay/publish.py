@@ -89,7 +89,7 @@ from outboxkit.relay.delivery import (
     not_sent,
     row_fault,
 )
-from outboxkit.relay.outage import PartitionState, explain
+from outboxkit.relay.outage import ClusterProbe, explain
 from outboxkit.relay.rows import ClaimedRow
 from outboxkit.relay.settings import RelaySettings
 from outboxkit.runtime.errors import ConfigError, DependencyError
@@ -219,6 +219,8 @@ class Publisher:
         self._produce_lock = threading.Lock()
         #: Topics the broker's metadata said exist (see :meth:`_missing_topics`).
         self._known_topics: set[str] = set()
+        #: What the cluster says of a topic's partitions (relay/outage.py).
+        self._cluster = ClusterProbe(settings, lambda: self.producer)
         # Decided once: None (no OpenTelemetry or no tracer provider) costs one
         # attribute test per row.
         self._tracing = producer_tracing(client_id=settings.node_id)
@@ -519,7 +521,13 @@ class Publisher:
             # Timeouts the cluster caused cost no attempt, and are named by it.
             window = self._settings.effective_batch_deadline()
             all_down = time.monotonic() - self._all_down_mono < window
-            return explain(reports, inflight.rows, self.partition_states, all_brokers_down=all_down)
+            return explain(
+                reports,
+                inflight.rows,
+                self._cluster.partitions,
+                min_isr=self._cluster.min_insync_replicas,
+                all_brokers_down=all_down,
+            )
         out: dict[int, Report] = {}
         for row_id in inflight.expected:
             report = reports.get(row_id)
@@ -531,22 +539,6 @@ class Publisher:
                     row_id, fatal.code, error, ErrorKind.CONFIG_FAULT, None, None, fatal.mono
                 )
         return out
-
-    def partition_states(self, topic: str, timeout: float) -> dict[int, PartitionState] | None:
-        """The topic's partitions as the cluster reports them now (one metadata
-        request, at most ``timeout`` s); None if no broker answered or the topic
-        is not in the answer."""
-        try:
-            meta = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
-        except KafkaException as exc:
-            self._record_fatal(exc)
-            return None
-        if meta is None or meta.error is not None:
-            return None
-        return {
-            p.id: PartitionState(p.leader, tuple(p.replicas), tuple(p.isrs))
-            for p in meta.partitions.values()
-        }
 
     def blame(self, report: Report) -> Report:
         """A timeout shortly after an authentication failure is the relay's config."""

@@ -74,13 +74,13 @@ def test_a_partition_that_acknowledged_nothing_under_a_short_isr_is_not_enough_r
         0: PartitionState(leader=1, replicas=(1, 2), isr=(1,)),
         1: PartitionState(leader=2, replicas=(2, 1), isr=(2,)),
     }
-    out = explain(reports, rows, _probe(states))  # type: ignore[arg-type]
+    out = explain(reports, rows, _probe(states), min_isr=lambda t, s: 2)  # type: ignore[arg-type]
     for i in (1, 2):
         assert out[i].kind is ErrorKind.CLUSTER
         assert out[i].code == KafkaError.NOT_ENOUGH_REPLICAS
         assert out[i].sent_code == TIMEOUT
         assert (out[i].error or "").startswith("NOT_ENOUGH_REPLICAS: partition 0 of t")
-        assert "ISR is [1] of replicas [1, 2]" in (out[i].error or "")
+        assert "ISR is [1] of replicas [1, 2], below min.insync.replicas=2" in (out[i].error or "")
     assert out[3] is reports[3]
 
 
@@ -100,6 +100,34 @@ def test_causes_named_from_the_partition_state() -> None:
     # No broker answered, and the producer said every broker is down.
     down = explain(reports, rows, _probe(None), all_brokers_down=True)  # type: ignore[arg-type]
     assert {r.code for r in down.values()} == {KafkaError._ALL_BROKERS_DOWN}
+
+
+@pytest.mark.parametrize("minimum", [None, 1, 2])
+def test_a_short_isr_is_named_only_when_below_the_topics_minimum(minimum: int | None) -> None:
+    """ISR 2 of 3 with min.insync.replicas=2 takes writes: a timeout there is a
+    leader waiting for a frozen follower, and may have written. An unreadable
+    minimum names no cause either."""
+    rows = [_row(1, b"a")]
+    states = {0: PartitionState(leader=1, replicas=(1, 2, 3), isr=(1, 2))}
+    out = explain(
+        {1: _timeout(1, 0)},
+        rows,
+        _probe(states),  # type: ignore[arg-type]
+        min_isr=lambda topic, timeout: minimum,
+    )
+    assert out[1].kind is ErrorKind.CLUSTER and out[1].code == TIMEOUT
+    assert f"ISR [1, 2] of replicas [1, 2, 3] (min.insync.replicas {minimum or 'unknown'})" in (
+        out[1].error or ""
+    )
+    (d,) = decide(rows, out, max_attempts=1, refund_unknown=True)
+    assert d.refund and possibly_written(d)
+    one = explain(
+        {1: _timeout(1, 0)},
+        rows,
+        _probe({0: PartitionState(leader=1, replicas=(1, 2, 3), isr=(1,))}),  # type: ignore[arg-type]
+        min_isr=lambda topic, timeout: minimum,
+    )
+    assert one[1].code == (KafkaError.NOT_ENOUGH_REPLICAS if minimum == 2 else TIMEOUT)
 
 
 def test_a_timeout_beside_acknowledged_messages_of_its_partition_keeps_its_attempt() -> None:
@@ -122,7 +150,7 @@ def test_a_cluster_fault_is_retried_with_the_attempt_refunded_past_max_attempts(
     reports = {1: _timeout(1, 0), 2: _timeout(2, 0)}
     d1, d2 = decide(
         rows,
-        explain(reports, rows, _probe(states)),  # type: ignore[arg-type]
+        explain(reports, rows, _probe(states), min_isr=lambda t, s: 2),  # type: ignore[arg-type]
         max_attempts=2,
         refund_unknown=True,
     )
