@@ -554,6 +554,19 @@ def schema_sql(
     return ";\n\n".join(parts) + ";\n"
 
 
+def server_dialect(engine: Engine) -> str:
+    """Which ``schema_sql`` dialect the server behind ``engine`` takes: ``mysql``
+    (MySQL 8), ``mariadb``, ``postgresql`` or ``sqlite``. Connects once; the
+    MySQL driver tells the two servers apart only then."""
+    with engine.connect() as conn:
+        name = conn.dialect.name
+        if name in MYSQL_DIALECTS:
+            return "mariadb" if getattr(conn.dialect, "is_mariadb", False) else "mysql"
+    if name in ("postgresql", "sqlite"):
+        return name
+    raise SchemaError(f"outboxkit has no schema for {name}: use MySQL 8, MariaDB or PostgreSQL")
+
+
 def _meta_insert_sql(dialect: sa.engine.Dialect, table: str, shards: int) -> str:
     """The meta row's INSERT, skipped where the table already has one (as
     ``apply_schema`` keeps a stored row: the shard count is fixed at creation)."""

@@ -27,7 +27,7 @@ from outboxkit.runtime.settings import (
     setting,
     valid_database_url,
 )
-from outboxkit.schema.apply import apply_schema, schema_sql
+from outboxkit.schema.apply import apply_schema, schema_sql, server_dialect
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
     DEFAULT_SHARDS,
@@ -59,12 +59,19 @@ class SchemaSqlSettings:
         help="consumer inbox table name (empty: no inbox table)",
         validate=_optional_identifier,
     )
-    dialect: str = setting(
-        "mysql",
+    dialect: str | None = setting(
+        None,
         help="SQL dialect of the server that runs the script: mysql = MySQL 8, "
         "mariadb = MariaDB (its collation names differ: a mysql script stops on "
         "MariaDB saying so), postgresql, sqlite",
+        default_help="the server's, read from --db-url; without one, mysql",
         choices=DIALECTS,
+    )
+    db_url: str | None = setting(
+        None,
+        help="the server the script is for: when --dialect is not given, its dialect "
+        "(MySQL 8 or MariaDB, PostgreSQL, SQLite) is read from it; nothing is written",
+        validate=valid_database_url,
     )
     shards: int = setting(
         DEFAULT_SHARDS,
@@ -149,11 +156,51 @@ def _apply(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Refused(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _server_dialect(db_url: str) -> str:
+    """The ``schema sql`` dialect of the server at ``db_url``: it is asked, since a
+    ``mysql+pymysql://`` URL names MySQL and MariaDB alike."""
+    try:
+        engine = sa.create_engine(db_url)
+    except (sa.exc.ArgumentError, ImportError) as exc:
+        raise ConfigError(f"invalid --db-url / OUTBOXKIT_DB_URL: {redact(str(exc))}") from None
+    try:
+        return server_dialect(engine)
+    except sa.exc.OperationalError as exc:
+        problem = database_url_problem(exc, db_url)
+        if problem is not None:
+            raise _Refused(invalid("db_url", problem), EXIT_CONFIG) from None
+        raise _Refused(
+            f"cannot reach {redact_url(db_url)}: {redact(driver_message(exc))}", EXIT_DEPENDENCY
+        ) from None
+    except SchemaError as exc:
+        raise _Refused(invalid("db_url", str(exc)), EXIT_CONFIG) from None
+    finally:
+        engine.dispose()
+
+
 def _sql(args: argparse.Namespace) -> int:
     settings = load(SchemaSqlSettings, args=args)
+    dialect = settings.dialect
+    if dialect is None and settings.db_url is not None:
+        try:
+            dialect = _server_dialect(settings.db_url)
+        except _Refused as exc:
+            print(f"outboxkit schema sql: {exc}", file=sys.stderr)
+            return exc.code
+        print(
+            f"outboxkit schema sql: --dialect {dialect}, the server at "
+            f"{redact_url(settings.db_url)}",
+            file=sys.stderr,
+        )
     sys.stdout.write(
         schema_sql(
-            settings.dialect,
+            dialect or "mysql",
             table=settings.table,
             inbox=settings.inbox_table,
             shards=settings.shards,

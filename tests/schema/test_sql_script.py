@@ -31,6 +31,14 @@ def schema_sql(*args: str) -> subprocess.CompletedProcess[str]:
     return run_captured([sys.executable, "-P", "-m", "outboxkit", "schema", "sql", *args], cwd=REPO)
 
 
+def table_names(db_url: str) -> list[str]:
+    engine = sa.create_engine(db_url)
+    try:
+        return sa.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
 def client_command(url: str) -> tuple[list[str], dict[str, str]]:
     """The database's own command-line client for ``url`` (password in its
     environment variable, never on the command line)."""
@@ -125,7 +133,7 @@ def test_the_mysql_script_run_on_mariadb_names_the_right_dialect(db_url: str) ->
     assert ran.returncode != 0
     assert "For MariaDB print it with: outboxkit schema sql --dialect mariadb" in ran.stderr
     assert "utf8mb4_0900_bin" not in ran.stderr, ran.stderr
-    assert sa.inspect(sa.create_engine(db_url)).get_table_names() == []
+    assert table_names(db_url) == []
 
 
 def test_the_dialect_help_says_which_server_each_is_for() -> None:
@@ -134,3 +142,29 @@ def test_the_dialect_help_says_which_server_each_is_for() -> None:
     )
     text = " ".join(shown.stdout.split())
     assert "mysql = MySQL 8" in text and "mariadb = MariaDB" in text, text
+
+
+@pytest.mark.parametrize(
+    ("fixture", "dialect", "collation"),
+    [("db_url", "mariadb", "utf8mb4_nopad_bin"), ("pg_url", "postgresql", "outboxkit_crc32")],
+)
+def test_given_the_server_the_script_is_in_its_dialect(
+    fixture: str, dialect: str, collation: str, request: pytest.FixtureRequest
+) -> None:
+    """``--db-url`` without ``--dialect``: the server is asked (a mysql+pymysql URL
+    names MySQL and MariaDB alike), and nothing is written to it."""
+    db_url: str = request.getfixturevalue(fixture)
+    printed = schema_sql("--db-url", db_url)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == schema_sql("--dialect", dialect).stdout
+    assert collation in printed.stdout
+    assert f"--dialect {dialect}, the server at" in printed.stderr
+    assert f":{sa.make_url(db_url).password}@" not in printed.stderr
+    assert table_names(db_url) == []
+
+
+def test_a_server_that_cannot_be_reached_is_exit_3() -> None:
+    printed = schema_sql("--db-url", "mysql+pymysql://app:hunter2@127.0.0.1:1/shop")
+    assert printed.returncode == 3, printed.stderr
+    assert "cannot reach mysql+pymysql://app:***@127.0.0.1:1/shop" in printed.stderr
+    assert "hunter2" not in printed.stderr and printed.stdout == ""
