@@ -6,13 +6,16 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from outboxkit.consumer.base import Consumer
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.logs import configure_logging, flush_logging
 from outboxkit.runtime.settings import add_arguments, load
+
+if TYPE_CHECKING:
+    # Imported where a consumer runs: building the parser needs the settings only.
+    from outboxkit.consumer.base import Consumer
 
 
 def register(sub: Any) -> None:
@@ -38,6 +41,8 @@ def load_consumer_class(target: str) -> type[Consumer]:
     ``outboxkit`` console script would otherwise search only its own folder and
     the installed packages.
     """
+    from outboxkit.consumer.base import Consumer
+
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"invalid consumer {target!r}: expected package.module:ClassName")

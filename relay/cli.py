@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from outboxkit.relay.relay import Relay
 from outboxkit.relay.settings import RelaySettings
-from outboxkit.runtime import add_arguments, configure_logging, load
+from outboxkit.runtime.logs import configure_logging
+from outboxkit.runtime.settings import add_arguments, load
 
 __all__ = ["register"]
 
@@ -47,6 +47,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load settings (ConfigError -> exit 2 via the main CLI), then run the relay."""
+    from outboxkit.relay.relay import Relay  # Kafka, Redis: only for this command
+
     settings = load(RelaySettings, args=args)
     configure_logging(
         level=settings.log_level,

@@ -29,25 +29,52 @@ from typing import Any, NoReturn
 
 import pytest
 import sqlalchemy as sa
+from support.collecting import CollectionProgress, record_module
 from support.databases import MARIADB, POSTGRESQL
-from support.lifeline import mark_this_run, reap_orphans
+from support.lifeline import (
+    INTERRUPTED_WORKER_GRACE,
+    mark_this_run,
+    reap_orphans,
+    stop_children_on_interrupt,
+)
 
 from bench.context import drop_database
 from outboxkit.schema import apply_schema
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: The session's config (the root process only), for the interrupt hook.
+_SESSION_CONFIG: list[pytest.Config] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The session's root (not an xdist worker) first kills what an earlier,
     killed run left running, then marks everything this one starts
-    (support.lifeline)."""
+    (support.lifeline), and prints progress while the suite is collected
+    (support.collecting). The root and each worker stop what the run started
+    at Ctrl-C."""
+    stop_children_on_interrupt()
     if hasattr(config, "workerinput"):
         return
     reaped = reap_orphans()
     if reaped:
         print(f"killed {len(reaped)} process(es) a killed earlier run left running: {reaped}")
     mark_this_run()
+    config.pluginmanager.register(CollectionProgress(config), "outboxkit-collect-progress")
+    _SESSION_CONFIG.append(config)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    record_module(report, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Interrupted: the session waits a short grace for its xdist workers' own
+    clean-up, then kills them (support.lifeline)."""
+    for config in _SESSION_CONFIG:
+        dsession = config.pluginmanager.getplugin("dsession")
+        nodes = getattr(dsession, "nodemanager", None)
+        if nodes is not None:
+            nodes.EXIT_TIMEOUT = INTERRUPTED_WORKER_GRACE
 
 
 #: What sets the services' addresses in the shell that runs the tests (``up.sh``

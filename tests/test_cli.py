@@ -188,7 +188,7 @@ def _stubbed_services() -> Iterator[None]:
     """Everything but parsing, validation and the admin queries is replaced."""
     report = mock.Mock(actions=[], table="outbox_events", shard_count=8)
     with (
-        mock.patch("outboxkit.relay.cli.Relay", _StubRelay),
+        mock.patch("outboxkit.relay.relay.Relay", _StubRelay),  # imported by run()
         mock.patch("outboxkit.consumer.cli.load_consumer_class", lambda target: _StubConsumer),
         mock.patch("outboxkit.consumer.cli.configure_logging"),
         mock.patch("outboxkit.relay.cli.configure_logging"),

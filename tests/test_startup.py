@@ -76,7 +76,22 @@ def test_version_loads_no_command_module(tmp_path: Path) -> None:
     assert heavy(modules) == []
 
 
-@pytest.mark.parametrize("package", ["outboxkit", "outboxkit.runtime"])
+def test_other_commands_build_their_parser_without_the_relay_or_the_consumer(
+    tmp_path: Path,
+) -> None:
+    """``outboxkit schema ...`` builds the whole parser: the relay's and the
+    consumer's commands declare their settings, and import the relay (Kafka,
+    Redis) and the consumer only when they run."""
+    modules, out = imported_modules(["-m", "outboxkit", "schema", "--help"], tmp_path)
+    assert "outboxkit schema" in out
+    assert "outboxkit.relay.settings" in modules and "outboxkit.consumer.settings" in modules
+    loaded = {"outboxkit.relay.relay", "outboxkit.consumer.base", "redis"} & modules
+    assert loaded == set()
+
+
+@pytest.mark.parametrize(
+    "package", ["outboxkit", "outboxkit.runtime", "outboxkit.relay", "outboxkit.consumer"]
+)
 def test_every_public_name_of_a_lazy_package_resolves(package: str) -> None:
     """The lazy re-exports: each name of ``__all__`` is there, and listed by dir()."""
     module = importlib.import_module(package)

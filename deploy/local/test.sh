@@ -10,6 +10,13 @@
 # pytest collecting no tests (exit 5) counts as a failure.
 # Quiet set-up: one line per step; the package managers' output goes to log files
 # under deploy/local/.state/ (shown when a step fails), or to stderr with VERBOSE=1.
+# While pytest collects, it prints a "collecting: ..." line every 5 s
+# (OUTBOXKIT_TEST_PROGRESS_INTERVAL). Ctrl-C stops the step that runs, and with
+# it every relay, consumer or other process the tests started (tests/support/
+# lifeline.py); the remaining steps are skipped and the exit status is 130.
+# Compiled modules (and pytest's rewritten test modules) are kept under
+# deploy/local/.state/pycache, also when PYTHONDONTWRITEBYTECODE is set: without
+# them every run recompiled the suite, a third of its collection time.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
@@ -19,7 +26,11 @@ source "$REPO_ROOT/deploy/local/lib.sh"
 
 declare -a summary=()
 failed=0
+interrupted=0
 t_all=$(date +%s)
+# Ctrl-C reaches the whole process group (the step's command too); the script
+# only notes it, and stops once that command has ended.
+trap 'interrupted=1' INT
 
 step() {
     local name="$1" t0 rc=0
@@ -30,6 +41,10 @@ step() {
     summary+=("$(printf '%-10s %4ss  %s' "$name" "$(($(date +%s) - t0))" \
         "$([[ $rc -eq 0 ]] && echo ok || echo "FAILED (exit $rc)")")")
     [[ $rc -eq 0 ]] || failed=1
+    if [[ $interrupted -eq 1 ]]; then
+        echo "==> interrupted: the remaining steps are skipped" >&2
+        exit 130
+    fi
     return "$rc"
 }
 
@@ -68,7 +83,8 @@ run_pytest() {
     # instances, so they do not meet. OUTBOXKIT_TEST_WORKERS=0 runs them one by
     # one in this process; a `-n` among the arguments wins.
     # The slowest tests are listed at the end, to keep the suite's time in view.
-    "$PY" -m pytest --durations=20 -n "${OUTBOXKIT_TEST_WORKERS:-2}" --dist worksteal "$@" \
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$REPO_ROOT/deploy/local/.state/pycache" \
+        "$PY" -m pytest --durations=20 -n "${OUTBOXKIT_TEST_WORKERS:-2}" --dist worksteal "$@" \
         </dev/null || rc=$?
     if [[ $rc -eq 5 ]]; then
         echo "pytest collected no tests: treating as a failure" >&2
