@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
+from confluent_kafka import KafkaError
 from sqlalchemy.engine import Connection, Engine
 
 from outboxkit.relay._dbtime import micros
@@ -28,6 +29,7 @@ from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.delivery import ErrorKind, Report, config_fault_reason
 from outboxkit.relay.rows import Batch, ClaimedRow
 from outboxkit.runtime.logs import MAX_IDS_LOGGED, log_event, redact
+from outboxkit.schema.codec import StoredRowError, kafka_headers, topic_problem
 from outboxkit.schema.recovery import record_recovery
 from outboxkit.schema.table import MAX_LAST_ERROR, Status, db_now, delete_payloads, outbox_table
 
@@ -35,6 +37,8 @@ __all__ = ["Decision", "Fate", "FinalizeResult", "decide", "exhausted", "finaliz
 
 log = logging.getLogger("outboxkit.relay.finalize")
 
+#: The code of a row the publisher fails as stored (``delivery.row_fault``).
+_INVALID_ARG = KafkaError._INVALID_ARG
 #: Rows per statement (bounds the IN lists and the JSON parameter).
 _CHUNK = 1000
 
@@ -104,24 +108,52 @@ def spent_rows(
     rows: Sequence[ClaimedRow], max_attempts: int, *, failed_holds: bool
 ) -> tuple[list[Decision], list[ClaimedRow]]:
     """Split a claimed batch before it is sent: the decisions of the rows that are
-    not sent (:func:`exhausted` rows fail; with ``failed_holds``, the later rows
-    of their keys are released unsent, attempt refunded, to wait behind them),
-    and the rows to send, in id order."""
+    not sent, and the rows to send, in id order.
+
+    :func:`exhausted` rows fail unsent. With ``failed_holds`` so does a row that
+    cannot be sent as stored (:func:`_unsendable`) when a later row of its key
+    is in the batch, and those later rows are released unsent (attempt
+    refunded) to wait behind it: sent, Kafka would hold them ahead of it."""
     known: list[Decision] = []
     to_send: list[ClaimedRow] = []
     failed_keys: set[bytes] = set()
+    last_of_key = {row.key: row.id for row in rows if row.key is not None}
     for row in rows:
-        spent = exhausted(row, max_attempts)
-        if spent is not None:
-            known.append(spent)
-            if failed_holds and row.key is not None:
-                failed_keys.add(row.key)
-        elif row.key is not None and row.key in failed_keys:
+        if row.key is not None and row.key in failed_keys:
             error = "held back: an earlier row of this key failed"
             known.append(Decision(row, Fate.RELEASED, error=error, refund=True))
-        else:
+            continue
+        spent = exhausted(row, max_attempts)
+        if (
+            spent is None
+            and failed_holds
+            and row.key is not None
+            and last_of_key[row.key] != row.id
+        ):
+            spent = _unsendable(row)
+        if spent is None:
             to_send.append(row)
+            continue
+        known.append(spent)
+        if failed_holds and row.key is not None:
+            failed_keys.add(row.key)
     return known, to_send
+
+
+def _unsendable(row: ClaimedRow) -> Decision | None:
+    """The failure the publisher would give ``row`` before producing it (the same
+    checks, the same text), or None. Asked only for a row with a later row of
+    its key in the batch: its headers are then decoded twice."""
+    try:
+        problem = row.unsendable or topic_problem(row.topic)
+        if problem is None:
+            kafka_headers(row.headers, row.event_id)
+            return None
+    except StoredRowError as exc:
+        problem = str(exc)
+    except Exception:  # anything else is the publisher's to report, with the row
+        return None
+    return Decision(row, Fate.FAILED, error=f"invalid row: {problem}", error_code=_INVALID_ARG)
 
 
 def decide(

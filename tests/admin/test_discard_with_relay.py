@@ -74,6 +74,18 @@ def failed_gauge(port: int) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def held_keys_gauge(port: int) -> float | None:
+    """The relay's ``outbox_keys_held_by_failed``: what OutboxKeysHeldByFailedRows
+    alerts on."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    m = re.search(r"^outbox_keys_held_by_failed (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
 def test_discarded_rows_stop_the_alert_and_never_reach_kafka(
     engine: sa.Engine,
     outbox: str,
@@ -93,18 +105,22 @@ def test_discarded_rows_stop_the_alert_and_never_reach_kafka(
         rows = read_rows(ids)
         return len(rows) == len(ids) and all(r.status == "delivered" for r in rows.values())
 
-    wait_for(lambda: delivered(pending), 60, "the relay to deliver the pending rows")
     wait_for(lambda: failed_gauge(relay_port) == 12, 30, "the failed gauge to show 12")
+    # The failed rows hold their key (--failed-rows hold): its later rows wait.
+    wait_for(lambda: held_keys_gauge(relay_port) == 1, 30, "the held key counted")
+    assert {r.status for r in read_rows(pending).values()} == {"pending"}
 
-    # Discard in two steps while the relay keeps claiming new rows of the same key.
+    # Discard in two steps while new rows of the same key are enqueued.
     more = make_rows(10, status="pending", topic=topic, key="k")
     res = admin("discard", "--id", ",".join(map(str, failed[:4])), "--reason", "INC-7")
     assert res.code == 0 and "discarded 4 failed rows" in res.out, res.out + res.err
     res = admin("discard", "--topic", topic, "--reason", "INC-7")
     assert res.code == 0 and "discarded 8 failed rows" in res.out, res.out + res.err
 
-    wait_for(lambda: delivered(more), 60, "the relay to deliver rows enqueued meanwhile")
+    # Discarded, the rows are gone and hold nothing: the key's rows go on, in order.
+    wait_for(lambda: delivered(pending + more), 60, "the relay to deliver the key's rows")
     wait_for(lambda: failed_gauge(relay_port) == 0, 30, "the failed gauge to drop to 0")
+    assert held_keys_gauge(relay_port) == 0
     assert read_rows(failed) == {}
     with engine.connect() as conn:
         kept = set(conn.execute(sa.select(t.c.event_id).where(t.c.topic == topic)).scalars())

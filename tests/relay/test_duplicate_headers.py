@@ -56,7 +56,8 @@ def test_a_header_name_stored_twice_fails_the_row_alone(
         with engine.connect() as conn:  # the column kept the text as written
             stored = conn.execute(sa.select(t.c.headers).where(t.c.id == row_id)).scalar_one()
         assert stored == text
-    embedded(fast_settings(db_url, kafka_bootstrap))
+    # skip: the good rows after a failed one go on (the hold rule: test_foreign_rows.py).
+    embedded(fast_settings(db_url, kafka_bootstrap, failed_rows="skip"))
     n = len(DUPLICATES)
     wait_for(
         lambda: (

@@ -147,7 +147,8 @@ def test_a_row_with_no_payload_anywhere_fails_unsent_and_its_key_goes_on(
     with engine.begin() as conn:
         after = enqueue(conn, topic=topic, key="k", payload="after")
 
-    relay = embedded(fast_settings(db_url, kafka_bootstrap))
+    # skip: the key goes on past its failed row (with hold the next row waits).
+    relay = embedded(fast_settings(db_url, kafka_bootstrap, failed_rows="skip"))
     wait_for(
         lambda: relay.metric("outbox_rows_delivered_total") >= 1, timeout=30, what="the next row"
     )
