@@ -9,6 +9,8 @@ good row is ``delivered`` and arrived exactly as stored, and each key's rows
 arrived in id order. Some examples store their rows on the last ids a BIGINT
 holds (ending on 2^63-1, as a foreign writer with its own sequence may), then
 delete them once settled so the table's own ids go on from where they were.
+The relay's producer queue holds two messages: a batch of more sendable rows
+fills it and waits for room (the full-queue path of the publisher).
 ``OUTBOXKIT_FUZZ_EXAMPLES`` raises the number of examples (and turns
 derandomization off) for a longer run.
 """
@@ -213,7 +215,11 @@ def test_foreign_rows_never_crash_stall_or_reorder(
     embedded: Callable[..., EmbeddedRelay],
 ) -> None:
     topics = [kafka_topics(partitions=2), kafka_topics(partitions=1)]
-    relay = embedded(fast_settings(db_url, kafka_bootstrap))
+    # A producer queue of two messages: a batch of more rows finds it full after
+    # its second row and waits for room, row by row (BufferError, then polls).
+    relay = embedded(
+        fast_settings(db_url, kafka_bootstrap, kafka_config={"queue.buffering.max.messages": "2"})
+    )
     collector = Collector(kafka_bootstrap, topics)
     outcomes: dict[str, int] = {"delivered": 0, "failed": 0}
 
