@@ -117,6 +117,7 @@ def test_leader_killed_mid_backlog_loses_nothing_reorders_nothing_and_counts_no_
     print(f"killed leader {leader} at {at_kill}/{events_n} delivered; {len(messages)} messages")
 
 
+@pytest.mark.timeout(600)
 def test_isr_below_min_insync_is_a_dependency_fault_and_delivery_resumes_in_order(
     cluster: KafkaCluster,
     cluster_topic: Callable[..., str],
@@ -142,7 +143,11 @@ def test_isr_below_min_insync_is_a_dependency_fault_and_delivery_resumes_in_orde
     add_events(engine, outbox, keyed_events(topic, 100, keys))
     relay = embedded(
         fast_settings(
-            db_url, cluster.bootstrap, lease_ttl=20.0, kafka_config={"message.timeout.ms": "4000"}
+            db_url,
+            cluster.bootstrap,
+            lease_ttl=20.0,
+            max_attempts=2,
+            kafka_config={"message.timeout.ms": "4000"},
         )
     )
     wait_for(lambda: count_status(engine, outbox, "delivered") == 100, timeout=60, what="100")
@@ -175,6 +180,21 @@ def test_isr_below_min_insync_is_a_dependency_fault_and_delivery_resumes_in_orde
     assert count_status(engine, outbox, "failed") == 0
     assert relay.metric("outbox_topic_paused", {"topic": topic, "reason": "unknown-topic"}) == 0
     assert not [r for r in caplog.records if "topic-paused" in r.getMessage()]
+
+    # A second round of refusals (max_attempts is 2): none costs an attempt, so
+    # no row holds more than the one of a claim in flight and none is failed.
+    # Counting them would leave the rows at 2 attempts and fail them at the next
+    # claim.
+    def refused_twice_or_failed() -> bool:
+        refused = relay.metric(
+            "outbox_kafka_delivery_errors_total", {"topic": topic, "error": "NOT_ENOUGH_REPLICAS"}
+        )
+        return refused >= 150 or count_status(engine, outbox, "failed") > 0
+
+    wait_for(refused_twice_or_failed, timeout=240, interval=0.5, what="a second round refused")
+    assert count_status(engine, outbox, "failed") == 0, "the outage burnt rows to failed"
+    most = max(r.attempts for r in rows(engine, outbox))
+    assert most <= 1, f"a refusal cost an attempt: a row has {most}"
 
     cluster.resume(follower)
     wait_for(

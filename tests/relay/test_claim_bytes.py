@@ -201,3 +201,86 @@ def test_rows_over_the_producers_limit_fail_without_being_loaded(
         b"warm": [b"w"],
         **{f"k{seq}".encode(): [b"before", b"after"] for seq in range(HUGE_ROWS)},
     }
+
+
+#: The shipped relay's settings the peak depends on (deploy/k8s): a batch of 100,
+#: the default claim budget (16 MiB), the producer's default message.max.bytes.
+SHIPPED_BATCH_SIZE = 100
+#: Rows of the largest size those settings send, falling due at once: four
+#: claims' worth at the 16 MiB budget.
+LARGEST_ROWS = 64
+#: The manifests' relay memory limit and the room it keeps above the measured
+#: peak (tests/deploy/test_manifests.py, docs/operations.md#memory).
+LIMIT_MIB = 256
+HEADROOM = 1.5
+
+
+def _largest_payload(conn: sa.Connection, topic: str, key: str) -> bytes:
+    """The largest payload ``enqueue`` accepts with the default message.max.bytes
+    for this topic and key (random bytes: no compression makes it smaller)."""
+    import os
+
+    import outboxkit
+
+    size = 1_000_000
+    while True:
+        payload = os.urandom(size)
+        try:
+            outboxkit.enqueue(conn, topic=topic, key=key, payload=payload)
+        except ValueError:
+            size -= 8
+            continue
+        return payload
+
+
+def test_the_largest_rows_of_the_shipped_settings_fit_the_manifests_memory_limit(
+    engine: sa.Engine,
+    db_url: str,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """64 rows of the largest record the shipped settings send (just under
+    message.max.bytes), written by ``enqueue`` in one transaction (payloads in
+    the payload table) so they fall due at once: the relay's peak resident set
+    (VmHWM) stays under the manifests' limit with its headroom. The figures
+    printed are the ones docs/operations.md#memory gives."""
+    import outboxkit
+
+    topic = kafka_topics(partitions=3)
+    settings = fast_settings(
+        db_url,
+        kafka_bootstrap,
+        batch_size=SHIPPED_BATCH_SIZE,
+        lease_ttl=60.0,
+        kafka_config={"message.timeout.ms": "30000"},
+    )
+    proc = _started_relay(engine, outbox, topic, relay_process, cli_args(settings))
+    pid = proc.proc.pid
+    before_kib = _status_kib(pid, "VmRSS")
+    with engine.begin() as conn:
+        payload = _largest_payload(conn, topic, "k0")
+        for i in range(1, LARGEST_ROWS):
+            outboxkit.enqueue(conn, topic=topic, key=f"k{i % 4}", payload=payload)
+    wait_for(
+        lambda: (
+            status_counts(engine, outbox) == {"delivered": LARGEST_ROWS + 1}
+            or proc.proc.poll() is not None
+        ),
+        timeout=180,
+        what=f"{LARGEST_ROWS} rows of {len(payload)} bytes delivered",
+    )
+    peak_kib = _status_kib(pid, "VmHWM")
+    assert proc.proc.poll() is None, "\n".join(proc.lines[-20:])
+    peak_mib = peak_kib / 1024
+    print(
+        f"{engine.dialect.name}: {LARGEST_ROWS} rows of {len(payload)} bytes; "
+        f"before {before_kib / 1024:.0f} MiB, peak {peak_mib:.0f} MiB"
+    )
+    assert peak_mib <= LIMIT_MIB / HEADROOM, (
+        f"peak {peak_mib:.0f} MiB: the manifests' {LIMIT_MIB} Mi limit no longer keeps "
+        f"{HEADROOM}x room above it"
+    )
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0

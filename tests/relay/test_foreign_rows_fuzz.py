@@ -6,8 +6,13 @@ beside good rows, against one running relay and real Kafka.
 After each example: the relay never crashed (no supervisor restart), nothing is
 left waiting (no key stalled), every bad row is ``failed`` with a reason, every
 good row is ``delivered`` and arrived exactly as stored, and each key's rows
-arrived in id order. ``OUTBOXKIT_FUZZ_EXAMPLES`` raises the number of examples
-(and turns derandomization off) for a longer run.
+arrived in id order. Some examples store their rows on the last ids a BIGINT
+holds (ending on 2^63-1, as a foreign writer with its own sequence may), then
+delete them once settled so the table's own ids go on from where they were.
+The relay's producer queue holds two messages: a batch of more sendable rows
+fills it and waits for room (the full-queue path of the publisher).
+``OUTBOXKIT_FUZZ_EXAMPLES`` raises the number of examples (and turns
+derandomization off) for a longer run.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ _KEYS = st.sampled_from([b"a", b"b", b"c", b""]) | st.none() | st.binary(min_siz
 _SHARDS = st.integers(-40, 40) | st.sampled_from([-32768, 32767])
 _ATTEMPTS = st.sampled_from([0, 0, 0, 0, 0, 1, 9, 10, -1, -(2**31), 2**31 - 1])
 _GOOD_EVENT_ID = st.from_regex(r"[\x21-\x7e]{1,20}", fullmatch=True)
+#: The largest id the BIGINT ``id`` column holds.
+MAX_ID = 2**63 - 1
 
 
 #: A time at its type's edge, stored from a session without strict mode (zero
@@ -211,7 +218,16 @@ def test_foreign_rows_never_crash_stall_or_reorder(
     # skip: a bad row fails and its key's good rows go on, so every example
     # settles whatever keys it shares with the bad rows of earlier ones (the
     # hold rule is the protocol model's and test_claim.py's).
-    relay = embedded(fast_settings(db_url, kafka_bootstrap, failed_rows="skip"))
+    # A producer queue of two messages: a batch of more rows finds it full after
+    # its second row and waits for room, row by row (BufferError, then polls).
+    relay = embedded(
+        fast_settings(
+            db_url,
+            kafka_bootstrap,
+            failed_rows="skip",
+            kafka_config={"queue.buffering.max.messages": "2"},
+        )
+    )
     collector = Collector(kafka_bootstrap, topics)
     outcomes: dict[str, int] = {"delivered": 0, "failed": 0}
 
@@ -222,11 +238,14 @@ def test_foreign_rows_never_crash_stall_or_reorder(
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(_rows(topics))
-    def check(foreign: list[Foreign]) -> None:
+    @given(_rows(topics), st.sampled_from([False, False, True]))
+    def check(foreign: list[Foreign], at_the_top: bool) -> None:
         expected: dict[int, str] = {}
+        top_ids = iter(range(MAX_ID - len(foreign) + 1, MAX_ID + 1))
         for row in foreign:
             cols = dict(row.columns)
+            if at_the_top:
+                cols["id"] = next(top_ids)
             row_id = insert_foreign(engine, outbox, **cols)
             if row.edge is not None:
                 store_edge(engine, outbox, row_id, row.edge)
@@ -281,6 +300,10 @@ def test_foreign_rows_never_crash_stall_or_reorder(
                     if r.topic == topic
                 ]
                 assert places == sorted(places), "a key's rows are in id order in Kafka"
+        if at_the_top:  # settled: make room for the next example's rows up there
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DELETE FROM {outbox} WHERE id > :low"), {"low": MAX_ID // 2})
+                conn.exec_driver_sql(f"ALTER TABLE {outbox} AUTO_INCREMENT = 1")
 
     try:
         check()

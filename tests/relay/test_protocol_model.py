@@ -28,6 +28,13 @@ After every step it checks what the relay promises:
 - **nothing lost**: every written row still exists, and at the end, once leases
   expire and failed rows are requeued, every row is delivered.
 
+Two limits of production are part of the moves: the table's ids may jump to
+the last ones a BIGINT holds (up to 2^63-1, the row a long-lived outbox ends
+on), and the producer's queue is bounded (``queue.buffering.max.messages`` /
+``kbytes``): a publish may find it full part way through a batch, which hands
+that row and every later one back unsent (``NOT_SENT``), or find a row larger
+than the whole empty queue (a fault of the row).
+
 The suite runs a bounded number of examples; ``OUTBOXKIT_MODEL_EXAMPLES`` and
 ``OUTBOXKIT_MODEL_SECONDS`` run it longer (docs/relay.md, "Testing the protocol").
 """
@@ -64,6 +71,7 @@ import outboxkit
 from outboxkit.admin.requeue import Selection, requeue
 from outboxkit.relay.backoff import Backoff
 from outboxkit.relay.claim import claim_batch
+from outboxkit.relay.delivery import TOO_LARGE_FOR_QUEUE, not_sent, row_fault
 from outboxkit.relay.drain import release
 from outboxkit.relay.finalize import Decision, Fate, decide, finalize, spent_rows
 from outboxkit.relay.publish import ErrorKind, Report
@@ -83,6 +91,13 @@ MAX_ATTEMPTS = 4
 LEASE_TTL = 600.0
 
 ACK, RETRIABLE, ROW_FAULT, CONFIG_FAULT, NO_REPORT = "ack", "retriable", "row", "config", "none"
+#: A row larger than the producer's whole (empty) queue: the publisher fails it.
+TOO_LARGE = "too-large-for-queue"
+#: The largest id a BIGINT column holds.
+MAX_ID = 2**63 - 1
+#: Rows one example can write at most (40 steps of at most 3 rows): an id jump
+#: leaves at least this many ids when it is meant to leave room for all of them.
+MAX_ROWS = 40 * 3
 #: (column, value as SQL text) a foreign writer may store, per database: zero dates
 #: (MariaDB without strict mode), infinities (PostgreSQL), times years ahead, a
 #: status outside the enum (MariaDB stores it as ''; PostgreSQL's enum refuses it).
@@ -104,7 +119,7 @@ EDGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("lease_expires_at", "infinity"),
     ),
 }
-OUTCOMES = (ACK, ACK, ACK, RETRIABLE, ROW_FAULT, CONFIG_FAULT, NO_REPORT)
+OUTCOMES = (ACK, ACK, ACK, RETRIABLE, ROW_FAULT, CONFIG_FAULT, NO_REPORT, TOO_LARGE)
 
 
 @dataclass(eq=False)
@@ -124,10 +139,25 @@ class SimBatch:
         return [r.id for r in self.batch.rows]
 
 
+def set_next_id(engine: sa.Engine, next_id: int) -> None:
+    """Make ``next_id`` the id the table gives its next row (1 on an empty table
+    starts it over)."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(
+                sa.text("SELECT setval(pg_get_serial_sequence(:t, 'id'), :n, false)"),
+                {"t": TABLE, "n": next_id},
+            )
+        else:
+            conn.exec_driver_sql(f"ALTER TABLE {TABLE} AUTO_INCREMENT = {int(next_id)}")
+
+
 class ProtocolModel(RuleBasedStateMachine):
     engine: sa.Engine  # set by the test before the machine runs
     #: ``--failed-rows``: hold (True, the default) or skip.
     failed_holds = True
+    #: An earlier example moved the ids to the top of the range: start them over.
+    ids_moved = False
 
     batches = Bundle("batches")
 
@@ -136,6 +166,11 @@ class ProtocolModel(RuleBasedStateMachine):
         with self.engine.begin() as conn:
             conn.execute(sa.text(f"DELETE FROM {TABLE}"))
             conn.execute(sa.text(f"DELETE FROM {recovery_table().name}"))
+        if ProtocolModel.ids_moved:
+            set_next_id(self.engine, 1)
+            ProtocolModel.ids_moved = False
+        #: Ids the table can still give after a jump to the top (None: no jump).
+        self.ids_left: int | None = None
         self.t = outbox_table(TABLE)
         self.rows: dict[int, tuple[str, str]] = {}  # id -> (key, topic)
         self.attempts: dict[int, int] = {}
@@ -157,8 +192,24 @@ class ProtocolModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ writes
 
+    @precondition(lambda self: self.ids_left is None)
+    @rule(room=st.one_of(st.integers(1, 4), st.just(MAX_ROWS)))
+    def ids_at_the_top(self, room: int) -> None:
+        """The table's next ids are the last ``room`` a BIGINT holds: rows end on
+        id 2^63-1 (a small ``room``), or get ids above 2^63-1-MAX_ROWS. The
+        relay's arithmetic on ids (claim order, batches, the payload table, the
+        recovery events) must hold there as anywhere; once the ids run out a
+        write is not attempted (the database refuses it, not the relay)."""
+        set_next_id(self.engine, MAX_ID - room + 1)
+        ProtocolModel.ids_moved = True
+        self.ids_left = room
+
     @rule(key=st.sampled_from(KEYS), topic=st.sampled_from(TOPICS), n=st.integers(1, 3))
     def write(self, key: str, topic: str, n: int) -> None:
+        if self.ids_left is not None:
+            if self.ids_left < n:
+                return
+            self.ids_left -= n
         with self.engine.begin() as conn:
             ids = [
                 outboxkit.enqueue(conn, topic=topic, key=key, payload={"n": i}) for i in range(n)
@@ -184,6 +235,10 @@ class ProtocolModel(RuleBasedStateMachine):
         keep every promise with it in the table."""
         dialect = "postgresql" if self.engine.dialect.name == "postgresql" else "mariadb"
         column, value = EDGES[dialect][edge % len(EDGES[dialect])]
+        if self.ids_left is not None:
+            if self.ids_left < 1 + later:
+                return
+            self.ids_left -= 1  # write() below counts the later ones
         with self.engine.begin() as conn:
             event_id = outboxkit.enqueue(conn, topic=topic, key=key, payload={"edge": value})
             row_id = conn.execute(
@@ -294,8 +349,20 @@ class ProtocolModel(RuleBasedStateMachine):
                 # The relay fails it without sending; it can only come back by a
                 # requeue (with hold its key's later rows in the batch stay unsent).
                 self.failed_ever.add(d.row.id)
+        # The producer's bounded queue: room for this many of the rows sent, then
+        # full until the produce deadline (None: room for all of them).
+        room = data.draw(st.one_of(st.none(), st.integers(0, len(to_send))))
+        produced = 0
+        queue_full = False
         for r in to_send:
             key, _ = self.rows[r.id]
+            queue_full = queue_full or (room is not None and produced >= room)
+            if queue_full:
+                # This row and every later one are never handed to the producer.
+                reports[r.id] = not_sent(r.id, "the producer's queue stayed full")
+                failed_keys.add(key)
+                continue
+            produced += 1
             # A message behind one still queued (no report yet) has no report either:
             # one key goes to one partition, and a partition's reports come in order.
             if key in unreported_keys:
@@ -304,7 +371,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 outcome = ROW_FAULT
             else:
                 outcome = data.draw(st.sampled_from(OUTCOMES))
-            if outcome == ROW_FAULT:
+            if outcome in (ROW_FAULT, TOO_LARGE):
                 # It ends failed whichever relay sends it (with skip, later rows
                 # may then go ahead of it).
                 self.row_faulty.add(r.id)
@@ -323,6 +390,8 @@ class ProtocolModel(RuleBasedStateMachine):
         now = time.monotonic()
         if outcome == ACK:
             return Report(row_id, None, None, None, 0, next(self.offsets), now)
+        if outcome == TOO_LARGE:
+            return row_fault(row_id, TOO_LARGE_FOR_QUEUE)
         code, kind = {
             RETRIABLE: (KafkaError._MSG_TIMED_OUT, ErrorKind.RETRIABLE),
             ROW_FAULT: (KafkaError.MSG_SIZE_TOO_LARGE, ErrorKind.ROW_FAULT),
@@ -664,6 +733,49 @@ def test_model_catches_an_unreported_reorder_by_a_relay_that_lost_its_lease(
     assert isinstance(taken_over, SimBatch)
     m.finalize_batch(stale)
     m.protocol_holds()
+
+
+def test_model_walks_the_last_ids_a_bigint_holds(model_engine: sa.Engine) -> None:
+    """The id jump the model draws: rows on ids 2^63-2 and 2^63-1 are claimed in
+    order, one fails to send, and all end delivered; no write is tried past the
+    last id."""
+    ProtocolModel.engine = model_engine
+    m = ProtocolModel()
+    m.ids_at_the_top(2)
+    m.write("k0", "ta", 2)
+    m.write("k0", "ta", 1)  # no id left: not attempted
+    assert sorted(m.rows) == [MAX_ID - 1, MAX_ID]
+    sim = m.claim("r0", 5)
+    assert isinstance(sim, SimBatch) and sim.ids == [MAX_ID - 1, MAX_ID]
+    sim.reports = {MAX_ID - 1: m._report(MAX_ID - 1, RETRIABLE), MAX_ID: m._report(MAX_ID, ACK)}
+    m._acked(sim, sim.reports[MAX_ID], ahead=True)
+    m.finalize_batch(sim)
+    m.protocol_holds()
+    m.teardown()
+    again = ProtocolModel()  # the next example starts the ids over
+    again.write("k1", "tb", 1)
+    assert max(again.rows) < MAX_ROWS
+
+
+def test_model_full_producer_queue_hands_the_rest_of_the_batch_back(
+    model_engine: sa.Engine,
+) -> None:
+    """A queue with room for one row: the batch's later rows come back unsent,
+    released with their attempt refunded, and are delivered by a later claim."""
+    ProtocolModel.engine = model_engine
+    m = ProtocolModel()
+    m.write("k0", "ta", 3)
+    sim = m.claim("r0", 5)
+    assert isinstance(sim, SimBatch)
+    first, *rest = sim.ids
+    sim.reports = {first: m._report(first, ACK)}
+    m._acked(sim, sim.reports[first], ahead=False)
+    sim.reports |= {i: not_sent(i, "the producer's queue stayed full") for i in rest}
+    m.finalize_batch(sim)
+    m.protocol_holds()
+    assert [m.attempts[i] for i in rest] == [0, 0]
+    assert {s for i, s in m._statuses().items() if i in rest} == {"retryable"}
+    m.teardown()
 
 
 # ---------------------------------------------------------------------------------
