@@ -16,6 +16,7 @@ from typing import NoReturn
 from outboxkit import __version__
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG
+from outboxkit.schema.table import SCHEMA_VERSION
 
 #: Modules that contribute a subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
@@ -57,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="outboxkit",
         description="Transactional outbox for MySQL/MariaDB and Kafka.",
     )
-    parser.add_argument("--version", action="version", version=f"outboxkit {__version__}")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"outboxkit {__version__} (outbox schema {SCHEMA_VERSION})",
+        help="print the package version and the outbox schema version it writes and reads",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -183,18 +183,18 @@ def require_claim_schema(conn: Connection, table: str) -> None:
     release lacks it). MySQL/MariaDB: the index ``ix_<table>_key_status``, which
     the claim names in an index hint (a table made by hand may lack it, and
     every claim would then fail). Both: the payload table (``payload_table``),
-    which the claim reads payloads from (release 2's tables lack it)."""
+    which the claim reads payloads from (0.2.0's tables lack it)."""
     aside = payload_table(table).name
     if not sa.inspect(conn).has_table(aside):
         raise SchemaNotAppliedError(
             f"the payload table {aside} of table {table!r} is missing: run "
-            "`outboxkit schema apply` (this release reads payloads from it; see "
+            "`outboxkit schema apply` (outboxkit 0.3.0 and later read payloads from it; see "
             "'Upgrading to the payload table' in docs/schema.md)"
         )
     if conn.dialect.name == "postgresql" and not has_pg_crc32(conn):
         raise SchemaNotAppliedError(
             f"the function {PG_CRC32_FUNCTION}(bytea) is missing: run `outboxkit schema apply` "
-            "(this release adds it on PostgreSQL)"
+            "(outboxkit 0.2.0 and later create it on PostgreSQL)"
         )
     if conn.dialect.name in MYSQL_DIALECTS:
         index = key_status_index(table)
@@ -262,8 +262,8 @@ def _create_or_upgrade_steps(
 
 
 def _advise_partial_indexes(conn: Connection, table: sa.Table) -> None:
-    """PostgreSQL: warn of an index this release makes partial that an earlier
-    release made whole (``ix_<table>_key_status``, which now leaves delivered
+    """PostgreSQL: warn of an index that outboxkit 0.2.0 and later make partial and
+    an earlier build made whole (``ix_<table>_key_status``, which now leaves delivered
     rows out). The whole one still serves every query, so it is kept (an apply
     drops no index); docs/postgresql.md gives the online swap."""
     if conn.dialect.name != "postgresql":
@@ -282,8 +282,8 @@ def _advise_partial_indexes(conn: Connection, table: sa.Table) -> None:
     ).scalars()
     for name in sorted(wanted.intersection(whole)):
         log.warning(
-            "index %s of %s also holds delivered rows; this release makes it partial, "
-            "which writes less per delivered row: see 'A partial key index' in "
+            "index %s of %s also holds delivered rows; outboxkit 0.2.0 and later make it "
+            "partial, which writes less per delivered row: see 'A partial key index' in "
             "docs/postgresql.md to swap it online",
             name,
             table.name,

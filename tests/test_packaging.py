@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,8 @@ def test_wheel_installs_and_imports_every_subpackage(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "0.1.0"
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert out.stdout.strip() == version
     cli = subprocess.run(
         [str(venv / "bin" / "outboxkit"), "--help"],
         cwd=tmp_path,
