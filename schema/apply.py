@@ -127,9 +127,9 @@ def _check_stored_meta(conn: Connection, table: str) -> None:
             meta_table.c.table_name == table
         )
     ).first()
-    conn.rollback()
     if row is not None:
-        check_table_meta(table, int(row[0]), int(row[1]))
+        _checked(conn, table, int(row[0]), int(row[1]))
+    conn.rollback()
 
 
 def _tables(table: str, inbox: str | None) -> list[sa.Table]:
@@ -575,10 +575,24 @@ def read_table_meta(conn: Connection, table: str) -> tuple[int, int]:
         raise SchemaNotAppliedError(
             f"no outbox schema for table {table!r}: run `outboxkit schema apply` first"
         )
-    return check_table_meta(table, int(value[0]), int(value[1]))
+    return _checked(conn, table, int(value[0]), int(value[1]))
 
 
-def check_table_meta(table: str, shard_count: int, schema_version: int) -> tuple[int, int]:
+def _checked(
+    conn: Connection, table: str, shard_count: int, schema_version: int
+) -> tuple[int, int]:
+    """``check_table_meta``, naming the version that upgraded a newer table when its
+    row says (read only then: a table of this version is not asked)."""
+    newer = schema_version > SCHEMA_VERSION
+    applied_by = read_applied_by(conn, table) if newer else None
+    if applied_by == __version__:  # the row was changed by hand after our own apply
+        applied_by = None
+    return check_table_meta(table, shard_count, schema_version, applied_by=applied_by)
+
+
+def check_table_meta(
+    table: str, shard_count: int, schema_version: int, *, applied_by: str | None = None
+) -> tuple[int, int]:
     """``(shard_count, schema_version)`` as read from the table's meta row, if this
     code can work with them; else SchemaMetaError naming the row, the value and the fix.
 
@@ -605,7 +619,8 @@ def check_table_meta(table: str, shard_count: int, schema_version: int) -> tuple
         raise SchemaMetaError(
             f"{row} holds schema_version={schema_version}: table {table!r} was upgraded "
             f"by a later outboxkit, and outboxkit {__version__} reads and writes schema "
-            f"version {SCHEMA_VERSION} only. Upgrade the outboxkit package to the version "
-            "that ran `outboxkit schema apply` on it (see CHANGELOG.md)"
+            f"version {SCHEMA_VERSION} only. Upgrade the outboxkit package to "
+            + (f"{applied_by}, which" if applied_by else "the version that")
+            + " last ran `outboxkit schema apply` on it (see CHANGELOG.md)"
         )
     return shard_count, schema_version

@@ -116,6 +116,14 @@ def test_the_relay_exits_2_on_a_table_of_a_newer_schema_version(
     result = _relay(db_url, kafka_bootstrap)
     assert result.returncode == EXIT_CONFIG, result.stderr
     assert _newer_schema_problem() in result.stderr, result.stderr
+    assert "to the version that last ran `outboxkit schema apply` on it" in result.stderr
+    with engine.begin() as conn:  # the later version recorded itself, as apply does
+        conn.execute(sa.text("UPDATE outboxkit_meta SET package_version = '9.1.0'"))
+    result = _relay(db_url, kafka_bootstrap)
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    assert (
+        _newer_schema_problem() + " to 9.1.0, which last ran `outboxkit schema apply` on it"
+    ) in result.stderr, result.stderr
     assert '"event": "relay-started"' not in result.stderr
 
 
