@@ -32,7 +32,7 @@ true:
   row (MySQL/MariaDB fail it on a duplicate; PostgreSQL skips the duplicate),
   the group is rolled back and its rows are inserted one at a time; the group
   commits what comes before the first one that does not go in (seen before, or
-  a key the release-1 rules must look up), and that message is claimed in a
+  a key the 0.1.0 rules must look up), and that message is claimed in a
   transaction of its own, which sees the committed row (a read inside the
   group's snapshot might not).
 

@@ -112,9 +112,9 @@ def inbox_group_key(group_id: str) -> str:
 
 
 def _v1_fallback_of_another_record(row: _InboxRow, message: Message) -> bool:
-    """Is ``row`` release 1's key for a record without event id, other than ``message``?
+    """Is ``row`` 0.1.0's key for a record without event id, other than ``message``?
 
-    Release 1 keyed such a record ``topic/partition/offset``, a string an event id
+    0.1.0 keyed such a record ``topic/partition/offset``, a string an event id
     may equal. A row whose key spells its own coordinates that way is such a row (an
     event id cannot know the offset its record will get).
     """
@@ -299,7 +299,7 @@ class Inbox:
 
         False when it did not go in (a duplicate, or a row another transaction
         holds and rolled back), and for a key the inbox itself made (``outboxkit:``:
-        the release-1 rules need their own transaction): the group ends before
+        the 0.1.0 rules need their own transaction): the group ends before
         this message, which is then claimed in a transaction of its own
         (:meth:`run`). A plain read here would see the group's snapshot, not the
         row as it is now. A duplicate key error ends only the statement on
@@ -395,7 +395,7 @@ class Inbox:
         return row
 
     def _rekey_v1_row(self, conn: sa.Connection, row: _InboxRow) -> None:
-        """Give a release-1 fallback row its current key, so an event id can use the old one.
+        """Give a 0.1.0 fallback row its current key, so an event id can use the old one.
 
         If the record was also handled since the upgrade (a row under the current key
         exists), the old row is redundant and goes.
@@ -419,7 +419,7 @@ class Inbox:
     def _seen_as_v1_fallback(self, conn: sa.Connection, message: Message) -> bool:
         """Was this very record handled by a release that spelled its key differently?
 
-        Release 1 stored a record without ``event_id`` as ``topic/partition/offset``,
+        0.1.0 stored a record without ``event_id`` as ``topic/partition/offset``,
         which an event id could equal. A row with that key *and* this record's own
         topic, partition and offset can only be this record, so a redelivery across
         the upgrade is still recognised. Only records without a plain event id pay

@@ -4,7 +4,7 @@ The same transaction as the sync inbox (``consumer/inbox.py``), on the
 consumer's event loop:
 
 1. ``INSERT`` the inbox row (the sync inbox's own code, run through
-   ``AsyncConnection.run_sync``, so the identity, duplicate and release-1 rules
+   ``AsyncConnection.run_sync``, so the identity, duplicate and 0.1.0 rules
    are one implementation);
 2. ``await handle(message)`` with ``message.async_tx`` bound to this
    ``AsyncConnection``;

@@ -5,8 +5,7 @@ publishes the rows to Kafka at least once, in per-key order; consumers subclass
 ``outboxkit.consumer.Consumer``.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from outboxkit._version import __version__
 from outboxkit.errors import (
     ConfigError,
     DuplicateEventIdError,
@@ -31,11 +30,6 @@ from outboxkit.writer import (
     enqueue_many_async,
     uuid7,
 )
-
-try:
-    __version__ = version("outboxkit")
-except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-    __version__ = "0.0.0"
 
 __all__ = [
     "ConfigError",

@@ -16,6 +16,7 @@ from typing import NoReturn
 from outboxkit import __version__
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG
+from outboxkit.schema.table import SCHEMA_VERSION
 
 #: Modules that contribute a subcommand, in the order ``--help`` lists them.
 COMMAND_MODULES = (
@@ -55,7 +56,7 @@ def _not_utf8(argv: Sequence[str]) -> str | None:
 
 def version_text() -> str:
     """What ``outboxkit --version`` prints."""
-    return f"outboxkit {__version__}"
+    return f"outboxkit {__version__} (outbox schema {SCHEMA_VERSION})"
 
 
 def _asks_version(argv: Sequence[str]) -> bool:
@@ -76,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="outboxkit",
         description="Transactional outbox for MySQL/MariaDB and Kafka.",
     )
-    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=version_text(),
+        help="print the package version and the outbox schema version it writes and reads",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -29,6 +29,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PermanentError",
     "SchemaError",
+    "SchemaMetaError",
     "SchemaNotAppliedError",
     "TransientError",
     "UnserializablePayloadError",
@@ -77,3 +78,13 @@ class InvalidIdentifierError(SchemaError, ConfigError):
 
 class SchemaNotAppliedError(SchemaError, PermanentError):
     """The outbox table (or its metadata row) does not exist: run ``outboxkit schema apply``."""
+
+
+class SchemaMetaError(SchemaError, ConfigError):
+    """A table's row in ``outboxkit_meta`` holds what this code cannot work with.
+
+    A shard count outside ``1..MAX_SHARDS`` (``schema apply`` never stores one: the
+    row was changed by hand), or a schema version newer than this package knows
+    (a later outboxkit upgraded the table: upgrade this package). The message
+    names the row, the value and the fix. Entry points exit with ``EXIT_CONFIG``.
+    """

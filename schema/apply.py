@@ -27,14 +27,17 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
-from outboxkit.errors import SchemaError, SchemaNotAppliedError
+from outboxkit._version import __version__
+from outboxkit.errors import SchemaError, SchemaMetaError, SchemaNotAppliedError
 from outboxkit.runtime.db import lock_wait_bound, lock_wait_timed_out
 from outboxkit.schema.crc32 import PG_CRC32_FUNCTION, has_pg_crc32, pg_crc32_ddl
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,
     DEFAULT_SHARDS,
     DEFAULT_TABLE,
+    MAX_PACKAGE_VERSION_LENGTH,
     MAX_SHARDS,
+    META_TABLE,
     MYSQL_DIALECTS,
     SCHEMA_VERSION,
     Identifier,
@@ -93,6 +96,7 @@ def apply_schema(
         for t in tables:
             _check_name_lengths(conn.dialect, t)
     with engine.connect() as conn, _schema_lock(conn), _table_lock_bound(conn):
+        _check_stored_meta(conn, table)
         _create_functions(conn, report)
         for t in tables:
             try:
@@ -110,6 +114,22 @@ def apply_schema(
                 ) from None
         report.shard_count = _ensure_meta_row(conn, table, shards, report)
     return report
+
+
+def _check_stored_meta(conn: Connection, table: str) -> None:
+    """Refuse, before changing anything, a table whose meta row this code cannot
+    work with (``check_table_meta``): one a later outboxkit upgraded, or one whose
+    shard count was changed by hand."""
+    if not sa.inspect(conn).has_table(META_TABLE):
+        return
+    row = conn.execute(
+        sa.select(meta_table.c.shard_count, meta_table.c.schema_version).where(
+            meta_table.c.table_name == table
+        )
+    ).first()
+    if row is not None:
+        _checked(conn, table, int(row[0]), int(row[1]))
+    conn.rollback()
 
 
 def _tables(table: str, inbox: str | None) -> list[sa.Table]:
@@ -183,13 +203,13 @@ def require_claim_schema(conn: Connection, table: str) -> None:
     release lacks it). MySQL/MariaDB: the index ``ix_<table>_key_status``, which
     the claim names in an index hint (a table made by hand may lack it, and
     every claim would then fail). Both: the payload table (``payload_table``),
-    which the claim reads payloads from (release 2's tables lack it), and every
+    which the claim reads payloads from (0.2.0's tables lack it), and every
     column of the outbox and payload tables the claim reads."""
     aside = payload_table(table).name
     if not sa.inspect(conn).has_table(aside):
         raise SchemaNotAppliedError(
             f"the payload table {aside} of table {table!r} is missing: run "
-            "`outboxkit schema apply` (this release reads payloads from it; see "
+            "`outboxkit schema apply` (outboxkit 0.3.0 and later read payloads from it; see "
             "'Upgrading to the payload table' in docs/schema.md)"
         )
     require_outbox_columns(conn, table)
@@ -197,7 +217,7 @@ def require_claim_schema(conn: Connection, table: str) -> None:
     if conn.dialect.name == "postgresql" and not has_pg_crc32(conn):
         raise SchemaNotAppliedError(
             f"the function {PG_CRC32_FUNCTION}(bytea) is missing: run `outboxkit schema apply` "
-            "(this release adds it on PostgreSQL)"
+            "(outboxkit 0.2.0 and later create it on PostgreSQL)"
         )
     if conn.dialect.name in MYSQL_DIALECTS:
         index = key_status_index(table)
@@ -294,8 +314,8 @@ def _create_or_upgrade_steps(
 
 
 def _advise_partial_indexes(conn: Connection, table: sa.Table) -> None:
-    """PostgreSQL: warn of an index this release makes partial that an earlier
-    release made whole (``ix_<table>_key_status``, which now leaves delivered
+    """PostgreSQL: warn of an index that outboxkit 0.2.0 and later make partial and
+    an earlier build made whole (``ix_<table>_key_status``, which now leaves delivered
     rows out). The whole one still serves every query, so it is kept (an apply
     drops no index); docs/postgresql.md gives the online swap."""
     if conn.dialect.name != "postgresql":
@@ -314,8 +334,8 @@ def _advise_partial_indexes(conn: Connection, table: sa.Table) -> None:
     ).scalars()
     for name in sorted(wanted.intersection(whole)):
         log.warning(
-            "index %s of %s also holds delivered rows; this release makes it partial, "
-            "which writes less per delivered row: see 'A partial key index' in "
+            "index %s of %s also holds delivered rows; outboxkit 0.2.0 and later make it "
+            "partial, which writes less per delivered row: see 'A partial key index' in "
             "docs/postgresql.md to swap it online",
             name,
             table.name,
@@ -409,14 +429,16 @@ def _meta_row(table: str, shards: int) -> dict[str, object]:
         "shard_count": shards,
         "schema_version": SCHEMA_VERSION,
         "created_at": db_now(),
+        "package_version": __version__[:MAX_PACKAGE_VERSION_LENGTH],
     }
 
 
 def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyReport) -> int:
+    applied_by = __version__[:MAX_PACKAGE_VERSION_LENGTH]
     row = conn.execute(
-        sa.select(meta_table.c.shard_count, meta_table.c.schema_version).where(
-            meta_table.c.table_name == table
-        )
+        sa.select(
+            meta_table.c.shard_count, meta_table.c.schema_version, meta_table.c.package_version
+        ).where(meta_table.c.table_name == table)
     ).first()
     if row is None:
         conn.execute(meta_table.insert().values(**_meta_row(table, shards)))
@@ -439,6 +461,14 @@ def _ensure_meta_row(conn: Connection, table: str, shards: int, report: ApplyRep
         )
         conn.commit()
         report.actions.append(f"schema version of {table} -> {SCHEMA_VERSION}")
+    if row.package_version != applied_by:
+        conn.execute(
+            meta_table.update()
+            .where(meta_table.c.table_name == table)
+            .values(package_version=applied_by)
+        )
+        conn.commit()
+        report.actions.append(f"recorded {table} as applied by outboxkit {applied_by}")
     return stored
 
 
@@ -602,6 +632,18 @@ def _dialect(name: str) -> sa.engine.Dialect:
         ) from None
 
 
+def read_applied_by(conn: Connection, table: str) -> str | None:
+    """The outboxkit version whose ``schema apply`` last ran on the table, or None:
+    none of 0.4.0 or later has (the column is missing, or NULL in its row)."""
+    columns = {c["name"] for c in sa.inspect(conn).get_columns(META_TABLE)}
+    if meta_table.c.package_version.name not in columns:
+        return None
+    value = conn.execute(
+        sa.select(meta_table.c.package_version).where(meta_table.c.table_name == table)
+    ).scalar()
+    return None if value is None else str(value)
+
+
 def read_shard_count(conn: Connection, table: str) -> int:
     """The table's shard count from the meta table, or SchemaNotAppliedError."""
     return read_table_meta(conn, table)[0]
@@ -624,4 +666,52 @@ def read_table_meta(conn: Connection, table: str) -> tuple[int, int]:
         raise SchemaNotAppliedError(
             f"no outbox schema for table {table!r}: run `outboxkit schema apply` first"
         )
-    return int(value[0]), int(value[1])
+    return _checked(conn, table, int(value[0]), int(value[1]))
+
+
+def _checked(
+    conn: Connection, table: str, shard_count: int, schema_version: int
+) -> tuple[int, int]:
+    """``check_table_meta``, naming the version that upgraded a newer table when its
+    row says (read only then: a table of this version is not asked)."""
+    newer = schema_version > SCHEMA_VERSION
+    applied_by = read_applied_by(conn, table) if newer else None
+    if applied_by == __version__:  # the row was changed by hand after our own apply
+        applied_by = None
+    return check_table_meta(table, shard_count, schema_version, applied_by=applied_by)
+
+
+def check_table_meta(
+    table: str, shard_count: int, schema_version: int, *, applied_by: str | None = None
+) -> tuple[int, int]:
+    """``(shard_count, schema_version)`` as read from the table's meta row, if this
+    code can work with them; else SchemaMetaError naming the row, the value and the fix.
+
+    Checked before anything is built from them: a shard count of 2**31-1 would
+    otherwise become a set of two billion shards at the relay's start, 0 a
+    division by zero in ``enqueue``, and one above ``MAX_SHARDS`` (which ``schema
+    apply`` refuses to create) shard numbers past what the relays were measured and
+    sized for, up to more than the ``shard`` column (SMALLINT) holds. The range is
+    ``apply``'s own, so every count it ever stored passes. A schema version newer than
+    ``SCHEMA_VERSION`` means a later outboxkit upgraded the table, and this code
+    does not know what it changed.
+    """
+    row = f"{META_TABLE} row (table_name={table!r})"
+    if not 1 <= shard_count <= MAX_SHARDS:
+        raise SchemaMetaError(
+            f"{row} holds shard_count={shard_count}, outside 1..{MAX_SHARDS}: the shard "
+            "count is fixed when `outboxkit schema apply` creates the table, and every "
+            "row's shard was computed with it, so it was changed by hand. Put back the "
+            f"count the table was created with (UPDATE {META_TABLE} SET shard_count = <n> "
+            f"WHERE table_name = '{table}'; the `shards` of an earlier `relay-started` "
+            "log line, or of `outboxkit schema apply`'s last report)"
+        )
+    if schema_version > SCHEMA_VERSION:
+        raise SchemaMetaError(
+            f"{row} holds schema_version={schema_version}: table {table!r} was upgraded "
+            f"by a later outboxkit, and outboxkit {__version__} reads and writes schema "
+            f"version {SCHEMA_VERSION} only. Upgrade the outboxkit package to "
+            + (f"{applied_by}, which" if applied_by else "the version that")
+            + " last ran `outboxkit schema apply` on it (see CHANGELOG.md)"
+        )
+    return shard_count, schema_version

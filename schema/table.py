@@ -26,6 +26,9 @@ META_TABLE = "outboxkit_meta"
 RECOVERY_TABLE = "outboxkit_recovery_events"
 DEFAULT_SHARDS = 64
 MAX_SHARDS = 4096
+#: ``outboxkit_meta.package_version``: a release (``0.4.0``) or a local build
+#: (``0.4.1.dev3+g1a2b3c4.d20261207``); longer ones are stored cut.
+MAX_PACKAGE_VERSION_LENGTH = 64
 #: SQLAlchemy's dialect names for MySQL and MariaDB: one SQL family here (types,
 #: index hints, multi-row INSERTs, DDL), told apart only where the servers differ.
 MYSQL_DIALECTS = ("mysql", "mariadb")
@@ -160,6 +163,11 @@ meta_table = sa.Table(
     sa.Column("shard_count", sa.Integer, nullable=False),
     sa.Column("schema_version", sa.Integer, nullable=False),
     sa.Column("created_at", _micros(), nullable=False),
+    # The outboxkit version whose `schema apply` last ran on the table (from 0.4.0;
+    # NULL when none since). NULL-able and read by name only where shown (admin
+    # status), so relays and writers of 0.3.0 and earlier, which select the
+    # columns above by name and insert without it, work beside it unchanged.
+    sa.Column("package_version", sa.String(MAX_PACKAGE_VERSION_LENGTH), nullable=True),
 )
 
 

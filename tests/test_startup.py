@@ -72,7 +72,7 @@ def test_version_loads_no_command_module(tmp_path: Path) -> None:
     modules, out = imported_modules(["-m", "outboxkit", "--version"], tmp_path)
     import outboxkit
 
-    assert out.strip() == f"outboxkit {outboxkit.__version__}"
+    assert out.strip() == f"outboxkit {outboxkit.__version__} (outbox schema {SCHEMA_VERSION})"
     assert heavy(modules) == []
 
 

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from outboxkit.admin.rows import readable_edge_times
 from outboxkit.admin.settings import AdminSettings
-from outboxkit.errors import SchemaNotAppliedError
+from outboxkit.errors import SchemaMetaError, SchemaNotAppliedError
 from outboxkit.runtime.db import database_url_problem
 from outboxkit.runtime.errors import ConfigError
 from outboxkit.runtime.exitcodes import EXIT_CONFIG, EXIT_DEPENDENCY
@@ -86,7 +86,7 @@ def run(body: Callable[[AdminSettings, sa.Engine], int]) -> Callable[[argparse.N
                 log_format=settings.log_format,
             ):
                 return body(settings, engine)
-        except SchemaNotAppliedError as exc:
+        except (SchemaNotAppliedError, SchemaMetaError) as exc:
             return fail(str(exc), EXIT_CONFIG)
         except sa.exc.ProgrammingError as exc:
             return fail(

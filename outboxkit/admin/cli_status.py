@@ -78,6 +78,8 @@ def _status_json(
         "database": redact_url(settings.db_url),
         "table": t.table,
         "db_now": format_ts(t.db_now),
+        "schema_version": t.schema_version,
+        "applied_by": t.applied_by,
         "counts": t.counts,
         "topics": t.by_topic,
         "oldest_pending_age_s": t.oldest_pending_age_s,
@@ -130,6 +132,12 @@ def _status_text(
 ) -> None:
     where = safe(redact_url(settings.db_url))
     print(f"table {t.table} in {where} (db time {format_ts(t.db_now)})")
+    applied = (
+        f"outboxkit {safe(t.applied_by)}"
+        if t.applied_by
+        else "unknown (outboxkit before 0.4.0 did not record it)"
+    )
+    print(f"schema version {t.schema_version}, last applied by {applied}")
     print()
     print_table(["status", "rows"], [[s, t.counts[s]] for s in STATUSES])
     print()

@@ -25,7 +25,7 @@ from outboxkit.relay._dbtime import micros_between, time_passed
 from outboxkit.runtime.identity import read_identity
 from outboxkit.runtime.logs import redact, redact_url
 from outboxkit.runtime.rediskeys import lease_key, lease_owner
-from outboxkit.schema.apply import read_shard_count
+from outboxkit.schema.apply import read_applied_by, read_shard_count, read_table_meta
 from outboxkit.schema.table import STATUSES, Status, db_now, outbox_table, validate_identifier
 
 __all__ = [
@@ -77,6 +77,10 @@ class TableStatus:
     #: Rows whose status is outside the enum (MariaDB/MySQL without strict mode
     #: store ``''``): never claimed, they hold their keys back; requeue repairs them.
     invalid_status: int = 0
+    #: The table's schema version (``outboxkit_meta``), and the outboxkit version
+    #: whose ``schema apply`` last ran on it (None: none of 0.4.0 or later has).
+    schema_version: int | None = None
+    applied_by: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +147,8 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         oldest_undelivered = conn.execute(
             sa.select(sa.func.max(age_us)).where(t.c.status.in_(_UNDELIVERED))
         ).scalar()
-        shard_count = read_shard_count(conn, table)
+        shard_count, schema_version = read_table_meta(conn, table)
+        applied_by = read_applied_by(conn, table)
         shard_out_of_range = int(
             conn.execute(
                 sa.select(sa.func.count()).where(
@@ -180,6 +185,8 @@ def read_table_status(engine: Engine, *, table: str) -> TableStatus:
         shard_count=shard_count,
         shard_out_of_range=shard_out_of_range,
         invalid_status=invalid_status,
+        schema_version=schema_version,
+        applied_by=applied_by,
     )
 
 

@@ -7,7 +7,7 @@ from one place (``relay/drain.py``'s ``log_exit_record``, the consumer's
 log queries and tests read them.
 
 Both services spell a clean stop the same way, :data:`CLEAN` (``clean``; the
-consumer wrote ``ok`` before this release):
+consumer wrote ``ok`` before 0.2.0):
 
 * ``relay-exit``: ``result`` is ``clean`` on a clean stop; any other result
   (``left-leased``, ``forced``, ``error``, ``fatal``, ``config-error`` ...) is

@@ -647,8 +647,8 @@ def test_the_postgresql_key_index_leaves_delivered_rows_out(
         with caplog.at_level(logging.WARNING, logger="outboxkit.schema"):
             assert apply_schema(engine, table=table, shards=4).actions == []
         assert [r.getMessage() for r in caplog.records] == [
-            f"index {index} of {table} also holds delivered rows; this release makes it "
-            "partial, which writes less per delivered row: see 'A partial key index' in "
+            f"index {index} of {table} also holds delivered rows; outboxkit 0.2.0 and later "
+            "make it partial, which writes less per delivered row: see 'A partial key index' in "
             "docs/postgresql.md to swap it online"
         ]
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
