@@ -71,6 +71,7 @@ def test_import_outboxkit_loads_no_relay_consumer_kafka_redis_or_prometheus(
 def test_version_loads_no_command_module(tmp_path: Path) -> None:
     modules, out = imported_modules(["-m", "outboxkit", "--version"], tmp_path)
     import outboxkit
+    from outboxkit.schema.table import SCHEMA_VERSION
 
     assert out.strip() == f"outboxkit {outboxkit.__version__} (outbox schema {SCHEMA_VERSION})"
     assert heavy(modules) == []
