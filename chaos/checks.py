@@ -37,6 +37,7 @@ DUPLICATE_CAUSES = (
     "kafka-controller-kill",
     "kafka-coordinator-kill",
     "kafka-rolling-restart",
+    "kafka-isr-shortage",
 )
 #: Relay faults that also cut every relay from a service: they explain any shard.
 FLEET_WIDE = frozenset({"relay-bounded-queue"})
@@ -107,7 +108,7 @@ def writer_done(cfg: RunConfig, exit_code: int | None, done: dict[str, Any] | No
 
 
 def run_checks(cfg: RunConfig, obs: Observed) -> list[Check]:
-    return [
+    checks = [
         nothing_lost(obs),
         key_order(obs),
         duplicates_accounted(cfg, obs),
@@ -115,6 +116,39 @@ def run_checks(cfg: RunConfig, obs: Observed) -> list[Check]:
         drains_clean(obs),
         one_owner(cfg, obs),
     ]
+    if any(f.fault.kind == "kafka-isr-shortage" for f in obs.faults):
+        checks.append(isr_shortage_held(obs))
+    return checks
+
+
+def isr_shortage_held(obs: Observed) -> Check:
+    """Every ``kafka-isr-shortage`` really held its partition below
+    ``min.insync.replicas`` (an ISR of one, still one at the end) for longer than
+    ``max_attempts`` message timeouts; else "no row failed" would prove nothing
+    about the refund. The rows themselves are judged by the other checks:
+    nothing lost, per-key order, nothing stuck (no ``failed`` row)."""
+    faults = [f for f in obs.faults if f.fault.kind == "kafka-isr-shortage"]
+    evidence = []
+    for f in faults:
+        d = f.detail
+        held = float(d.get("below_min_s", 0.0))
+        budget = float(d.get("attempts_budget_s", float("inf")))
+        short = len(d.get("isr_during") or [0, 0]) == 1 and len(d.get("isr_at_end") or [0, 0]) == 1
+        if f.error or not short or held <= budget:
+            evidence.append(
+                f"#{f.fault.seq}: below the minimum {held} s (budget {budget} s), ISR "
+                f"{d.get('isr_during')} -> {d.get('isr_at_end')}, error {f.error}"
+            )
+    return Check(
+        "ISR shortages outlasted max_attempts timeouts",
+        not evidence,
+        f"{len(faults)} ISR shortages; held below min.insync.replicas "
+        f"{[f.detail.get('below_min_s') for f in faults]} s, budget "
+        f"{sorted({f.detail.get('attempts_budget_s') for f in faults}, key=str)} s",
+        evidence,
+        min((f.started for f in faults if f.error), default=None),
+        {"shortages": len(faults), "short": len(faults) - len(evidence)},
+    )
 
 
 def nothing_lost(obs: Observed) -> Check:

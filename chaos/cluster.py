@@ -19,17 +19,27 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import socket
+import struct
 import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis as redis_lib
 import sqlalchemy as sa
-from support.cluster import NODES, KafkaCluster, first_free_run
+from support.cluster import (
+    NODES,
+    KafkaCluster,
+    _read_uvarint,
+    _recv_exactly,
+    _uvarint,
+    first_free_run,
+)
 from support.services import (
     STATE_DIR,
     KafkaInstance,
@@ -390,3 +400,55 @@ class Cluster:
             if not keep:
                 shutil.rmtree(STATE_DIR / f"{instance.service}-{instance.name}", ignore_errors=True)
         self.toxiproxy.stop()
+
+
+def reassign_replicas(port: int, topic: str, partition: int, replicas: Sequence[int]) -> None:
+    """Move ``topic[partition]`` onto ``replicas`` (the first one preferred leader)
+    with an AlterPartitionReassignments v0 request (API key 45, a flexible version)
+    to the broker on ``port``, which forwards it to the active controller (the
+    Python client has no call for it, and the local Kafka has no tools jar).
+    Returns once the controller accepted it; the move itself completes when the
+    new replicas caught up (watch the partition's metadata). Raises on an error."""
+    client, name = b"outboxkit-chaos", topic.encode()
+    header = struct.pack(">hhih", 45, 0, 1, len(client)) + client + _uvarint(0)
+    body = (
+        struct.pack(">i", 30_000)  # timeout_ms
+        + _uvarint(2)  # one topic
+        + _uvarint(len(name) + 1)
+        + name
+        + _uvarint(2)  # one partition
+        + struct.pack(">i", partition)
+        + _uvarint(len(replicas) + 1)
+        + b"".join(struct.pack(">i", r) for r in replicas)
+        + _uvarint(0)  # partition's tagged fields
+        + _uvarint(0)  # topic's tagged fields
+        + _uvarint(0)  # request's tagged fields
+    )
+    request = header + body
+    with socket.create_connection(("127.0.0.1", port), timeout=35) as sock:
+        sock.settimeout(35)
+        sock.sendall(struct.pack(">i", len(request)) + request)
+        size = struct.unpack(">i", _recv_exactly(sock, 4))[0]
+        buf = _recv_exactly(sock, size)
+    _, i = _read_uvarint(buf, 4)  # after the correlation id: the header's tagged fields
+    (error,) = struct.unpack_from(">h", buf, i + 4)  # after throttle_time_ms
+    message, i = _compact_string(buf, i + 6)
+    if error:
+        raise RuntimeError(f"AlterPartitionReassignments: error {error} {message}")
+    _, i = _read_uvarint(buf, i)  # responses
+    _, i = _compact_string(buf, i)  # topic name
+    _, i = _read_uvarint(buf, i)  # partitions
+    _, part_error = struct.unpack_from(">ih", buf, i)
+    part_message, _ = _compact_string(buf, i + 6)
+    if part_error:
+        raise RuntimeError(
+            f"AlterPartitionReassignments {topic}[{partition}] -> {list(replicas)}: "
+            f"error {part_error} {part_message}"
+        )
+
+
+def _compact_string(buf: bytes, i: int) -> tuple[str | None, int]:
+    n, i = _read_uvarint(buf, i)
+    if n == 0:
+        return None, i
+    return buf[i : i + n - 1].decode(), i + n - 1

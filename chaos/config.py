@@ -34,7 +34,15 @@ CLUSTER_KINDS: tuple[str, ...] = (
     "kafka-controller-kill",
     "kafka-coordinator-kill",
     "kafka-rolling-restart",
+    "kafka-isr-shortage",
 )
+#: Takes one partition of the run's topic below ``min.insync.replicas`` for
+#: longer than the relays' retry budget (``chaos.faults.Injector``).
+ISR_SHORTAGE = "kafka-isr-shortage"
+#: The relays' ``--max-attempts`` in a run with ``kafka-isr-shortage``: the
+#: shipped default, so that the shortage can outlast the whole retry budget
+#: (``max_attempts`` x (message timeout + backoff cap)) in about a minute.
+ISR_SHORTAGE_MAX_ATTEMPTS = 10
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class Timings:
     shard_renew_s: float = 0.5
     relay_batch_size: int = 200
     relay_max_attempts: int = 100
+    #: the relays' ``OUTBOXKIT_RETRY_BACKOFF_CAP``
+    retry_backoff_cap_s: float = 2.0
     #: ``queue.buffering.max.messages`` of a relay under ``relay-bounded-queue``:
     #: a twentieth of a batch fits into its producer.
     bounded_queue_messages: int = 10
@@ -63,6 +73,18 @@ class Timings:
     @property
     def batch_budget_s(self) -> float:
         return self.message_timeout_s + 2.0 + 1.0
+
+    @property
+    def attempts_budget_s(self) -> float:
+        """``max_attempts`` message timeouts: what an outage must outlast to burn
+        a row's whole retry budget if its attempts were not refunded."""
+        return self.relay_max_attempts * self.message_timeout_s
+
+    @property
+    def attempts_wall_s(self) -> float:
+        """How long ``max_attempts`` attempts of a row the cluster refuses take at
+        most: each waits out the message timeout and a backoff (capped)."""
+        return self.relay_max_attempts * (self.message_timeout_s + self.retry_backoff_cap_s)
 
 
 @dataclass(frozen=True)
@@ -154,8 +176,10 @@ def _cluster_preset(name: str) -> dict[str, object]:
     if name == "smoke":
         # Not the total outages (kafka-kill, kafka-freeze of every node): the
         # single-broker smoke has them, and here they cost half a minute each.
+        # Nor the ISR shortage: it outlasts the retry budget (about a minute and
+        # the node's restart); it runs at medium and full size, or with --only.
         per = {k: 1 for k in KINDS if k not in ("kafka-kill", "kafka-freeze")}
-        per.update(dict.fromkeys(CLUSTER_KINDS, 1))
+        per.update({k: 1 for k in CLUSTER_KINDS if k != ISR_SHORTAGE})
         per.update({"relay-redeploy": 2})
         return {
             "events": 20_000,
@@ -168,7 +192,7 @@ def _cluster_preset(name: str) -> dict[str, object]:
     if name == "medium":
         per = dict.fromkeys(KINDS, 1)
         per.update(dict.fromkeys(CLUSTER_KINDS, 4))
-        per.update({"relay-redeploy": 8})
+        per.update({"relay-redeploy": 8, ISR_SHORTAGE: 2})
         return {
             "events": 100_000,
             "keys": 5_000,
@@ -185,6 +209,7 @@ def _cluster_preset(name: str) -> dict[str, object]:
             "kafka-controller-kill": 15,
             "kafka-coordinator-kill": 20,
             "kafka-rolling-restart": 10,
+            ISR_SHORTAGE: 4,
             "relay-redeploy": 60,
         }
     )
@@ -291,11 +316,14 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         unknown = keep - set(known)
         if unknown:
             p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(known)}")
-        faults = {k: n for k, n in faults.items() if k in keep}
+        # a kind the size leaves out (the cluster smoke's outages) runs once
+        faults = {k: faults.get(k, 1) for k in sorted(keep)}
     if ownership == "advisory":
         # The relays use no Redis then (nor does anything else): its faults would test nothing.
         faults = {k: n for k, n in faults.items() if not k.startswith("redis-")}
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    if faults.get(ISR_SHORTAGE):
+        values["timings"] = Timings(relay_max_attempts=ISR_SHORTAGE_MAX_ATTEMPTS)
     values.update(
         database=a.database,
         ownership=ownership,

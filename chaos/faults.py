@@ -12,8 +12,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from support.cluster import NODES, KafkaCluster
+from support.waiting import wait_for
 
-from chaos.cluster import RELAY_DB_USER, Cluster
+from chaos.cluster import RELAY_DB_USER, Cluster, reassign_replicas
 from chaos.fleet import GROUP, REDIS_PREFIX, TABLE, Fleet
 from chaos.procs import Proc
 from chaos.schedule import Fault
@@ -369,6 +370,76 @@ class Injector:
         finally:
             kafka.resume(k)
         self._wait_isr(kafka, rec, time.monotonic())
+
+    def _kafka_isr_shortage(self, f: Fault, rec: FaultRecord) -> None:
+        """One partition of the run's topic below ``min.insync.replicas`` (2) for
+        longer than ``max_attempts`` message timeouts and their backoff, the
+        other partitions writable throughout.
+
+        Every partition has all three nodes as replicas, so one node stopped
+        leaves two in sync, still the minimum; two stopped would take the KRaft
+        quorum (and every partition) with them. So the partition is first moved
+        onto its leader and one follower (a reassignment that only drops a
+        replica), then that follower is killed (``kill -9``): the ISR shrinks to
+        the leader alone, which refuses every ``acks=all`` write
+        (``NOT_ENOUGH_REPLICAS``), while every other partition keeps two in-sync
+        replicas. Held from the moment the metadata shows the short ISR, then
+        the node starts again, the partition gets its third replica back, and
+        the fault waits for every full ISR. The record says how long the
+        partition really was below the minimum (``below_min_s``) against
+        ``max_attempts`` message timeouts (``attempts_budget_s``); the run's
+        ISR-shortage check fails when it was not longer."""
+        kafka = self._kafka_cluster()
+        topic = self.fleet.topic
+        p = self._partition(f)
+        part = kafka.partitions(topic).get(p)
+        if part is None or part.leader not in part.replicas or len(part.replicas) != NODES:
+            raise RuntimeError(f"{topic}[{p}] has no leader or not {NODES} replicas: {part}")
+        followers = [r for r in part.replicas if r != part.leader]
+        k, dropped = followers[f.seq % 2], followers[(f.seq + 1) % 2]
+        rec.detail.update(
+            partition=p,
+            node=k,
+            leader=part.leader,
+            replicas=list(part.replicas),
+            min_insync_replicas=2,
+            max_attempts=self.t.relay_max_attempts,
+            message_timeout_s=self.t.message_timeout_s,
+            attempts_budget_s=self.t.attempts_budget_s,
+        )
+        port = kafka.node(part.leader).port
+        reassign_replicas(port, topic, p, [part.leader, k])
+        wait_for(
+            lambda: (q := kafka.partitions(topic).get(p)) and set(q.replicas) == {part.leader, k},
+            timeout=60,
+            interval=0.5,
+            what=f"{topic}[{p}] on replicas {[part.leader, k]}",
+        )
+        kafka.node(k).kill()
+        t0 = time.monotonic()
+        try:
+            short = kafka.wait_isr(topic, p, 1, timeout=self.t.isr_recovery_s)
+            below = time.monotonic()
+            rec.detail["isr_short_after_s"] = round(below - t0, 1)
+            rec.detail["isr_during"] = list(short.isr)
+            time.sleep(max(0.0, below + f.hold_s - time.monotonic()))
+            still = kafka.partitions(topic).get(p)
+            rec.detail["isr_at_end"] = list(still.isr) if still else None
+            rec.detail["below_min_s"] = round(time.monotonic() - below, 1)
+        finally:
+            t1 = time.monotonic()
+            kafka.node(k).start()
+            rec.detail["restart_s"] = round(time.monotonic() - t1, 1)
+            kafka.wait_isr(topic, p, 2, timeout=self.t.isr_recovery_s)
+            reassign_replicas(port, topic, p, list(part.replicas))
+        rec.detail["third_replica"] = dropped
+        wait_for(
+            lambda: (q := kafka.partitions(topic).get(p)) and len(q.replicas) == NODES,
+            timeout=60,
+            interval=0.5,
+            what=f"{topic}[{p}] on {NODES} replicas again",
+        )
+        self._wait_isr(kafka, rec, t1)
 
     def _kafka_rolling_restart(self, f: Fault, rec: FaultRecord) -> None:
         """An upgrade: SIGTERM each node in turn, start it again, wait for every

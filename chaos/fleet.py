@@ -82,7 +82,7 @@ class Fleet:
             "OUTBOXKIT_FLUSH_TIMEOUT": str(t.flush_timeout_s),
             "OUTBOXKIT_SHUTDOWN_TIMEOUT": "20",
             "OUTBOXKIT_RETRY_BACKOFF_BASE": "0.2",
-            "OUTBOXKIT_RETRY_BACKOFF_CAP": "2",
+            "OUTBOXKIT_RETRY_BACKOFF_CAP": str(t.retry_backoff_cap_s),
             "OUTBOXKIT_MAX_ATTEMPTS": str(t.relay_max_attempts),
             "OUTBOXKIT_SHARD_LEASE_TTL": str(t.shard_lease_ttl_s),
             "OUTBOXKIT_SHARD_RENEW_INTERVAL": str(t.shard_renew_s),

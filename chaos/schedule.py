@@ -95,6 +95,10 @@ def _hold(kind: str, t: object, rng: random.Random) -> float:
         "kafka-coordinator-kill",
     ):
         return rng.uniform(0.5, 3.0)
+    if kind == "kafka-isr-shortage":
+        # Longer than max_attempts message timeouts, and than the time those
+        # attempts take with their backoff: without the refund, rows would fail.
+        return t.attempts_wall_s + rng.uniform(5.0, 10.0)
     if kind == "kafka-follower-freeze":  # longer than the replica lag: the ISR shrinks
         return t.replica_lag_s + rng.uniform(2.0, 5.0)
     if kind == "redis-freeze":

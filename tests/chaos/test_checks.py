@@ -15,6 +15,8 @@ from chaos.checks import (
     duplicates_accounted,
     key_order,
     nothing_lost,
+    nothing_stuck,
+    run_checks,
 )
 from chaos.config import RunConfig, Timings
 from chaos.faults import FaultRecord
@@ -180,3 +182,58 @@ def test_a_stalled_relays_batch_first_sent_by_the_next_owner_is_the_stalls() -> 
         cfg(), observed(dup, relays=[stalled], faults=[stall], lease_ends=[lease_end])
     )
     assert check.ok and check.figures["by_cause"] == {"relay-stall": 1}
+
+
+def shortage(**detail: Any) -> FaultRecord:
+    values: dict[str, Any] = {
+        "partition": 5,
+        "isr_during": [3],
+        "isr_at_end": [3],
+        "below_min_s": 58.2,
+        "attempts_budget_s": 30.0,
+    }
+    values.update(detail)
+    return FaultRecord(Fault(0, 0, "kafka-isr-shortage", "kafka", 58.2), T0 + 1, T0 + 70, values)
+
+
+@pytest.mark.parametrize(
+    ("detail", "error", "ok"),
+    [
+        ({}, None, True),
+        ({"below_min_s": 29.0}, None, False),  # not longer than max_attempts timeouts
+        ({"isr_at_end": [3, 1]}, None, False),  # the ISR was full again before the end
+        ({"isr_during": None, "below_min_s": None}, "TimeoutError: ISR of 1", False),
+    ],
+)
+def test_an_isr_shortage_must_really_outlast_max_attempts_timeouts(
+    detail: dict[str, Any], error: str | None, ok: bool
+) -> None:
+    """The run fails when its ISR shortage did not hold the partition below the
+    minimum for longer than ``max_attempts`` message timeouts: "no row failed"
+    would then say nothing about the refund."""
+    rec = shortage(**{k: v for k, v in detail.items() if v is not None})
+    for k, v in detail.items():
+        if v is None:
+            rec.detail.pop(k)
+    rec.error = error
+    checks = {c.name: c for c in run_checks(cfg(), observed([], faults=[rec]))}
+    held = checks["ISR shortages outlasted max_attempts timeouts"]
+    assert held.ok is ok, held.evidence
+    assert held.figures["shortages"] == 1
+
+
+def test_runs_without_an_isr_shortage_have_no_such_check() -> None:
+    names = [c.name for c in run_checks(cfg(), observed([copy(0, 1), copy(1, 2), copy(2, 3)]))]
+    assert "ISR shortages outlasted max_attempts timeouts" not in names
+
+
+def test_a_row_failed_by_the_outage_fails_the_run() -> None:
+    """What the ISR shortage shows when the cluster's refusals use attempts: rows
+    ``failed`` at the end (and their key's later rows stuck behind them)."""
+    assert nothing_stuck(observed([])).ok
+    burnt = rows()
+    burnt[0].status, burnt[0].attempts = "failed", 10
+    burnt[1].status = "pending"
+    check = nothing_stuck(observed([], rows=burnt))
+    assert not check.ok
+    assert check.figures["failed"] == 1 and check.figures["stuck"] == 2

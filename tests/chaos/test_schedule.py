@@ -10,11 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos.config import CLUSTER_KINDS, KINDS, parse_args
+from chaos.config import CLUSTER_KINDS, ISR_SHORTAGE, KINDS, parse_args
 from chaos.fleet import Fleet
 from chaos.schedule import make_schedule
 
 pytestmark = pytest.mark.unit
+
+_CLUSTER = SimpleNamespace(relay_db_url="db", relay_bootstrap="kafka", relay_redis_url="r")
 
 
 @settings(max_examples=50, derandomize=True, deadline=None)
@@ -55,7 +57,8 @@ def test_a_cluster_run_adds_the_cluster_fault_kinds_to_every_other(size: str | N
     cfg = parse_args([*filter(None, [size]), "--seed", "7", "--kafka-brokers", "3"])
     schedule = make_schedule(cfg)
     assert cfg.kafka_brokers == 3
-    outages = {"kafka-kill", "kafka-freeze"}  # every node at once: not in the cluster smoke
+    # every node at once, and the minute-long ISR shortage: not in the cluster smoke
+    outages = {"kafka-kill", "kafka-freeze", ISR_SHORTAGE}
     expected = set(KINDS) | set(CLUSTER_KINDS)
     assert {f.kind for f in schedule} == (expected - outages if size == "--smoke" else expected)
     t = cfg.timings
@@ -69,6 +72,49 @@ def test_a_cluster_run_adds_the_cluster_fault_kinds_to_every_other(size: str | N
         assert sum(cfg.faults[k] for k in CLUSTER_KINDS) >= 100
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--medium"],
+        [],
+        ["--smoke", "--only", ISR_SHORTAGE],
+        ["--smoke", "--faults", f"{ISR_SHORTAGE}=2"],
+    ],
+)
+def test_an_isr_shortage_outlasts_max_attempts_message_timeouts(argv: list[str]) -> None:
+    """The medium and full cluster runs (and a smoke asked for it) hold a
+    partition below min.insync.replicas for longer than ``max_attempts`` message
+    timeouts of the run's own relays, and longer than those attempts take with
+    their backoff: were the attempts not refunded, its rows would fail. Such a
+    run gives its relays the shipped ``--max-attempts`` (10), so that this takes
+    about a minute, not the 100 x 3 s of the other runs' budget."""
+    for seed in range(1, 40):
+        cfg = parse_args([*argv, "--seed", str(seed), "--kafka-brokers", "3"])
+        shortages = [f for f in make_schedule(cfg) if f.kind == ISR_SHORTAGE]
+        assert len(shortages) == cfg.faults[ISR_SHORTAGE] >= 1
+        t = cfg.timings
+        assert t.relay_max_attempts == 10
+        assert t.attempts_budget_s == t.relay_max_attempts * t.message_timeout_s
+        for f in shortages:
+            assert f.target == "kafka" and f.track == "faults"
+            assert f.hold_s > t.attempts_wall_s > t.attempts_budget_s
+            assert f.hold_s < t.attempts_wall_s + 15  # bounded: about a minute
+        fleet = Fleet(cfg, _CLUSTER, "t", Path("."))  # type: ignore[arg-type]
+        env = fleet.relay_env("relay-1")
+        assert env["OUTBOXKIT_MAX_ATTEMPTS"] == str(t.relay_max_attempts)
+        assert f"message.timeout.ms={int(t.message_timeout_s * 1000)}" in env[
+            "OUTBOXKIT_KAFKA_CONFIG"
+        ].split(",")
+        assert float(env["OUTBOXKIT_RETRY_BACKOFF_CAP"]) == t.retry_backoff_cap_s
+
+
+def test_runs_without_an_isr_shortage_keep_their_retry_budget() -> None:
+    for argv in (["--smoke", "--kafka-brokers", "3"], ["--medium"], []):
+        cfg = parse_args([*argv, "--seed", "3"])
+        assert ISR_SHORTAGE not in cfg.faults
+        assert cfg.timings.relay_max_attempts == 100
+
+
 def test_cluster_fault_kinds_need_the_cluster(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--smoke", "--only", "kafka-leader-kill"])
@@ -77,6 +123,11 @@ def test_cluster_fault_kinds_need_the_cluster(capsys: pytest.CaptureFixture[str]
         parse_args(["--smoke", "--kafka-brokers", "2"])
     cfg = parse_args(["--smoke", "--kafka-brokers", "3", "--only", "kafka-leader-kill"])
     assert cfg.faults == {"kafka-leader-kill": 1}
+    # a kind the size leaves out runs once when asked for by --only
+    cfg = parse_args(["--smoke", "--kafka-brokers", "3", "--only", f"{ISR_SHORTAGE},kafka-kill"])
+    assert cfg.faults == {ISR_SHORTAGE: 1, "kafka-kill": 1}
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--only", ISR_SHORTAGE])
 
 
 @pytest.mark.parametrize(
