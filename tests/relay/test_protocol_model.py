@@ -261,6 +261,10 @@ class ProtocolModel(RuleBasedStateMachine):
     def write_scheduled(self, key: str, topic: str, later: int) -> None:
         """A ``pending`` row not yet due (another writer's scheduled row, a database
         clock stepped back), then ``later`` due rows of its key: they must wait."""
+        if self.ids_left is not None:
+            if self.ids_left < 1 + later:
+                return
+            self.ids_left -= 1  # write() below counts the later ones
         with self.engine.begin() as conn:
             event_id = outboxkit.enqueue(conn, topic=topic, key=key, payload={"at": "later"})
             row_id = conn.execute(
