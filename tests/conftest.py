@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import pytest
 import sqlalchemy as sa
 from support.collecting import CollectionProgress, record_module
-from support.databases import MARIADB, POSTGRESQL
+from support.databases import MARIADB, MARIADB_MYSQLDB, POSTGRESQL, with_mysqldb
 from support.lifeline import (
     INTERRUPTED_WORKER_GRACE,
     mark_this_run,
@@ -250,14 +250,19 @@ def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh, empty database for this test (dropped afterwards).
 
     MariaDB/MySQL, or PostgreSQL for the ``[postgresql]`` run of a test marked
-    ``on_both_databases``.
+    ``on_both_databases``, or MariaDB through mysqlclient for the
+    ``[mariadb-mysqldb]`` run of a test marked ``on_every_driver``.
     """
     kind = getattr(request, "param", MARIADB)
     if kind == POSTGRESQL:
         yield request.getfixturevalue("pg_url")
         return
-    assert kind == MARIADB, kind
-    with _fresh_database(request.getfixturevalue("db_server_url")) as url:
+    server_url = request.getfixturevalue("db_server_url")
+    if kind == MARIADB_MYSQLDB:
+        server_url = with_mysqldb(server_url)
+    else:
+        assert kind == MARIADB, kind
+    with _fresh_database(server_url) as url:
         yield url
 
 

@@ -33,6 +33,7 @@ def all_scenarios() -> list[Scenario]:
         consumer,
         db_ceiling,
         drain,
+        drivers,
         latency,
         producer,
         scaling,
@@ -49,6 +50,7 @@ def all_scenarios() -> list[Scenario]:
         Scenario("consumer", "raw poll loop vs the consumer base class", consumer.run),
         Scenario("drain", "SIGTERM → exit under load", drain.run),
         Scenario("startup", startup.TITLE, startup.run),
+        Scenario("relay-drivers", drivers.TITLE, drivers.run),
     ]
 
 

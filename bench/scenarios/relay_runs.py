@@ -138,9 +138,12 @@ def drain_backlog(
     batch: int | None = None,
     pipeline: bool | None = None,
     extra: dict[str, str] | None = None,
+    db_url: str | None = None,
 ) -> DrainRun:
     """Copy ``rows`` rows of ``source`` and drain them with ``relays`` relay processes
-    (``extra``: more of the relays' environment, ``OUTBOXKIT_*`` settings)."""
+    (``extra``: more of the relays' environment, ``OUTBOXKIT_*`` settings;
+    ``db_url``: the relays' database URL, the run's database through another
+    driver, instead of the run's own)."""
     cfg = ctx.config
     topic = ctx.topic(label)
     table = table_for(label)
@@ -157,7 +160,7 @@ def drain_backlog(
         t0 = time.perf_counter()
         for i in range(relays):
             settings = relay_settings(
-                db_url=ctx.db_url,
+                db_url=db_url or ctx.db_url,
                 bootstrap=ctx.services.kafka_bootstrap,
                 table=table,
                 node_id=f"{label}-{i}",

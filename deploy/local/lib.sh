@@ -407,6 +407,12 @@ install_package() {
     fi
     log "installing outboxkit $spec into $prefix (pip log: $STATE_DIR/pip.log)"
     mkdir -p "$STATE_DIR"
+    # The mysqlclient extra (also in dev) builds the C driver from source: it
+    # needs the MariaDB client headers and pkg-config (and a compiler, which
+    # the Python build already needs).
+    if [[ "$spec" == *mysqlclient* || "$spec" == *dev* ]]; then
+        ensure_packages libmariadb-dev pkg-config gcc
+    fi
     : >"$STATE_DIR/pip.log"
     (cd "$REPO_ROOT_DIR" && run_logged "$STATE_DIR/pip.log" "$PY" -m pip install -q \
         --disable-pip-version-check -e "$spec") || return 1

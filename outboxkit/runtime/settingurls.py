@@ -45,6 +45,8 @@ def optional_url(value: str | None) -> str | None:
 #: The extra that brings a URL scheme's driver.
 _DRIVER_EXTRAS = {
     "postgresql+psycopg": "postgres",
+    "mysql+mysqldb": "mysqlclient",
+    "mariadb+mysqldb": "mysqlclient",
     "mysql+asyncmy": "async",
     "mariadb+asyncmy": "async",
 }

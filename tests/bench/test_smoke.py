@@ -31,6 +31,7 @@ NEEDS = {
     "backlog-scaling": ("outboxkit.relay.relay",),
     "latency": ("outboxkit.relay.relay",),
     "drain": ("outboxkit.relay.relay",),
+    "relay-drivers": ("outboxkit.relay.relay", "MySQLdb"),
     "consumer": ("outboxkit.consumer",),
 }
 

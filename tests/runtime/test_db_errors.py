@@ -1,6 +1,7 @@
-"""Which database errors mean "a lock conflict": read from errors the servers
-really raise, so a driver or server that reports them differently shows here;
-and the bound that makes a lock wait give up."""
+"""Which database errors mean "a lock conflict" or "the connection is gone": read
+from errors the servers really raise, through every driver (PyMySQL and
+mysqlclient on MariaDB, psycopg on PostgreSQL), so a driver or server that
+reports them differently shows here; and the bound that makes a lock wait give up."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
-from support.databases import on_both_databases
+from support.databases import on_every_driver
 
 from outboxkit.runtime.db import deadlocked, lock_wait_bound, lock_wait_timed_out
+from outboxkit.runtime.errors import is_infrastructure_error
 
-pytestmark = [pytest.mark.integration, on_both_databases]
+pytestmark = [pytest.mark.integration, on_every_driver]
 
 
 def _short_lock_wait(conn: sa.Connection) -> None:
@@ -69,6 +71,25 @@ def test_a_deadlock_is_told_apart(engine: sa.Engine, two_rows: str) -> None:
     assert len(errors) == 1, errors  # the server fails one side; the other commits
     assert deadlocked(errors[0])
     assert not lock_wait_timed_out(errors[0])
+
+
+def test_a_connection_the_server_killed_is_a_dependency_failure(
+    engine: sa.Engine, two_rows: str
+) -> None:
+    with engine.connect() as victim, engine.connect() as killer:
+        if engine.dialect.name == "postgresql":
+            pid = victim.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            killer.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        else:
+            pid = victim.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one()
+            killer.execute(sa.text(f"KILL CONNECTION {int(pid)}"))
+        killer.commit()
+        with pytest.raises(sa.exc.DBAPIError) as caught:
+            _bump(victim, 1)
+    assert is_infrastructure_error(caught.value)
+    assert is_infrastructure_error(caught.value.orig)  # the driver's own, unwrapped
+    assert not lock_wait_timed_out(caught.value)
+    assert not deadlocked(caught.value)
 
 
 def test_other_errors_are_neither(engine: sa.Engine, two_rows: str) -> None:
