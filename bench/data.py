@@ -126,7 +126,7 @@ def copy_backlog(
     and gives every run the very same rows. ``values``: SQL expressions some
     columns are copied as instead (as another writer would have stored them).
     The rows are laid out as ``enqueue`` writes them, the payload and headers in
-    the payload table; ``inline``: in the row, as release 2 kept them (and as
+    the payload table; ``inline``: in the row, as 0.2.0 kept them (and as
     another writer may).
     """
     apply_schema(engine, table=dst, shards=shards, inbox=None)

@@ -51,8 +51,8 @@ from outboxkit.inserts import ROW_COLUMNS, insert_notifying, insert_rows
 from outboxkit.notify import NOTIFY_DIALECTS, notify_at_commit
 from outboxkit.runtime.identity import OutboxIdentity, read_identity
 from outboxkit.runtime.tracing import trace_headers, with_trace_headers
-from outboxkit.schema.apply import read_table_meta
 from outboxkit.schema.codec import HeaderValue, encode_headers, shard_for
+from outboxkit.schema.meta import read_table_meta
 from outboxkit.schema.table import (
     DEFAULT_TABLE,
     MAX_EVENT_ID_LENGTH,

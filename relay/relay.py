@@ -60,7 +60,8 @@ from outboxkit.runtime.identity import OutboxIdentity, read_fingerprint, read_id
 from outboxkit.runtime.metrics import push_job
 from outboxkit.runtime.service import frozen_while_running, handles_signals
 from outboxkit.runtime.settings import SERVER_DATABASES, invalid, warn_renamed
-from outboxkit.schema.apply import read_shard_count, require_claim_schema
+from outboxkit.schema.apply import require_claim_schema
+from outboxkit.schema.meta import read_shard_count
 
 __all__ = ["PUSH_JOB", "Relay"]
 

@@ -1,7 +1,8 @@
 """The outbox schema: table definitions, DDL, and idempotent apply."""
 
-from outboxkit.schema.apply import ApplyReport, apply_schema, read_shard_count, schema_sql
+from outboxkit.schema.apply import ApplyReport, apply_schema, schema_sql
 from outboxkit.schema.codec import decode_headers, encode_headers, kafka_headers, shard_for
+from outboxkit.schema.meta import read_shard_count
 from outboxkit.schema.recovery import record_recovery, trim_recovery
 from outboxkit.schema.table import (
     DEFAULT_INBOX_TABLE,

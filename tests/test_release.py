@@ -32,7 +32,7 @@ CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
 RELEASED = re.compile(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", re.MULTILINE)
 #: Where a user reads what a version does: the docs, and the text the code prints.
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CODE_DIRS = ["outboxkit", "relay", "consumer", "schema", "deploy", "examples"]
+CODE_DIRS = ["outboxkit", "relay", "consumer", "schema", "deploy", "examples", "bench", "chaos"]
 #: A release named by a number of its own, or as "this release".
 UNVERSIONED = re.compile(r"\brelease[- ]\d\b|\bthis release\b", re.IGNORECASE)
 

@@ -22,7 +22,7 @@ log on, each status change logs the whole row twice); every relay figure has
 its "x floor" beside it. The floor is measured on four shapes of the table
 (``FLOOR_SHAPES``), each on its own copy: today's (payloads aside, in the
 payload table), and beside it delivered rows deleted, lease columns presized
-and release 2's table with the payload in the row (``rate_floor_delete``,
+and 0.2.0's table with the payload in the row (``rate_floor_delete``,
 ``rate_floor_presized``, ``rate_floor_inline``),
 with the server's CPU and log bytes per event beside each; with the binary log
 on, also today's table with the floor's sessions logging ``NOBLOB`` row images
@@ -202,7 +202,7 @@ DELETE = "delete"
 #: size instead of NULL when the lease ends: InnoDB then updates the claimed
 #: row in place, where a column growing from NULL makes it rebuild the record.
 PRESIZED = "presized"
-#: Release 2's table: the payload and headers in the row itself, so every status
+#: 0.2.0's table: the payload and headers in the row itself, so every status
 #: change rewrites (and, with full row images, logs) them too.
 INLINE = "inline"
 #: Today's table, the relay's sessions logging row images without the payload
@@ -213,7 +213,7 @@ FLOOR_SHAPES: dict[str, str] = {
     TODAY: "today's table (payload aside)",
     DELETE: "delivered rows deleted",
     PRESIZED: "lease columns written at their claimed size",
-    INLINE: "release 2's table (payload in the row)",
+    INLINE: "0.2.0's table (payload in the row)",
     NOBLOB: "today's table, relay sessions log NOBLOB row images",
 }
 _FLOOR_OWNER = "bench-floor"

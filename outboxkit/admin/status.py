@@ -25,7 +25,7 @@ from outboxkit.relay._dbtime import micros_between, time_passed
 from outboxkit.runtime.identity import read_identity
 from outboxkit.runtime.logs import redact, redact_url
 from outboxkit.runtime.rediskeys import lease_key, lease_owner
-from outboxkit.schema.apply import read_applied_by, read_shard_count, read_table_meta
+from outboxkit.schema.meta import read_applied_by, read_shard_count, read_table_meta
 from outboxkit.schema.table import STATUSES, Status, db_now, outbox_table, validate_identifier
 
 __all__ = [

@@ -5,7 +5,8 @@ outboxkit is not on the package index: ``pip install outboxkit`` finds
 nothing today, or, were someone else to register the name, their package. So
 a command that installs outboxkit by name must say on its line that it is for
 after publication. The others install from this repository: a clone's folder
-(``.`` / ``-e .``, with extras that pyproject.toml declares) or the wheel that
+(``.`` / ``-e .``, or ``../outboxkit`` from a folder beside the clone, with
+extras that pyproject.toml declares) or the wheel that
 ``python -m build`` writes (``dist/outboxkit-<version>-py3-none-any.whl``, the
 name tests/test_packaging.py builds and installs).
 """
@@ -75,8 +76,8 @@ def problems_of(line: str) -> list[str]:
             elif where.startswith("dist/"):
                 if not wheel.fullmatch(where):
                     found.append(f"{word}: not the wheel `python -m build` writes")
-            elif where in (".", "./"):
-                pass
+            elif where in (".", "./") or re.fullmatch(r"(\.\./)+outboxkit/?", where):
+                pass  # the clone: this folder, or one named outboxkit beside it
             elif "outboxkit" in where:
                 found.append(f"{word}: an outboxkit source this test does not know")
     return found
@@ -101,7 +102,7 @@ def test_every_install_command_works_or_is_marked_for_after_publication() -> Non
         ("`pip install outboxkit` and go", "after publication"),
         ("pip install '.[postgress]'", "no extra"),
         ("pip install 'dist/outboxkit-9.9.9-py3-none-any.whl'", "not the wheel"),
-        ("pip install ../outboxkit", "does not know"),
+        ("pip install ../outboxkit-main", "does not know"),
     ],
 )
 def test_the_check_catches_a_bad_line(line: str, expected: str) -> None:
@@ -114,6 +115,7 @@ def test_the_check_catches_a_bad_line(line: str, expected: str) -> None:
         "pip install 'outboxkit[otel]'      # after publication on the package index",
         "pip install '.[postgres]'",
         "pip install -e '.[dev]'",
+        "pip install '../outboxkit[async]'   # the clone beside this folder",
         "pip install 'dist/outboxkit-<version>-py3-none-any.whl[postgres,otel]'",
         "`pip install py-spy`",
     ],

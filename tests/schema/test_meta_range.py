@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from outboxkit.errors import SchemaMetaError
-from outboxkit.schema.apply import check_table_meta, validate_shards
+from outboxkit.schema.apply import validate_shards
+from outboxkit.schema.meta import check_table_meta
 from outboxkit.schema.table import MAX_SHARDS, SCHEMA_VERSION
 
 pytestmark = pytest.mark.unit
