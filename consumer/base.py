@@ -35,6 +35,7 @@ from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka import KafkaException
 from sqlalchemy.engine import Engine
 
+from outboxkit._version import __version__
 from outboxkit.consumer import drain
 from outboxkit.consumer.asyncio_handler import AsyncHandlers, is_async_handler
 from outboxkit.consumer.batching import InboxGroups
@@ -316,6 +317,7 @@ class Consumer:
         log_event(
             _log,
             "consumer-starting",
+            version=__version__,
             consumer=type(self).__qualname__,
             group_id=self.group,
             topics=list(self.subscribed),

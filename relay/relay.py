@@ -29,6 +29,7 @@ import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Engine
 
+from outboxkit._version import __version__
 from outboxkit.errors import SchemaNotAppliedError
 from outboxkit.relay import drain
 from outboxkit.relay.backoff import Backoff
@@ -486,6 +487,7 @@ class Relay:
         log_event(
             log,
             "relay-started",
+            version=__version__,
             table=s.table,
             outbox=str(self._identity),
             shards=shard_count,

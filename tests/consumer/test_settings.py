@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from procs import HERE
 
+import outboxkit
 from outboxkit.consumer import Consumer, Message
 from outboxkit.consumer.settings import ConsumerSettings
 from outboxkit.runtime import ConfigError, load
@@ -209,6 +210,7 @@ def test_consumer_start_line_masks_key_material(
     text = "".join(proc.raw)
     for leaked in ("KeyBodyLine2xyz", "MIIEvQIBADAN", "KeyPassphrase-123", "OauthSecret-456"):
         assert leaked not in text
+    assert started["version"] == outboxkit.__version__
     config = started["settings"]["kafka_config"]
     assert config["ssl.key.pem"] == config["ssl.key.password"] == "***"
     assert config["sasl.oauthbearer.client.secret"] == "***"

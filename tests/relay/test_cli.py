@@ -30,6 +30,7 @@ from relay_support import (
 from support.databases import on_both_databases
 from support.services import free_port
 
+import outboxkit
 from outboxkit import Event
 from outboxkit.relay import RelaySettings
 from outboxkit.runtime import EXIT_CONFIG, EXIT_DEPENDENCY
@@ -346,6 +347,7 @@ def test_no_password_or_sasl_secret_in_logs_rows_or_metrics(
     assert f"refused the login of user '{wrong.username}'" in bad.stderr
 
     started = relay.events("relay-started")[0]
+    assert started["version"] == outboxkit.__version__  # what an operator checks upgrades by
     assert "***" in started["settings"]["db_url"]
     assert started["settings"]["kafka_config"]["sasl.password"] == "***"
     with urllib.request.urlopen(f"{pushgateway.url}/metrics", timeout=5) as resp:  # noqa: S310
