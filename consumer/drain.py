@@ -59,10 +59,13 @@ _log = logging.getLogger("outboxkit.consumer")
 @dataclasses.dataclass
 class ConsumerExitRecord(ExitRecord):
     """The ``consumer-exit`` line: the drain batch (messages in flight when the drain
-    began) and what became of it, the offsets committed at exit, the run's totals."""
+    began) and what became of it, the offsets committed at exit, the run's totals.
+    ``counts_of`` (``drain-batch``) says in the line what ``batch_size`` ...
+    ``released`` count; ``totals`` are the whole run's."""
 
     signal: str | None
     state: str
+    counts_of: str
     batch_size: int
     succeeded: int
     duplicate: int
@@ -228,6 +231,7 @@ def write_exit_record(
     ConsumerExitRecord(
         signal=lc.signal_name,
         state=lc.state.value,
+        counts_of="drain-batch",
         batch_size=report.batch_size,
         succeeded=report.succeeded + report.duplicate,
         duplicate=report.duplicate,
