@@ -40,6 +40,7 @@ from outboxkit.runtime.metrics import ServiceMetrics, push_exit_metrics
 from outboxkit.runtime.supervisor import Supervisor
 
 __all__ = [
+    "PUSH_GROUP_LABEL",
     "ConsumerExitRecord",
     "DrainParts",
     "ExitState",
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 _log = logging.getLogger("outboxkit.consumer")
+
+#: The grouping label beside ``instance`` in the consumer's Pushgateway group:
+#: its consumer group (``group_id``).
+PUSH_GROUP_LABEL = "consumer_group"
 
 
 @dataclasses.dataclass
@@ -126,6 +131,9 @@ class DrainParts:
     #: The inbox engine the consumer built from ``db_url`` (disposed); None for
     #: one passed in, which is the application's.
     owned_engine: Engine | None
+    #: The consumer group (settings or the class's ``group_id``): the exit push's
+    #: ``consumer_group`` label.
+    group_id: str = ""
 
 
 def shutdown(parts: DrainParts) -> int:
@@ -263,6 +271,9 @@ def push_metrics(parts: DrainParts) -> None:
             url,
             component="consumer",
             node_id=parts.settings.node_id,
+            # The consumer group: members of two groups never replace each
+            # other's group, and each prunes only its own (base.py).
+            grouping={PUSH_GROUP_LABEL: parts.group_id},
             metrics=(
                 m.shutdown_released,
                 m.shutdown_committed,
