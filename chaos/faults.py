@@ -206,7 +206,7 @@ class Injector:
                             "event": "shard-lost",
                             "node_id": proc.node_id,
                             "shard": shard,
-                            "redis_ms": now_ms,
+                            "redis_epoch_ms": now_ms,
                             "reason": "gone-killed",
                         }
                     )
@@ -218,7 +218,7 @@ class Injector:
                                 "event": "shard-lost",
                                 "node_id": proc.node_id,
                                 "shard": shard,
-                                "redis_ms": now_ms + pttl,
+                                "redis_epoch_ms": now_ms + pttl,
                                 "reason": f"expired-{why}",
                             }
                         )

@@ -222,13 +222,16 @@ class Consumer:
         return code
 
     def _prune_pushed_groups(self) -> None:
-        """Delete old exit groups of consumers that alert on nothing, in the
-        background (runtime/pushgroups.py): pod-named groups would pile up."""
+        """Delete old exit groups of this consumer group's members that alert on
+        nothing, in the background (runtime/pushgroups.py): pod-named groups would
+        pile up. Only its own consumer group's: another service's consumers may
+        share the Pushgateway, and their groups are theirs to prune."""
         from outboxkit.runtime.pushgroups import start_pruning
 
         start_pruning(
             self.settings.pushgateway_url,
             job=PUSH_JOB,
+            match={drain.PUSH_GROUP_LABEL: str(self.group)},
             older_than=self.settings.pushgateway_prune_after,
         )
 
@@ -263,6 +266,7 @@ class Consumer:
             async_handlers=self._async,
             dead_letters=self._dead_letters,
             owned_engine=self._engine if self._owns_engine else None,
+            group_id=str(self.group or ""),
         )
 
     # -- start ---------------------------------------------------------------------

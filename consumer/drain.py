@@ -40,6 +40,7 @@ from outboxkit.runtime.metrics import ServiceMetrics, push_exit_metrics
 from outboxkit.runtime.supervisor import Supervisor
 
 __all__ = [
+    "PUSH_GROUP_LABEL",
     "ConsumerExitRecord",
     "DrainParts",
     "ExitState",
@@ -55,14 +56,21 @@ __all__ = [
 
 _log = logging.getLogger("outboxkit.consumer")
 
+#: The grouping label beside ``instance`` in the consumer's Pushgateway group:
+#: its consumer group (``group_id``).
+PUSH_GROUP_LABEL = "consumer_group"
+
 
 @dataclasses.dataclass
 class ConsumerExitRecord(ExitRecord):
     """The ``consumer-exit`` line: the drain batch (messages in flight when the drain
-    began) and what became of it, the offsets committed at exit, the run's totals."""
+    began) and what became of it, the offsets committed at exit, the run's totals.
+    ``counts_of`` (``drain-batch``) says in the line what ``batch_size`` ...
+    ``released`` count; ``totals`` are the whole run's."""
 
     signal: str | None
     state: str
+    counts_of: str
     batch_size: int
     succeeded: int
     duplicate: int
@@ -123,6 +131,9 @@ class DrainParts:
     #: The inbox engine the consumer built from ``db_url`` (disposed); None for
     #: one passed in, which is the application's.
     owned_engine: Engine | None
+    #: The consumer group (settings or the class's ``group_id``): the exit push's
+    #: ``consumer_group`` label.
+    group_id: str = ""
 
 
 def shutdown(parts: DrainParts) -> int:
@@ -228,6 +239,7 @@ def write_exit_record(
     ConsumerExitRecord(
         signal=lc.signal_name,
         state=lc.state.value,
+        counts_of="drain-batch",
         batch_size=report.batch_size,
         succeeded=report.succeeded + report.duplicate,
         duplicate=report.duplicate,
@@ -259,6 +271,9 @@ def push_metrics(parts: DrainParts) -> None:
             url,
             component="consumer",
             node_id=parts.settings.node_id,
+            # The consumer group: members of two groups never replace each
+            # other's group, and each prunes only its own (base.py).
+            grouping={PUSH_GROUP_LABEL: parts.group_id},
             metrics=(
                 m.shutdown_released,
                 m.shutdown_committed,

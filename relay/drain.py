@@ -34,7 +34,7 @@ import tenacity
 from sqlalchemy.engine import Engine
 
 from outboxkit.relay.finalize import Decision, Fate, FinalizeResult, finalize
-from outboxkit.relay.metrics import RelayMetrics
+from outboxkit.relay.metrics import RelayMetrics, counter_value
 from outboxkit.relay.pg_wakeup import PgNotifyWaker
 from outboxkit.relay.publish import Publisher
 from outboxkit.relay.rows import Batch, ClaimedRow
@@ -91,16 +91,22 @@ def release(
 class ExitRecord(ServiceExitRecord):
     """The one line an operator reads after a relay stopped (``relay-exit``).
 
-    The row counts describe the batches in flight when the drain began (two
-    with ``pipeline`` on):
+    The row counts ``batch_size`` to ``lease_lost`` describe the batches in
+    flight when the drain began (two with ``pipeline`` on), as ``counts_of``
+    says in the line itself:
     ``batch_size = delivered + failed + retryable + unknown + left_leased + lease_lost``.
     ``unknown`` rows were released (no outcome known); ``left_leased`` rows could
     not be released (database unreachable) and wait for their lease to expire;
-    that number is also ``outbox_shutdown_pending``.
+    that number is also ``outbox_shutdown_pending``. The ``run_*`` counts are
+    the whole run's, drain batches included: the ``outbox_rows_*_total``
+    counters' values at exit (``run_retried``: set back to ``retryable``).
     """
 
     signal: str | None
     state: str
+    #: What ``batch_size`` ... ``lease_lost`` count: the batches in flight when
+    #: the drain began, not the run (that is ``run_*``).
+    counts_of: str = "drain-batches"
     batch_size: int = 0
     delivered: int = 0
     failed: int = 0
@@ -108,6 +114,10 @@ class ExitRecord(ServiceExitRecord):
     unknown: int = 0
     left_leased: int = 0
     lease_lost: int = 0
+    run_claimed: int = 0
+    run_delivered: int = 0
+    run_failed: int = 0
+    run_retried: int = 0
     shutdown_deadline_ms: int = 0
     duration_ms: int = 0
     #: What the shutdown gave up on: workers still running when the budget ran out
@@ -129,6 +139,13 @@ class ExitRecord(ServiceExitRecord):
         self.retryable += result.counts[Fate.RETRYABLE] + result.counts[Fate.PAUSED]
         self.unknown += result.counts[Fate.RELEASED]
         self.lease_lost += len(result.lease_lost)
+
+    def add_run_totals(self, metrics: RelayMetrics) -> None:
+        """The run's totals, read from the relay's counters as it exits."""
+        self.run_claimed = round(counter_value(metrics.claimed))
+        self.run_delivered = round(counter_value(metrics.delivered))
+        self.run_failed = round(counter_value(metrics.failed))
+        self.run_retried = round(counter_value(metrics.retryable))
 
 
 def log_exit_record(record: ExitRecord) -> None:
@@ -364,6 +381,7 @@ def finish_record(res: Resources, record: ExitRecord) -> None:
     record.signal = lc.signal_name
     record.state = lc.state.value
     record.shutdown_deadline_ms = round(lc.shutdown_timeout * 1000)
+    record.add_run_totals(res.metrics)
     started = lc.drain_started_at
     if started is not None:
         record.duration_ms = round((time.monotonic() - started) * 1000)
@@ -401,6 +419,7 @@ def failed_start(res: Resources, kind: str, code: int, exc: BaseException) -> in
     res.exit.signal = res.lifecycle.signal_name
     res.exit.result = f"{kind}-error"
     res.exit.exit_code = code
+    res.exit.add_run_totals(res.metrics)
     log_exit_record(res.exit)
     return code
 

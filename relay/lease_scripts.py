@@ -25,7 +25,7 @@ def _per_shard_script(body: str) -> str:
     and sets ``out[n]``: 1 = done, 0 = key missing, -1 = held by someone else.
     One more element follows the results: Redis's clock in ms. Scripts run one
     at a time, so these clocks order every acquire and release of a shard
-    across relays (logged as ``redis_ms``).
+    across relays (logged as ``redis_epoch_ms``).
     """
     return f"""
 local out = {{}}

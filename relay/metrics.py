@@ -21,6 +21,7 @@ from outboxkit.schema.table import MYSQL_DIALECTS, Status, db_now, outbox_table
 __all__ = [
     "BACKLOG_STATUSES",
     "RelayMetrics",
+    "counter_value",
     "keys_held_by_failed_query",
     "ordering_blocked_query",
     "sample_backlog",
@@ -34,6 +35,13 @@ BACKLOG_STATUSES = (Status.PENDING, Status.RETRYABLE, Status.DELIVERING, Status.
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 _BATCH_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+
+
+def counter_value(counter: Counter) -> float:
+    """A counter's value (the ``_total`` sample of its only series)."""
+    return sum(
+        s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")
+    )
 
 
 class RelayMetrics:

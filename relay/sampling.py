@@ -17,13 +17,13 @@ import time
 from collections.abc import Mapping
 
 import sqlalchemy as sa
-from prometheus_client import Counter
 from sqlalchemy.engine import Engine
 
 from outboxkit.relay.foreign import ForeignRelayMonitor, OutsiderMonitor
 from outboxkit.relay.metrics import (
     RelayMetrics,
     count_invalid_status,
+    counter_value,
     sample_backlog,
     sample_keys_held_by_failed,
     sample_ordering_blocked,
@@ -41,13 +41,6 @@ __all__ = ["BacklogSampler", "Progress"]
 
 #: The relay's own logger: these are the relay's lines.
 log = logging.getLogger("outboxkit.relay")
-
-
-def _total(counter: Counter) -> float:
-    """A counter's value (the ``_total`` sample of its only series)."""
-    return sum(
-        s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")
-    )
 
 
 class Progress:
@@ -69,7 +62,7 @@ class Progress:
 
     def _totals(self) -> tuple[float, float, float]:
         m = self._metrics
-        return _total(m.delivered), _total(m.failed), _total(m.retryable)
+        return counter_value(m.delivered), counter_value(m.failed), counter_value(m.retryable)
 
     def log_if_due(self, backlog: Mapping[Status, int], *, table: str) -> None:
         if self._interval <= 0:

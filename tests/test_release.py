@@ -70,6 +70,18 @@ def test_the_changelog_has_a_heading_for_the_package_version() -> None:
         assert re.search(rf"^\[{re.escape(name)}\]: \S+$", CHANGELOG, re.MULTILINE), name
 
 
+def test_the_changelog_says_each_change_once() -> None:
+    """An entry merged twice (two branches each adding the same line, or a line
+    rewritten beside its old self) reads as two changes: every entry of a section
+    starts differently from the others (its first 60 characters)."""
+    for section in re.split(r"^## ", CHANGELOG, flags=re.MULTILINE)[1:]:
+        for group in re.split(r"^### ", section, flags=re.MULTILINE)[1:]:
+            entries = re.findall(r"^- (.*(?:\n  .*)*)", group, re.MULTILINE)
+            starts = [" ".join(e.split())[:60] for e in entries]
+            twice = sorted({s for s in starts if starts.count(s) > 1})
+            assert not twice, f"{section.splitlines()[0]} / {group.splitlines()[0]}: {twice}"
+
+
 def test_the_docs_and_messages_name_versions_not_releases() -> None:
     found = []
     files = DOC_PAGES + [

@@ -21,7 +21,7 @@ the relay's claims is here, once, so a fix to the hand-over is made once:
   release only once no open block holds it and ``inflight_shards()`` (where a
   block registers its rows before it ends) no longer contains it.
 * **Metrics and log events**, under the same names for every backend; each
-  backend adds its clock to the ``shard-*`` events (``redis_ms``, or
+  backend adds its clock to the ``shard-*`` events (``redis_epoch_ms``, or
   ``db_epoch_ms``: the database server's clock, ms since the epoch). Shards
   taken or given back together are one line (``shard-acquired`` /
   ``shard-released`` with ``count`` and ``shards``, their ranges such as

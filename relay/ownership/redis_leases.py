@@ -278,7 +278,9 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
             companions = {s for s, h in self._held.items() if h.companion}
         try:
             self._beat(join=False)
-            results, redis_ms = self._call_cas(self._release, held, companions) if held else ({}, 0)
+            results, redis_epoch_ms = (
+                self._call_cas(self._release, held, companions) if held else ({}, 0)
+            )
         except redis.RedisError as exc:
             error = f"{type(exc).__name__}: {exc}"
             self._release_failed(sorted(held), error, "the leases expire after their TTL")
@@ -291,7 +293,9 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                     released.append(shard)
             self._lost.clear()
             if released:
-                self._shards_event("shard-released", released, reason="drain", redis_ms=redis_ms)
+                self._shards_event(
+                    "shard-released", released, reason="drain", redis_epoch_ms=redis_epoch_ms
+                )
         self._set_owned_gauge()
 
     def close(self) -> None:
@@ -419,7 +423,7 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
         if not held:
             return
         sent, sent_wall = time.monotonic(), time.time()
-        results, redis_ms = self._call_cas(self._renew, held, companions)
+        results, redis_epoch_ms = self._call_cas(self._renew, held, companions)
         with self._lock:
             proven_again = []
             for shard, result in results.items():
@@ -433,22 +437,24 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                         h.unproven = False
                         proven_again.append(shard)
                 else:
-                    self._lose(shard, h, "taken" if result == -1 else "expired", redis_ms)
+                    self._lose(shard, h, "taken" if result == -1 else "expired", redis_epoch_ms)
             if proven_again:
                 self._shards_event(
                     "shard-acquired",
                     proven_again,
                     reason="renewed-after-outage",
-                    redis_ms=redis_ms,
+                    redis_epoch_ms=redis_epoch_ms,
                 )
 
-    def _lose(self, shard: int, h: _Lease, reason: str, redis_ms: int) -> None:
+    def _lose(self, shard: int, h: _Lease, reason: str, redis_epoch_ms: int) -> None:
         # Caller holds the lock.
         del self._held[shard]
         self._lost[shard] = _Lost(since=time.monotonic())
         if not h.unproven:  # already counted and logged when its deadline passed
             self.metrics.lost.inc()
-        self._event("shard-lost", shard, level=logging.WARNING, reason=reason, redis_ms=redis_ms)
+        self._event(
+            "shard-lost", shard, level=logging.WARNING, reason=reason, redis_epoch_ms=redis_epoch_ms
+        )
 
     def _hand_over(self) -> None:
         ready = self._surplus_ready()
@@ -456,7 +462,7 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
             return
         values = {s: h.value for s, h in ready.items()}
         companions = {s for s, h in ready.items() if h.companion}
-        results, redis_ms = self._call_cas(self._release, values, companions)
+        results, redis_epoch_ms = self._call_cas(self._release, values, companions)
         with self._lock:
             handed = []
             for shard, result in results.items():
@@ -467,9 +473,10 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                     self.metrics.lost.inc()
                     self._event(
                         "shard-lost", shard, level=logging.WARNING,
-                        reason="taken" if result == -1 else "expired", redis_ms=redis_ms,
+                        reason="taken" if result == -1 else "expired",
+                        redis_epoch_ms=redis_epoch_ms,
                     )  # fmt: skip
-            self._handed_over(handed, redis_ms=redis_ms)
+            self._handed_over(handed, redis_epoch_ms=redis_epoch_ms)
 
     def _forget_lost(self) -> None:
         with self._lock:
@@ -494,7 +501,7 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
         # neither hold a shard we hold nor be given one they hold.
         companions = set(values) if self._legacy_members else set()
         sent, sent_wall = time.monotonic(), time.time()
-        results, redis_ms = self._call_cas(self._acquire, values, companions)
+        results, redis_epoch_ms = self._call_cas(self._acquire, values, companions)
         with self._lock:
             got = []
             for shard, result in results.items():
@@ -507,7 +514,7 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                     companion=shard in companions,
                 )
                 got.append(shard)
-            self._acquired(got, redis_ms=redis_ms)
+            self._acquired(got, redis_epoch_ms=redis_epoch_ms)
 
     def _fenced(self) -> bool:
         """No shard is taken while Redis has been up for less than the lease TTL.
@@ -557,8 +564,8 @@ class RedisShardLeases(ShardOwnershipBase[_Lease, str]):
                 own.append(lease_key(prefix, self._legacy, s))
             keys += own
             args += [values[s], len(own)]
-        *raw, redis_ms = script(keys=keys, args=args)
-        return {s: int(r) for s, r in zip(shards, raw, strict=True)}, int(redis_ms)
+        *raw, redis_epoch_ms = script(keys=keys, args=args)
+        return {s: int(r) for s, r in zip(shards, raw, strict=True)}, int(redis_epoch_ms)
 
     def _deadline(self, sent: float) -> float:
         """Until when a lease whose acquire or renew was sent at ``sent`` is proven."""

@@ -103,7 +103,12 @@ def test_a_duplicate_needs_a_fault_in_reach_on_a_relay_that_owned_the_shard() ->
     owner = FakeProc(
         "relay-0-g0",
         [
-            {"event": "shard-acquired", "node_id": "relay-0-g0", "shard": 5, "redis_ms": 1e12},
+            {
+                "event": "shard-acquired",
+                "node_id": "relay-0-g0",
+                "shard": 5,
+                "redis_epoch_ms": 1e12,
+            },
         ],
     )
     kill = FaultRecord(
@@ -165,14 +170,19 @@ def test_a_stalled_relays_batch_first_sent_by_the_next_owner_is_the_stalls() -> 
     stalled = FakeProc(
         "relay-1-g0",
         [
-            {"event": "shard-acquired", "node_id": "relay-1-g0", "shard": 5, "redis_ms": 1e12},
+            {
+                "event": "shard-acquired",
+                "node_id": "relay-1-g0",
+                "shard": 5,
+                "redis_epoch_ms": 1e12,
+            },
         ],
     )
     lease_end = {
         "event": "shard-lost",
         "node_id": "relay-1-g0",
         "shard": 5,
-        "redis_ms": (T0 + 9) * 1000,
+        "redis_epoch_ms": (T0 + 9) * 1000,
         "reason": "expired-frozen",
     }
     stall = FaultRecord(

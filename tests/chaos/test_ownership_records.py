@@ -20,12 +20,12 @@ def _at(ms: int) -> str:
 
 
 def _acquired(node: str, shard: int, ms: int) -> dict[str, object]:
-    redis_ms = int(BASE.timestamp() * 1000) + ms
+    redis_epoch_ms = int(BASE.timestamp() * 1000) + ms
     return {
         "event": "shard-acquired",
         "node_id": node,
         "shard": shard,
-        "redis_ms": redis_ms,
+        "redis_epoch_ms": redis_epoch_ms,
         "ts": _at(ms),
     }
 

@@ -87,6 +87,10 @@ def test_sigterm_lets_the_slow_handler_finish_commits_and_exits_0(
     record = proc.exit_record()
     assert record["signal"] == "SIGTERM"
     assert record["result"] == "clean"
+    # The counts say what they count: the drain batch (the slow message), and
+    # the run's totals (both messages) beside them.
+    assert record["counts_of"] == "drain-batch"
+    assert record["totals"] == {"success": 2}, record
     assert record["batch_size"] == 1
     assert record["succeeded"] == 1 and record["unknown"] == 0 and record["failed"] == 0
     assert _adds_up(record)

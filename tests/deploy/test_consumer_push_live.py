@@ -4,7 +4,8 @@ A real ``outboxkit consume`` process builds a backlog (so it measures a lag),
 is forced to exit past its shutdown timeout, and pushes. Then:
 
 * its Pushgateway group follows the one push convention of every process
-  (job ``outboxkit_<component>``, grouped by ``instance`` = node id) and holds
+  (job ``outboxkit_<component>``, grouped by ``instance`` = node id, and the
+  consumer's by ``consumer_group``) and holds
   exit metrics only: no ``worker_consumer_lag`` or other live gauge that would
   go stale and keep a lag alert firing after the process is gone;
 * a real Prometheus with ``deploy/prometheus/rules`` scraping that Pushgateway
@@ -184,7 +185,10 @@ def test_a_forced_consumer_exit_pushes_exit_metrics_under_the_rules_convention(
     assert proc.returncode == 4, err[-3000:]  # forced: on_stop hangs past shutdown_timeout
 
     groups = _groups_of(pushgateway_url, node_id)
-    assert [g["labels"] for g in groups] == [{"job": "outboxkit_consumer", "instance": node_id}]
+    (labels,) = [g["labels"] for g in groups]
+    group_id = labels.get("consumer_group", "")
+    assert group_id.startswith("g-"), labels  # the consumer group (OUTBOXKIT_GROUP_ID)
+    assert labels == {"job": "outboxkit_consumer", "instance": node_id, "consumer_group": group_id}
     families = _families(groups[0])
     assert set(families) <= EXIT_METRICS, sorted(set(families) - EXIT_METRICS)
     forced = families["service_forced_shutdowns_total"]["metrics"][0]["value"]

@@ -13,6 +13,11 @@ a kubelet would see it:
   it refers to is one the docs tell users to create;
 * probes name a container port, and the scrape annotation names the port the
   process listens on.
+
+The Prometheus Operator's PodMonitor (``deploy/k8s/monitoring``, applied on its
+own as docs/operations.md says) lives in that namespace too: without a
+``namespaceSelector`` the operator selects pods of the PodMonitor's own
+namespace only, so one created in the kubectl context's namespace scraped nothing.
 """
 
 from __future__ import annotations
@@ -176,3 +181,63 @@ def test_the_check_catches_a_folder_without_namespace(
     for doc in docs:
         doc["metadata"].pop("namespace", None)
     assert any("namespace None" in p for p in problems_of(docs, namespace, secrets))
+
+
+def documented_monitoring_files() -> list[str]:
+    """The monitoring manifests docs/operations.md tells users to apply."""
+    found = re.findall(r"`(deploy/k8s/monitoring/[\w.-]+\.ya?ml)`", OPERATIONS.read_text())
+    return sorted(set(found))
+
+
+def test_the_docs_name_every_monitoring_manifest() -> None:
+    shipped = sorted(
+        str(p.relative_to(REPO))
+        for p in (K8S / "monitoring").iterdir()
+        if p.suffix in (".yaml", ".yml")
+    )
+    assert shipped and documented_monitoring_files() == shipped
+
+
+@pytest.mark.parametrize("path", documented_monitoring_files())
+def test_a_pod_monitor_scrapes_the_pods_of_the_outboxkit_namespace(
+    kustomize: str, yaml_module: ModuleType, path: str
+) -> None:
+    namespace, secrets = documented_secrets()
+    monitors = [d for d in yaml_module.safe_load_all((REPO / path).read_text()) if d]
+    assert problems_of(monitors, namespace, secrets) == []
+    pods = [
+        d["spec"]["template"]
+        for d in render(kustomize, yaml_module, "deploy/k8s")
+        if d["kind"] in ("Deployment", "StatefulSet")
+    ]
+    for monitor in (m for m in monitors if m["kind"] == "PodMonitor"):
+        spec = monitor["spec"]
+        selector = spec.get("namespaceSelector", {})
+        assert selector.get("any") or selector.get("matchNames", [namespace]) == [namespace]
+        scraped = [p for p in pods if _selects(spec["selector"], p["metadata"]["labels"])]
+        jobs = {p["metadata"]["labels"][spec["jobLabel"]] for p in scraped}
+        assert jobs == {"outboxkit-relay", "outboxkit-consumer"}, jobs
+        for endpoint in spec["podMetricsEndpoints"]:
+            for pod in scraped:
+                names = {
+                    port.get("name")
+                    for c in pod["spec"]["containers"]
+                    for port in c.get("ports", [])
+                }
+                assert endpoint["port"] in names, (endpoint, names)
+
+
+def _selects(selector: Doc, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        value, op = labels.get(expr["key"]), expr["operator"]
+        if op == "In" and value not in expr["values"]:
+            return False
+        if op == "NotIn" and value in expr["values"]:
+            return False
+        if op == "Exists" and value is None:
+            return False
+        if op == "DoesNotExist" and value is not None:
+            return False
+    return True

@@ -253,7 +253,7 @@ def test_handover_on_join_waits_for_inflight_rows(make_leases: LeasesFactory) ->
 def test_lease_events_carry_redis_time_that_orders_a_handover(
     make_leases: LeasesFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Each relay logs when it gets to it; ``redis_ms`` is when Redis ran the
+    """Each relay logs when it gets to it; ``redis_epoch_ms`` is when Redis ran the
     script, so the release of a shard always sorts before its next acquisition."""
     caplog.set_level(logging.INFO, logger="outboxkit.relay.leases")
     before = time.time() * 1000
@@ -269,7 +269,7 @@ def test_lease_events_carry_redis_time_that_orders_a_handover(
             fields = getattr(r, "outboxkit_fields", {})
             if r.name.endswith(name) and getattr(r, "outboxkit_event", None) == event:
                 for shard in parse_shard_ranges(fields["shards"]):
-                    found[shard] = int(fields["redis_ms"])
+                    found[shard] = int(fields["redis_epoch_ms"])
         return found
 
     released = lease_events(".a", "shard-released")
@@ -510,7 +510,7 @@ class _Grants:
     """Every successful acquire/renew/release of each relay, on Redis's clock."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, int, str, int]] = []  # node, shard, kind, redis_ms
+        self.events: list[tuple[str, int, str, int]] = []  # node, shard, kind, redis_epoch_ms
         self._lock = threading.Lock()
 
     def watch(self, leases: RedisShardLeases) -> None:
@@ -524,12 +524,14 @@ class _Grants:
         def recording(
             script: Any, values: dict[int, str], companions: set[int] | None = None
         ) -> tuple[dict[int, int], int]:
-            results, redis_ms = real(script, values, companions)
+            results, redis_epoch_ms = real(script, values, companions)
             with self._lock:
                 for shard, result in results.items():
                     if result == 1:
-                        self.events.append((leases.node_id, shard, kinds[id(script)], redis_ms))
-            return results, redis_ms
+                        self.events.append(
+                            (leases.node_id, shard, kinds[id(script)], redis_epoch_ms)
+                        )
+            return results, redis_epoch_ms
 
         leases._call_cas = recording  # type: ignore[method-assign]
 

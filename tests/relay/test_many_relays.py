@@ -130,9 +130,11 @@ def assert_never_owned_twice(procs: list[Any]) -> int:
 
 @pytest.mark.unit
 def test_the_ownership_check_sees_an_overlap_only_in_redis_time() -> None:
-    def rec(node: str, event: str, ts: str, redis_ms: int | None, **kw: Any) -> dict[str, Any]:
+    def rec(
+        node: str, event: str, ts: str, redis_epoch_ms: int | None, **kw: Any
+    ) -> dict[str, Any]:
         r = {"event": event, "node_id": node, "shard": 7, "ts": f"2026-01-01T00:00:{ts}Z", **kw}
-        return r if redis_ms is None else {**r, "redis_ms": redis_ms}
+        return r if redis_epoch_ms is None else {**r, "redis_epoch_ms": redis_epoch_ms}
 
     def procs(*records: dict[str, Any]) -> list[Any]:
         return [SimpleNamespace(records=list(records))]

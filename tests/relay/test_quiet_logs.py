@@ -7,6 +7,8 @@
   Before, 64 lines of each.
 * ``relay-progress``: every ``--progress-interval`` the rows delivered, failed
   and retrying since the last line, and the backlog.
+* ``relay-exit``: the run's totals (``run_delivered`` ...) beside the counts of
+  the batches in flight at the drain (``counts_of``).
 * ``secret-too-short``: not for the local stack's ``outboxkit:outboxkit``
   URL, a password equal to its user name (a default, not a secret); still for a
   short password that is one.
@@ -95,7 +97,8 @@ def test_a_mariadb_relay_with_redis_logs_one_shard_line_at_start_and_one_at_stop
     assert [(r["count"], r["shards"], r["reason"]) for r in released] == [
         (SHARDS, f"0-{SHARDS - 1}", "drain")
     ]
-    assert all(isinstance(r["redis_ms"], int) for r in acquired + released)
+    for line in acquired + released:
+        assert isinstance(line["redis_epoch_ms"], int) and "redis_ms" not in line, line
 
 
 def test_progress_line_counts_what_was_delivered_and_what_waits(
@@ -127,6 +130,33 @@ def test_progress_line_counts_what_was_delivered_and_what_waits(
     for r in relay.events("relay-progress"):
         waiting = [n for status, n in r["backlog"].items() if status != "failed"]
         assert any((r["delivered"], r["failed"], r["retrying"], *waiting)), r
+
+
+def test_exit_record_counts_the_run_beside_the_drain_batches(
+    db_url: str,
+    engine: sa.Engine,
+    outbox: str,
+    kafka_bootstrap: str,
+    kafka_topics: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """A relay that delivered 20 rows and then got SIGTERM said ``"delivered": 0``
+    and nothing else: its counts are of the batches in flight at the drain. The
+    record now says so (``counts_of``) and carries the run's totals beside them."""
+    topic = kafka_topics(partitions=1)
+    relay = relay_process(cli_args(fast_settings(db_url, kafka_bootstrap)))
+    relay.wait_event("relay-started", timeout=30)
+    add_events(engine, outbox, [Event(topic=topic, payload={"n": i}) for i in range(20)])
+    wait_for(lambda: status_counts(engine, outbox) == {"delivered": 20}, timeout=60, what="20 rows")
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(timeout=30) == 0
+    (record,) = relay.events("relay-exit")
+    assert record["result"] == "clean", record
+    assert record["counts_of"] == "drain-batches", record
+    assert record["batch_size"] == record["delivered"] == 0, record
+    assert record["run_delivered"] == 20, record
+    assert record["run_claimed"] == 20, record
+    assert record["run_failed"] == record["run_retried"] == 0, record
 
 
 def _secret_warnings(db_url: str, *args: str) -> list[str]:

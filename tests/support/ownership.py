@@ -8,14 +8,14 @@ same moment.
 
 An interval opens at ``shard-acquired`` and closes at ``shard-released`` or
 ``shard-lost``. Lease scripts run one at a time in Redis and each event that
-comes from one carries Redis's clock (``redis_ms``), so a release and the next
+comes from one carries Redis's clock (``redis_epoch_ms``), so a release and the next
 owner's acquisition are ordered exactly, however late either relay gets to log
 it. ``lease-unproven`` is a local deadline and carries the relay's clock (the
 same machine's), seconds before the lease can expire in Redis: the moment the
 proof ran out (``trusted_until_ms``, where the record has it), which after a
 pause of the machine lies well before the record was written. A caller that
 observed a lease's end itself (a killed or frozen relay cannot log one) adds a
-record with ``redis_ms`` and event ``shard-lost``.
+record with ``redis_epoch_ms`` and event ``shard-lost``.
 
 A draining relay that cannot reach Redis logs ``shard-release-failed`` with the
 shards it still held: it has stopped claiming by then (release comes after the
@@ -69,7 +69,7 @@ def lease_events(records: Iterable[Mapping[str, Any]]) -> list[Event]:
             continue
         if r.get("event") not in LEASE_EVENTS:
             continue
-        clock = r.get("redis_ms", r.get("db_epoch_ms", r.get("trusted_until_ms")))
+        clock = r.get("redis_epoch_ms", r.get("db_epoch_ms", r.get("trusted_until_ms")))
         at = float(clock) / 1000 if clock is not None else _wall(r)
         reason = str(r.get("reason", ""))
         # Shards that changed hands together are one line (``shards``: ranges).
