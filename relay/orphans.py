@@ -10,8 +10,10 @@ relay's retention) runs it after its own batches.
 
 Guarantees:
 
-* bounded and gentle: one walk over the payload table in ``event_id`` order,
-  ``batch_size`` rows per step (a range of the primary key, then one lookup of
+* bounded and gentle: a walk over the payload table in ``event_id`` order, to
+  its end or ``limit`` rows (then the next run resumes where it stopped, and
+  starts again from the start once a walk reached the end), ``batch_size``
+  rows per step (a range of the primary key, then one lookup of
   those ids in the outbox table's unique index); each deleting batch is its own
   short transaction followed by ``pause_s``; ``stop()`` is checked before every
   step and in every pause (a draining relay starts no further step);
@@ -89,6 +91,9 @@ class SweepResult:
     #: Orphans left for the next run: a writer's open transaction held them.
     left: int
     stopped: bool
+    #: Where the next run resumes: after this event id ("": from the start, the
+    #: walk reached the end of the table).
+    resume_after: str = ""
 
 
 def sweep_orphans(
@@ -98,41 +103,62 @@ def sweep_orphans(
     batch_size: int = 1000,
     pause_s: float = 0.2,
     stop: Callable[[], bool] = lambda: False,
+    limit: int | None = None,
+    start_after: str = "",
 ) -> SweepResult:
     """Delete the payload rows of ``table`` whose outbox row is gone (see the
     module docstring for what is never deleted); log ``payload-orphans-swept``
-    when it deleted or left any."""
+    when it deleted or left any.
+
+    The walk starts after the event id ``start_after`` ("": at the start) and
+    scans at most ``limit`` payload rows (None: to the end of the table); the
+    result's ``resume_after`` is where the next run goes on ("" once the walk
+    reached the end: the next run starts again from the start)."""
     validate_identifier(table)
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
+    if limit is not None and limit < 1:
+        raise ValueError("limit must be >= 1")
     t, p = outbox_table(table), payload_table(table)
     started = time.monotonic()
     deleted = scanned = left = 0
-    after = ""  # every event id sorts after it: ids are not empty
+    after = start_after  # "": every event id sorts after it, ids are not empty
     stopped = False
     with _sweep_connection(engine) as conn:
         while True:
             if stop():
                 stopped = True
                 break
+            want = batch_size if limit is None else min(batch_size, limit - scanned)
+            if want < 1:
+                # This run's share is scanned: the next run goes on after ``after``,
+                # or from the start when nothing is left after it.
+                more = conn.execute(
+                    sa.select(p.c.event_id).where(p.c.event_id > after).limit(1)
+                ).first()
+                conn.commit()
+                after = after if more is not None else ""
+                break
             ids = list(
                 conn.execute(
                     sa.select(p.c.event_id)
                     .where(p.c.event_id > after)
                     .order_by(p.c.event_id)
-                    .limit(batch_size)
+                    .limit(want)
                 ).scalars()
             )
             live = set(conn.execute(sa.select(t.c.event_id).where(t.c.event_id.in_(ids))).scalars())
             conn.commit()
             if not ids:
+                after = ""  # the end of the table: the next run starts from the start
                 break
             after, scanned = ids[-1], scanned + len(ids)
             candidates = [i for i in ids if i not in live]
             if candidates:
                 n, held = _delete(conn, t, p, candidates, stop)
                 deleted, left = deleted + n, left + held
-            if len(ids) < batch_size:
+            if len(ids) < want:
+                after = ""
                 break
             if candidates and _pause(pause_s, stop):
                 stopped = True
@@ -148,7 +174,9 @@ def sweep_orphans(
             stopped=stopped,
             duration_ms=round((time.monotonic() - started) * 1000),
         )
-    return SweepResult(deleted=deleted, scanned=scanned, left=left, stopped=stopped)
+    return SweepResult(
+        deleted=deleted, scanned=scanned, left=left, stopped=stopped, resume_after=after
+    )
 
 
 @contextmanager

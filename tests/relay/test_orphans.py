@@ -5,6 +5,8 @@ there, nor that of a writer's open transaction."""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from support.databases import on_both_databases
 
 from outboxkit import Event, enqueue, enqueue_many
 from outboxkit.relay.orphans import sweep_orphans
-from outboxkit.relay.retention import purge
+from outboxkit.relay.retention import purge, run_retention
 from outboxkit.schema import outbox_table, payload_table
 
 pytestmark = [pytest.mark.integration, on_both_databases]
@@ -186,3 +188,58 @@ def test_a_writer_reusing_an_orphans_id_during_the_sweeps_batch_keeps_its_payloa
         statuses = conn.execute(sa.select(t.c.status).where(t.c.event_id == orphan)).scalars()
         assert list(statuses) == ["pending"]
     assert payloads(engine, outbox).get(orphan) == b"the writer's"
+
+
+def test_the_relays_retention_sweeps_a_bounded_share_per_run_and_resumes_there(
+    engine: sa.Engine, outbox: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a limit smaller than the payload table, a retention run scans at most
+    that many payload rows, and the next run goes on after the last one: event
+    ids grow with enqueue order, so which orphans are gone shows where."""
+    ids = enqueue_thirty(engine)
+    orphaned = ids[:24]
+    delete_outbox_rows_as_release_2(engine, outbox, orphaned)
+    caplog.set_level(logging.INFO, logger="outboxkit.relay.retention")
+
+    def runs() -> list[int]:
+        """Payload rows each finished run swept (its ``purge-finished`` line)."""
+        found = (
+            re.search(r"payload_orphans=(\d+)", r.getMessage())
+            for r in caplog.records
+            if r.getMessage().startswith("purge-finished")
+        )
+        return [int(m.group(1)) for m in found if m]
+
+    run_retention(
+        engine,
+        table=outbox,
+        retention_s=86400,
+        interval_s=0.05,
+        stop=lambda: len(runs()) >= 2,
+        batch_size=4,
+        pause_s=0,
+        orphan_limit=10,
+    )
+
+    # The first run scanned ids[0:10], the second ids[10:20]: ids[20:24] wait.
+    assert runs() == [10, 10]
+    assert set(payloads(engine, outbox)) == set(ids[20:])
+
+
+def test_a_sweep_that_reaches_the_end_starts_again_from_the_start(
+    engine: sa.Engine, outbox: str
+) -> None:
+    ids = enqueue_thirty(engine)
+    delete_outbox_rows_as_release_2(engine, outbox, ids[:5] + ids[25:])
+
+    first = sweep_orphans(engine, outbox, batch_size=4, pause_s=0, limit=20, start_after=ids[9])
+
+    # After ids[9]: 20 rows to the end, the last 5 orphaned; the walk reached the end.
+    assert (first.scanned, first.deleted, first.resume_after) == (20, 5, "")
+    assert set(payloads(engine, outbox)) == set(ids[:25])
+
+    again = sweep_orphans(engine, outbox, batch_size=4, pause_s=0, limit=20, start_after="")
+
+    # From the start: the first 5 orphans, and it stops after its 20 rows.
+    assert (again.scanned, again.deleted, again.resume_after) == (20, 5, ids[19])
+    assert set(payloads(engine, outbox)) == set(ids[5:25])
