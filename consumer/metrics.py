@@ -71,7 +71,7 @@ class ConsumerMetrics:
         )
         # A member of a group whose rebalance never completes (a coordinator that
         # does not answer) has nothing assigned and stays live and ready: these
-        # two show it, and the ConsumerUnassigned alert fires on them.
+        # two show it, and the ConsumerGroupUnassigned alert fires on them.
         self.assigned = Gauge(
             "worker_assigned_partitions",
             "Partitions assigned to this consumer now (0 until the group assigns it any)",

@@ -10,32 +10,40 @@ relay's retention) runs it after its own batches.
 
 Guarantees:
 
-* bounded and gentle: one walk over the payload table in ``event_id`` order,
-  ``batch_size`` rows per step (a range of the primary key, then one lookup of
+* bounded and gentle: a walk over the payload table in ``event_id`` order, to
+  its end or ``limit`` rows (then the next run resumes where it stopped, and
+  starts again from the start once a walk reached the end), ``batch_size``
+  rows per step (a range of the primary key, then one lookup of
   those ids in the outbox table's unique index); each deleting batch is its own
   short transaction followed by ``pause_s``; ``stop()`` is checked before every
   step and in every pause (a draining relay starts no further step);
 * a payload row whose outbox row exists, committed or inserted by a transaction
-  still open, is never deleted. The writer inserts the outbox row first and its
+  still open, is never deleted, nor one a writer wrote (a writer whose open
+  outbox row's event id has an orphan may see the orphan's old payload row
+  deleted before its own INSERT writes it again). The writer inserts the outbox row first and its
   payload row after it, in the caller's transaction, and a payload row it
   inserts is invisible to the sweep until it commits, its outbox row with it.
   The one case left is a writer that reuses the event id of an orphan (its
   INSERT then rewrites the orphan):
 
-  - MySQL/MariaDB: each batch re-reads its candidates' outbox rows with a
-    locking read (``LOCK IN SHARE MODE``), which waits for a transaction that
-    inserted one and is still open, and sees it once committed; a writer that
-    inserts one after that read rewrites the payload row only once the batch
-    committed its delete, so it inserts it again. The wait is bounded
-    (``LOCK_WAIT_S``);
+  - MySQL/MariaDB: each batch first locks its candidates' payload rows
+    (``FOR UPDATE SKIP LOCKED``: one an open writer rewrote is skipped, left
+    for the next run), then reads their outbox rows and deletes the locked
+    rows that still have none. A writer that rewrites one of them after the
+    lock waits for the batch's commit and then inserts its payload row again;
+    one that committed before the lock has its outbox row seen by the read.
+    The read is not a locking one: it would wait for a writer's open outbox
+    insert while that writer waits for the batch's payload locks;
   - PostgreSQL, where a locking read does not wait for another transaction's
     insert: each batch runs at REPEATABLE READ and locks its payload rows with
     ``SKIP LOCKED``, so a payload row an open writer rewrote is skipped, and
     one rewritten and committed after the batch's snapshot makes the batch
     fail (serialization failure) instead of being deleted.
 
-  A batch that waited too long or failed so is done again row by row: only the
-  contended row is left, for the next run.
+  A batch that waited too long or failed so (PostgreSQL; on MySQL/MariaDB a
+  deadlock or a lock wait over ``LOCK_WAIT_S``, which the skipped locks leave
+  unlikely) is done again row by row: only the contended row is left, for the
+  next run.
 """
 
 from __future__ import annotations
@@ -83,6 +91,9 @@ class SweepResult:
     #: Orphans left for the next run: a writer's open transaction held them.
     left: int
     stopped: bool
+    #: Where the next run resumes: after this event id ("": from the start, the
+    #: walk reached the end of the table).
+    resume_after: str = ""
 
 
 def sweep_orphans(
@@ -92,41 +103,62 @@ def sweep_orphans(
     batch_size: int = 1000,
     pause_s: float = 0.2,
     stop: Callable[[], bool] = lambda: False,
+    limit: int | None = None,
+    start_after: str = "",
 ) -> SweepResult:
     """Delete the payload rows of ``table`` whose outbox row is gone (see the
     module docstring for what is never deleted); log ``payload-orphans-swept``
-    when it deleted or left any."""
+    when it deleted or left any.
+
+    The walk starts after the event id ``start_after`` ("": at the start) and
+    scans at most ``limit`` payload rows (None: to the end of the table); the
+    result's ``resume_after`` is where the next run goes on ("" once the walk
+    reached the end: the next run starts again from the start)."""
     validate_identifier(table)
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
+    if limit is not None and limit < 1:
+        raise ValueError("limit must be >= 1")
     t, p = outbox_table(table), payload_table(table)
     started = time.monotonic()
     deleted = scanned = left = 0
-    after = ""  # every event id sorts after it: ids are not empty
+    after = start_after  # "": every event id sorts after it, ids are not empty
     stopped = False
     with _sweep_connection(engine) as conn:
         while True:
             if stop():
                 stopped = True
                 break
+            want = batch_size if limit is None else min(batch_size, limit - scanned)
+            if want < 1:
+                # This run's share is scanned: the next run goes on after ``after``,
+                # or from the start when nothing is left after it.
+                more = conn.execute(
+                    sa.select(p.c.event_id).where(p.c.event_id > after).limit(1)
+                ).first()
+                conn.commit()
+                after = after if more is not None else ""
+                break
             ids = list(
                 conn.execute(
                     sa.select(p.c.event_id)
                     .where(p.c.event_id > after)
                     .order_by(p.c.event_id)
-                    .limit(batch_size)
+                    .limit(want)
                 ).scalars()
             )
             live = set(conn.execute(sa.select(t.c.event_id).where(t.c.event_id.in_(ids))).scalars())
             conn.commit()
             if not ids:
+                after = ""  # the end of the table: the next run starts from the start
                 break
             after, scanned = ids[-1], scanned + len(ids)
             candidates = [i for i in ids if i not in live]
             if candidates:
                 n, held = _delete(conn, t, p, candidates, stop)
                 deleted, left = deleted + n, left + held
-            if len(ids) < batch_size:
+            if len(ids) < want:
+                after = ""
                 break
             if candidates and _pause(pause_s, stop):
                 stopped = True
@@ -142,7 +174,9 @@ def sweep_orphans(
             stopped=stopped,
             duration_ms=round((time.monotonic() - started) * 1000),
         )
-    return SweepResult(deleted=deleted, scanned=scanned, left=left, stopped=stopped)
+    return SweepResult(
+        deleted=deleted, scanned=scanned, left=left, stopped=stopped, resume_after=after
+    )
 
 
 @contextmanager
@@ -171,7 +205,7 @@ def _delete(
     a writer's transaction is done again row by row, until ``stop()``; a single
     row that meets one is left."""
     try:
-        return _delete_batch(conn, t, p, candidates), 0
+        return _delete_batch(conn, t, p, candidates)
     except sa.exc.DBAPIError as exc:
         conn.rollback()
         if not (lock_wait_timed_out(exc) or deadlocked(exc) or serialization_failed(exc)):
@@ -187,8 +221,13 @@ def _delete(
     return deleted, left
 
 
-def _delete_batch(conn: Connection, t: sa.Table, p: sa.Table, candidates: Sequence[str]) -> int:
+def _delete_batch(
+    conn: Connection, t: sa.Table, p: sa.Table, candidates: Sequence[str]
+) -> tuple[int, int]:
+    """(deleted, left): on MySQL/MariaDB ``left`` counts the candidates a
+    writer's open transaction held (skipped)."""
     ids = list(candidates)
+    skipped = 0
     if conn.dialect.name == "postgresql":
         # At REPEATABLE READ: a row an open writer holds is skipped, one changed
         # and committed since the snapshot fails the batch (serialization failure).
@@ -199,17 +238,30 @@ def _delete_batch(conn: Connection, t: sa.Table, p: sa.Table, candidates: Sequen
         )
         n = conn.execute(p.delete().where(p.c.event_id.in_(free))).rowcount
     else:
-        # The locking read waits for a writer's open insert of one of the outbox
-        # rows (and sees it once committed); the delete then spares its payload.
-        present = set(
+        # Lock the payload rows first, skipping those an open writer rewrote: a
+        # writer that rewrites one after this waits for the batch's commit and
+        # inserts its payload row again. Then read their outbox rows (a plain
+        # read at READ COMMITTED: a locking one would wait for a writer's open
+        # insert while that writer waits for these locks) and delete the
+        # locked rows still without one. Deciding before locking lost the
+        # payload a writer committed in between (the delete then removed it).
+        locked = list(
             conn.execute(
-                sa.select(t.c.event_id).where(t.c.event_id.in_(ids)).with_for_update(read=True)
+                sa.select(p.c.event_id)
+                .where(p.c.event_id.in_(ids))
+                .with_for_update(skip_locked=True)
             ).scalars()
         )
-        gone = [i for i in ids if i not in present]
+        present = set(
+            conn.execute(sa.select(t.c.event_id).where(t.c.event_id.in_(locked))).scalars()
+            if locked
+            else ()
+        )
+        gone = [i for i in locked if i not in present]
+        skipped = len(ids) - len(locked)
         n = conn.execute(p.delete().where(p.c.event_id.in_(gone))).rowcount if gone else 0
     conn.commit()
-    return int(n)
+    return int(n), skipped
 
 
 def _pause(seconds: float, stop: Callable[[], bool]) -> bool:

@@ -22,8 +22,10 @@ Guarantees:
   running commits or rolls back as a whole; nothing is left half done;
 * a run that was not stopped then sweeps the payload rows whose outbox row is
   gone (deleted by a 0.2.x purge, which knew no payload table), with the same
-  batch size and pause: ``relay.orphans``, which never deletes a payload row
-  whose outbox row exists or is being inserted.
+  batch size and pause (the relay's runs scan ``ORPHAN_SCAN_PER_RUN`` payload
+  rows each, resuming where the last stopped; ``admin purge`` scans them all):
+  ``relay.orphans``, which never deletes a payload row whose outbox row exists
+  or is being inserted.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from outboxkit.schema.table import (
 )
 
 __all__ = [
+    "ORPHAN_SCAN_PER_RUN",
     "PurgeResult",
     "count_purgeable",
     "purge",
@@ -85,6 +88,9 @@ _BATCH_RETRIES = 3
 #: lease, 60 s by default; none at all for ``admin purge``) or MySQL's
 #: ``innodb_lock_wait_timeout`` (50 s): longer than the relay's shutdown budget.
 LOCK_WAIT_S = 2
+#: Payload rows one retention run of the relay scans for orphans at most; the
+#: next run goes on from there (``run_retention``). ``admin purge`` scans all.
+ORPHAN_SCAN_PER_RUN = 100_000
 #: How often a pause looks at ``stop()``.
 _STOP_POLL_S = 0.05
 
@@ -103,6 +109,8 @@ class PurgeResult:
     stopped: bool
     #: Payload rows deleted whose outbox row was gone (``relay.orphans``).
     orphans: int = 0
+    #: Where the next sweep of orphans resumes (``SweepResult.resume_after``).
+    orphans_resume_after: str = ""
 
 
 def purge(
@@ -116,6 +124,8 @@ def purge(
     node_id: str | None = None,
     on_batch: Callable[[int], None] | None = None,
     record_empty: bool = False,
+    orphan_limit: int | None = None,
+    orphan_start_after: str = "",
 ) -> PurgeResult:
     """Run one purge; record a ``purge`` recovery event when rows were deleted.
 
@@ -123,6 +133,11 @@ def purge(
     ``record_empty`` also records a run that deleted nothing (the CLI does, as an
     audit trail of the operator's action; the periodic retention does not, so it
     does not fill the recovery log with empty runs).
+
+    The sweep of orphaned payload rows that follows scans at most
+    ``orphan_limit`` payload rows (None: the whole table, as ``admin purge``
+    does) from after ``orphan_start_after``; the result's
+    ``orphans_resume_after`` is where the next run's sweep goes on.
     """
     validate_identifier(table)
     if older_than_s <= 0:
@@ -174,12 +189,26 @@ def purge(
                 stopped = True
                 break
     orphans = 0
+    resume_after = orphan_start_after
     if not stopped:
         # Payload rows whose outbox row something else deleted (a 0.2.x purge).
-        swept = sweep_orphans(engine, table, batch_size=batch_size, pause_s=pause_s, stop=stop)
-        orphans, stopped = swept.deleted, swept.stopped
+        swept = sweep_orphans(
+            engine,
+            table,
+            batch_size=batch_size,
+            pause_s=pause_s,
+            stop=stop,
+            limit=orphan_limit,
+            start_after=orphan_start_after,
+        )
+        orphans, stopped, resume_after = swept.deleted, swept.stopped, swept.resume_after
     result = PurgeResult(
-        deleted=deleted, batches=batches, cutoff=cutoff, stopped=stopped, orphans=orphans
+        deleted=deleted,
+        batches=batches,
+        cutoff=cutoff,
+        stopped=stopped,
+        orphans=orphans,
+        orphans_resume_after=resume_after,
     )
     if deleted or orphans or record_empty:
         with engine.begin() as conn:
@@ -248,6 +277,7 @@ def run_retention(
     batch_size: int = 1000,
     pause_s: float = 0.2,
     node_id: str | None = None,
+    orphan_limit: int | None = ORPHAN_SCAN_PER_RUN,
 ) -> None:
     """The relay's periodic retention loop: purge every ``interval_s`` until ``stop()``.
 
@@ -258,12 +288,18 @@ def run_retention(
     table purge at a time (the others skip that round). Returns as soon as
     ``stop()`` is true, including in the middle of a run; an exception
     (database gone) propagates to the supervisor.
+
+    Each run's sweep of orphaned payload rows scans at most ``orphan_limit``
+    payload rows, resuming after the last one the previous run of this loop
+    scanned (kept in memory: a restarted relay starts from the start) and
+    starting again from the start once a walk reached the end of the table.
     """
     wait = random.uniform(0.0, interval_s)
+    position = ""
     while not _pause(wait, stop):
         with _retention_lock(engine, table) as acquired:
             if acquired:
-                purge(
+                position = purge(
                     engine,
                     table=table,
                     older_than_s=retention_s,
@@ -271,7 +307,9 @@ def run_retention(
                     pause_s=pause_s,
                     stop=stop,
                     node_id=node_id,
-                )
+                    orphan_limit=orphan_limit,
+                    orphan_start_after=position,
+                ).orphans_resume_after
         wait = interval_s
 
 

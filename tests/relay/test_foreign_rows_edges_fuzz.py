@@ -125,7 +125,10 @@ def test_repeated_header_names_and_big_payloads_never_crash_stall_or_reorder(
         fast_settings(
             db_url,
             kafka_bootstrap,
-            kafka_config={"message.max.bytes": str(MESSAGE_MAX)},
+            kafka_config={
+                "message.max.bytes": str(MESSAGE_MAX),
+                "queue.buffering.max.messages": "2",
+            },
             batch_max_bytes=BUDGET,
             # skip: a bad row fails and the good rows of its key go on (the hold
             # rule is the protocol model's and test_claim.py's).
