@@ -6,10 +6,11 @@ folder the page makes (``../shop``), beside a fresh copy of this checkout named
 
 What is replaced, and only that: the local services' addresses the page tells
 a user to set (the database URL and the ``mariadb`` client's options, the Kafka
-bootstrap, the health ports 8081/8082) by this test's (a fresh database, free
-ports), and the topic ``shop.orders`` by a topic of this test's own on the
-shared broker. The install runs for real (``python3 -m venv``, ``pip install``)
-with the machine's own ``python3``, as the page says.
+bootstrap, the default health ports 8080/8081, given to each process as
+``OUTBOXKIT_HEALTH_PORT``) by this test's (a fresh database, free ports), and
+the topic ``shop.orders`` by a topic of this test's own on the shared broker.
+The install runs for real (``python3 -m venv``, ``pip install``) with the
+machine's own ``python3``, as the page says.
 """
 
 from __future__ import annotations
@@ -99,7 +100,16 @@ def test_the_quickstart_runs_as_written(db_url: str, kafka_bootstrap: str, tmp_p
         text = text.replace(LOCAL_DB, db_url).replace(LOCAL_CLIENT, client)
         text = re.sub(r"(?<= )shop(?=[ ']|$)", str(url.database), text, flags=re.M)
         text = text.replace("127.0.0.1:9092", kafka_bootstrap).replace("shop.orders", topic)
-        return text.replace("8081", health_relay).replace("8082", health_consumer)
+        # The page runs both on their default ports: here each gets a free one.
+        text = text.replace(
+            "outboxkit relay &", f"OUTBOXKIT_HEALTH_PORT={health_relay} outboxkit relay &"
+        )
+        text = text.replace(
+            "outboxkit consume billing:Billing --inbox &",
+            f"OUTBOXKIT_HEALTH_PORT={health_consumer} outboxkit consume billing:Billing --inbox &",
+        )
+        text = text.replace("localhost:8081", f"localhost:{health_consumer}")
+        return text.replace("localhost:8080", f"localhost:{health_relay}")
 
     _copy_checkout(tmp_path / "outboxkit")
     script: list[str] = []
