@@ -144,7 +144,7 @@ def _assert_goal_bounds(saved: dict[str, Any]) -> None:
         "floor, today's table (payload aside)",
         "floor, delivered rows deleted",
         "floor, lease columns written at their claimed size",
-        "floor, release 2's table (payload in the row)",
+        "floor, 0.2.0's table (payload in the row)",
     ]
     assert floors[0]["rows/s"] == ceiling["rate_floor"]
     assert floors[0]["db cpu s/100k events"] == ceiling["floor_db_cpu_per_100k"]
