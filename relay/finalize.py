@@ -393,7 +393,12 @@ def _groups(
     for d in decisions:
         error = _bounded(d.error) if d.error is not None else None
         groups.setdefault((d.fate, error, d.refund), []).append(d)
-    return groups
+    # Written in one order whatever the batch's first rows were: the same statements
+    # in the same order every batch (and the same lock order for every relay).
+    fates = list(Fate)
+    return dict(
+        sorted(groups.items(), key=lambda g: (fates.index(g[0][0]), g[0][1] or "", g[0][2]))
+    )
 
 
 def _write(

@@ -23,9 +23,8 @@ import functools
 import os
 import socket
 import urllib.parse
-import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -37,11 +36,11 @@ from support.lifeline import (
     reap_orphans,
     stop_children_on_interrupt,
 )
+from support.naming import missing_service, unique_name
 
 from bench.context import drop_database
 from outboxkit.schema import apply_schema
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: The session's config (the root process only), for the interrupt hook.
 _SESSION_CONFIG: list[pytest.Config] = []
 
@@ -80,13 +79,6 @@ def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> N
 #: What sets the services' addresses in the shell that runs the tests (``up.sh``
 #: alone only prints them).
 UP_COMMAND = 'eval "$(deploy/local/up.sh)"'
-
-
-def missing_service(reason: str) -> NoReturn:
-    """Fail under CI, skip elsewhere."""
-    if IN_CI:
-        pytest.fail(f"service unavailable under CI: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def _utf8_safe(text: str) -> str:
@@ -206,10 +198,6 @@ def kafka_bootstrap(_containers: dict[str, Any]) -> str:
 @pytest.fixture(scope="session")
 def redis_url(_containers: dict[str, Any]) -> str:
     return _service_url("OUTBOXKIT_TEST_REDIS_URL", "redis", _containers)
-
-
-def unique_name(prefix: str = "t") -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:12]}"
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import missing_service, unique_name
+from support.naming import missing_service, unique_name
 from support.procs import run_captured
 
 from outboxkit.topics import TopicSettings, TopicState, differences

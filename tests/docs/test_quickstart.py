@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import unique_name
+from support.naming import unique_name
 from support.services import free_ports
 
 pytestmark = pytest.mark.integration

@@ -568,6 +568,9 @@ def test_finalize_statements_are_the_same_text_every_batch(engine: sa.Engine, ou
             else Decision(r, Fate.RETRYABLE, error="boom")
             for r in batch.rows
         ]
+        if size == 40:
+            # Whichever fate a batch's first row has, the statements come in one order.
+            decisions.reverse()
         seen, stop = _statements(engine)
         try:
             result = finalize(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import missing_service
+from support.naming import missing_service
 from support.procs import run_captured
 from support.waiting import wait_for
 
