@@ -66,6 +66,9 @@ class BenchConfig:
     quiet_timeout: float = 30.0
     #: Fresh processes per command of the start-up scenario (the median is shown).
     startup_runs: int = 21
+    #: Fresh relays (to their first claim) and consumers (to their first poll) of
+    #: the start-up scenario (the median is shown).
+    startup_service_runs: int = 5
     #: Give up on any single drain/consume after this long.
     timeout_seconds: float = 600.0
 
@@ -92,6 +95,7 @@ class BenchConfig:
             "drain_runs": 2,
             "drain_rows": 2_000,
             "startup_runs": 3,
+            "startup_service_runs": 1,
             "timeout_seconds": 120.0,
             "quiet_timeout": 0.0,  # figures meaningless anyway; keeps the smoke run short
         }

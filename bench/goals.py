@@ -229,6 +229,34 @@ GOALS += [
 ]
 
 
+#: 0.3.0's start-to-work CPU beyond a bare interpreter, in units of ``import
+#: sqlalchemy``'s (the ratios of bench/scenarios/startup.py). Unlike every other
+#: goal these are NOT taken in the same run: recorded once, on 2026-12-07, on the
+#: benchmark's host (AMD EPYC, 2 cores, Python 3.11.7, MariaDB 10.11, Kafka KRaft),
+#: by ``python -m bench.scenarios.startup 21 --services 5 --python PY`` where PY is
+#: a virtual environment with tag v0.3.0 (2c729b8) installed: medians of 5 relays
+#: (spawn -> first claim: 620 ms CPU, 0.70 s wall) and 5 consumers (spawn -> first
+#: poll: 510 ms CPU, 0.59 s wall) against 21 runs each of ``python -c pass``
+#: (24.7 ms) and ``import sqlalchemy`` (275.5 ms). On another host, measure again.
+BASELINE_030_RELAY_CLAIM_RATIO = 2.37
+BASELINE_030_CONSUMER_POLL_RATIO = 1.94
+
+GOALS += [
+    Goal(
+        "relay spawn -> first claim vs import sqlalchemy (CPU)",
+        f"<= {BASELINE_030_RELAY_CLAIM_RATIO} (0.3.0, recorded)",
+        lambda r: _fig(r, "startup", "relay_claim_ratio"),
+        lambda v: v <= BASELINE_030_RELAY_CLAIM_RATIO,
+    ),
+    Goal(
+        "consumer spawn -> first poll vs import sqlalchemy (CPU)",
+        f"<= {BASELINE_030_CONSUMER_POLL_RATIO} (0.3.0, recorded)",
+        lambda r: _fig(r, "startup", "consumer_poll_ratio"),
+        lambda v: v <= BASELINE_030_CONSUMER_POLL_RATIO,
+    ),
+]
+
+
 def evaluate(results: Results) -> list[dict[str, Any]]:
     out = []
     for goal in GOALS:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.goals import evaluate
+from bench.goals import (
+    BASELINE_030_CONSUMER_POLL_RATIO,
+    BASELINE_030_RELAY_CLAIM_RATIO,
+    evaluate,
+)
 from bench.report import ScenarioResult, headline_row
 
 pytestmark = pytest.mark.unit
@@ -65,3 +69,23 @@ def test_a_run_saved_before_the_default_figures_is_judged_on_its_unpipelined_run
     assert (kept["measured"], kept["met"], kept["bound in this run"]) == (0.82, False, 0.9)
     assert _goal(results, P99_5K)["measured"] is None, "not measured is never met"
     assert _goal(results, P99_5K)["met"] is None
+
+
+RELAY_START = "relay spawn -> first claim vs import sqlalchemy (CPU)"
+CONSUMER_START = "consumer spawn -> first poll vs import sqlalchemy (CPU)"
+
+
+def test_the_start_to_work_goals_judge_the_ratios_against_the_recorded_baseline() -> None:
+    startup = ScenarioResult("startup", "s")
+    startup.figures.update(
+        {
+            "relay_claim_ratio": BASELINE_030_RELAY_CLAIM_RATIO,
+            "consumer_poll_ratio": BASELINE_030_CONSUMER_POLL_RATIO + 0.01,
+        }
+    )
+    relay = _goal({"startup": startup}, RELAY_START)
+    assert (relay["measured"], relay["met"]) == (BASELINE_030_RELAY_CLAIM_RATIO, True)
+    consumer = _goal({"startup": startup}, CONSUMER_START)
+    assert consumer["met"] is False
+    # A run without services (PostgreSQL, or the import table only) has no verdict.
+    assert _goal({}, RELAY_START)["met"] is None

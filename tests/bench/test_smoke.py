@@ -79,6 +79,13 @@ def test_smoke_run_writes_a_complete_report(
     _assert_memory_and_cpu(saved)
     _assert_scale_out(saved, services)
     _assert_consumer_rounds(saved)
+    # Start to work on MySQL/MariaDB: the relay's first claim, the consumer's first
+    # poll, judged against 0.3.0's recorded ratios.
+    if sa.make_url(db_server_url).get_backend_name() != "postgresql":
+        startup = saved["scenarios"]["startup"]["figures"]
+        assert {"relay_claim_ratio", "consumer_poll_ratio"} <= set(startup)
+        judged = {g["goal"]: g for g in saved["goals"]}
+        assert judged["relay spawn -> first claim vs import sqlalchemy (CPU)"]["measured"]
     # The single-message inbox with several lanes has its row and figure, and the
     # DB ceiling its overlapped loop (the scenario fails if it lost or left a row).
     assert "inbox_rate_lanes" in saved["scenarios"]["consumer"]["figures"]
