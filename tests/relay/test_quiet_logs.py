@@ -61,6 +61,18 @@ def _start_and_stop(relay: RelayProcess) -> tuple[list[dict[str, Any]], list[dic
     return _shard_lines(relay)
 
 
+def _assert_one_line_each_way(relay: RelayProcess, *, clock: str, old_name: str) -> None:
+    """One ``shard-acquired`` line for every shard at start and one ``shard-released``
+    at the drain, each with the server's clock under ``clock`` (not ``old_name``)."""
+    acquired, released = _start_and_stop(relay)
+    assert [(r["count"], r["shards"]) for r in acquired] == [(SHARDS, f"0-{SHARDS - 1}")]
+    assert [(r["count"], r["shards"], r["reason"]) for r in released] == [
+        (SHARDS, f"0-{SHARDS - 1}", "drain")
+    ]
+    for line in acquired + released:
+        assert isinstance(line[clock], int) and old_name not in line, line
+
+
 def test_a_postgresql_relay_logs_one_shard_line_at_start_and_one_at_stop(
     pg_url: str, kafka_bootstrap: str, relay_process: Callable[..., RelayProcess]
 ) -> None:
@@ -70,13 +82,7 @@ def test_a_postgresql_relay_logs_one_shard_line_at_start_and_one_at_stop(
     finally:
         engine.dispose()
     relay = relay_process(cli_args(fast_settings(pg_url, kafka_bootstrap)))
-    acquired, released = _start_and_stop(relay)
-    assert [(r["count"], r["shards"]) for r in acquired] == [(SHARDS, f"0-{SHARDS - 1}")]
-    assert [(r["count"], r["shards"], r["reason"]) for r in released] == [
-        (SHARDS, f"0-{SHARDS - 1}", "drain")
-    ]
-    for line in acquired + released:
-        assert isinstance(line["db_epoch_ms"], int) and "db_ms" not in line, line
+    _assert_one_line_each_way(relay, clock="db_epoch_ms", old_name="db_ms")
 
 
 def test_a_mariadb_relay_with_redis_logs_one_shard_line_at_start_and_one_at_stop(
@@ -92,13 +98,7 @@ def test_a_mariadb_relay_with_redis_logs_one_shard_line_at_start_and_one_at_stop
         db_url, kafka_bootstrap, redis_url=redis_url, redis_prefix=redis_prefix
     )
     relay = relay_process(cli_args(settings))
-    acquired, released = _start_and_stop(relay)
-    assert [(r["count"], r["shards"]) for r in acquired] == [(SHARDS, f"0-{SHARDS - 1}")]
-    assert [(r["count"], r["shards"], r["reason"]) for r in released] == [
-        (SHARDS, f"0-{SHARDS - 1}", "drain")
-    ]
-    for line in acquired + released:
-        assert isinstance(line["redis_epoch_ms"], int) and "redis_ms" not in line, line
+    _assert_one_line_each_way(relay, clock="redis_epoch_ms", old_name="redis_ms")
 
 
 def test_progress_line_counts_what_was_delivered_and_what_waits(
